@@ -1,0 +1,25 @@
+"""pagedllm: vLLM's design (PagedAttention, prefix caching, continuous batching) in readable Python."""
+from __future__ import annotations
+
+import os
+
+__version__ = "0.1.0"
+
+from pagedllm.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402  (torch-free)
+from pagedllm.engine.sampling_params import SamplingParams  # noqa: E402
+
+
+def default_model_path() -> str:
+    """The small Qwen3-architecture model trained on the Python standard library, shipped in the package."""
+    return os.path.join(os.path.dirname(__file__), "default_model")
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch; import it only when asked, so `import pagedllm.engine` stays torch-free.
+    if name == "LLM":
+        from pagedllm.entrypoints.llm import LLM
+        return LLM
+    raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")
+
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "default_model_path", "__version__"]

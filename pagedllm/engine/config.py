@@ -1,0 +1,21 @@
+"""Engine configuration for the control plane (sizes and policies, no devices)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SchedulerConfig:
+    num_kv_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 4096
+    enable_prefix_caching: bool = True
+    trace_blocks: bool = False       # JSON-lines block lifecycle trace on stderr (or a list)
+
+    def __post_init__(self) -> None:
+        for name in ("num_kv_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")

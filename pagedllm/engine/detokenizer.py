@@ -1,0 +1,37 @@
+"""Incremental detokenization that never emits half of a multi-byte character.
+
+Like vLLM: decode a short window of tokens before and after the read offset; the text the
+new tokens add is the difference. A window whose text ends in U+FFFD is an incomplete UTF-8
+sequence, so nothing is emitted until the next token completes it.
+"""
+from __future__ import annotations
+
+_WINDOW = 6   # tokens of left context, enough for byte-level BPE merges to settle
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.token_ids = list(prompt_token_ids[-_WINDOW:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.token_ids)
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def step(self, new_token_ids: list[int]) -> str:
+        """Append tokens; return the text they complete (possibly empty)."""
+        self.token_ids.extend(new_token_ids)
+        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        full_text = self._decode(self.token_ids[self.prefix_offset:])
+        if full_text.endswith("\ufffd") or len(full_text) < len(prefix_text):
+            return ""
+        delta = full_text[len(prefix_text):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        if self.prefix_offset > 8 * _WINDOW:          # forget tokens that can no longer matter
+            self.token_ids = self.token_ids[self.prefix_offset:]
+            self.read_offset -= self.prefix_offset
+            self.prefix_offset = 0
+        self.text += delta
+        return delta

@@ -1,0 +1,150 @@
+"""KVCacheManager: maps sequences onto the block pool (prefix lookup, allocate, free, fork).
+
+The three paths of a block, as the seeds name them:
+  ALLOCATE   - miss: a fresh block from the free queue's head
+  REUSE      - hit on a block a live sequence holds: ref_cnt + 1
+  REACTIVATE - hit on a free block that kept its hash: taken out of the free queue
+Prefix hits are taken block by block in order and stop at the first miss; the last token
+of a sequence is never served from the cache (its logits are needed).
+"""
+from __future__ import annotations
+
+from pagedllm.engine.block_pool import Block, BlockPool, hash_block
+from pagedllm.engine.sequence import Sequence
+from pagedllm.engine.trace import Tracer
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 tracer: Tracer | None = None, hash_fn=hash_block):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, tracer)
+        self.hash_fn = hash_fn
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+        self.blocks_to_copy: list[tuple[int, int]] = []   # copy-on-write, drained by the scheduler
+
+    # ---- views -------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _block_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
+        return tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+
+    def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
+        """Chained hashes of the first num_full_blocks blocks (computed once, then kept)."""
+        hashes = seq.block_hashes
+        while len(hashes) < num_full_blocks:
+            parent = hashes[-1] if hashes else None
+            hashes.append(self.hash_fn(parent, self._block_tokens(seq, len(hashes))))
+        return hashes
+
+    # ---- scheduling API ------------------------------------------------------------------
+    def get_computed_blocks(self, seq: Sequence) -> list[Block]:
+        """Longest cached prefix of a sequence not yet holding any block (in whole blocks)."""
+        if not self.enable_prefix_caching or seq.block_table:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size     # keep the last token to compute
+        hits: list[Block] = []
+        for i, h in enumerate(self._block_hashes(seq, max_blocks)):
+            block = self.pool.lookup(h, self._block_tokens(seq, i))
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int,
+                       computed_blocks: list[Block] | None = None) -> bool:
+        """Give seq room for num_new_tokens more tokens after its computed ones (and after the
+        prefix hit `computed_blocks`, which this call takes). False, with nothing changed,
+        when the pool cannot provide the blocks."""
+        computed_blocks = computed_blocks or []
+        num_cached = len(computed_blocks) * self.block_size
+        total = seq.num_computed_tokens + num_cached + num_new_tokens
+        num_new_blocks = max(0, self.blocks_needed(total) - len(seq.block_table) - len(computed_blocks))
+        cow = self._needs_copy_on_write(seq, num_new_tokens) and not computed_blocks
+        num_reactivated = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks + cow + num_reactivated > self.pool.num_free_blocks:
+            return False
+        if seq.num_computed_tokens == 0 and not seq.block_table:
+            self.prefix_query_tokens += seq.num_tokens if self.enable_prefix_caching else 0
+            self.prefix_hit_tokens += num_cached
+            seq.num_cached_tokens = num_cached
+        for block in computed_blocks:
+            self.pool.touch(block, seq.seq_id)
+            seq.block_table.append(block.block_id)
+        seq.num_computed_tokens += num_cached
+        seq.num_registered_blocks = len(seq.block_table)
+        if cow:
+            self._copy_last_block(seq)
+        for _ in range(num_new_blocks):
+            seq.block_table.append(self.pool.allocate(seq.seq_id).block_id)
+        return True
+
+    def _needs_copy_on_write(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """A write into a partly filled last block that another sequence shares."""
+        if num_new_tokens == 0 or seq.num_computed_tokens % self.block_size == 0:
+            return False
+        idx = seq.num_computed_tokens // self.block_size
+        return idx < len(seq.block_table) and self.pool.blocks[seq.block_table[idx]].ref_cnt > 1
+
+    def _copy_last_block(self, seq: Sequence) -> None:
+        idx = seq.num_computed_tokens // self.block_size
+        src = self.pool.blocks[seq.block_table[idx]]
+        dst = self.pool.allocate(seq.seq_id)
+        self.pool.release(src, seq.seq_id)
+        seq.block_table[idx] = dst.block_id
+        self.blocks_to_copy.append((src.block_id, dst.block_id))
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks whose KV is now completely written. Called after the step that
+        wrote them, so a block is never findable before its KV exists."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= seq.num_registered_blocks:
+            return
+        hashes = self._block_hashes(seq, num_full)
+        for i in range(seq.num_registered_blocks, num_full):
+            self.pool.register(self.pool.blocks[seq.block_table[i]], hashes[i], self._block_tokens(seq, i))
+        seq.num_registered_blocks = num_full
+
+    def free(self, seq: Sequence) -> None:
+        """Release the sequence's blocks tail-first, so its prefix outlives its suffix in the LRU."""
+        for block_id in reversed(seq.block_table):
+            self.pool.release(self.pool.blocks[block_id], seq.seq_id)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Child shares every block of the parent by reference count (parallel sampling)."""
+        assert not child.block_table
+        for block_id in parent.block_table:
+            self.pool.touch(self.pool.blocks[block_id], child.seq_id)
+        child.block_table = list(parent.block_table)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_registered_blocks = parent.num_registered_blocks
+        child.block_hashes = list(parent.block_hashes)
+
+    def take_blocks_to_copy(self) -> list[tuple[int, int]]:
+        out, self.blocks_to_copy = self.blocks_to_copy, []
+        return out
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()

@@ -1,0 +1,221 @@
+"""LLMEngine: requests in, RequestOutputs out, one `step()` at a time.
+
+The engine owns the scheduler and the KV-cache manager (the single truth for block ids and
+prefix hashes) and drives an executor, anything with `execute(SchedulerOutput) -> list[int]`
+returning one sampled token id per scheduled sequence that samples, in scheduled order.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pagedllm.engine.config import SchedulerConfig
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.kv_cache_manager import KVCacheManager
+from pagedllm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
+from pagedllm.engine.sequence import Sequence, SequenceStatus
+from pagedllm.engine.trace import Tracer
+
+
+class Executor(Protocol):
+    def execute(self, scheduler_output: SchedulerOutput) -> list[int]: ...
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    detoks: list[IncrementalDetokenizer | None]
+    emitted: list[int] = field(default_factory=list)   # chars of text already streamed, per seq
+
+
+class LLMEngine:
+    def __init__(self, config: SchedulerConfig, executor: Executor, tokenizer: Any = None,
+                 eos_token_ids: set[int] | frozenset[int] = frozenset(), vocab_size: int | None = None,
+                 trace_sink=None):
+        self.config = config
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        tracer = Tracer(trace_sink) if config.trace_blocks else None
+        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching, tracer)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_model_len, eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._seq_to_req: dict[int, Request] = {}
+        self._ids = itertools.count()
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    # ---- requests ----------------------------------------------------------------------
+    def tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
+        """str | list[int] | {"prompt_token_ids": [...]} | {"prompt": str} -> (text, token ids)."""
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown:
+                raise ValueError(f"prompt dict has unknown keys {sorted(unknown)}; "
+                                 "use 'prompt' or 'prompt_token_ids'")
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt is a string but the engine has no tokenizer; pass token ids")
+            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=False)) if prompt else []
+        if isinstance(prompt, (list, tuple)):
+            return None, self._check_ids(prompt)
+        raise ValueError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _check_ids(self, ids: Any) -> list[int]:
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        bad = [t for t in ids if t < 0 or (self.vocab_size is not None and t >= self.vocab_size)]
+        if bad:
+            raise ValueError(f"prompt_token_ids: token id {bad[0]} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        return list(ids)
+
+    def add_request(self, request_id: str | None, prompt: Any, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> str:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self.tokenize(prompt)
+        self.validate_length(len(ids), params.max_tokens)
+        seqs = []
+        for i in range(params.n):
+            p = params
+            if params.n > 1 and params.seed is not None:
+                p = _with_seed(params, params.seed + i)
+            seqs.append(Sequence(request_id, ids, p, arrival_time))
+        detoks = [IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer is not None else None for _ in seqs]
+        req = Request(request_id, text, ids, seqs, detoks, [0] * len(seqs))
+        self.requests[request_id] = req
+        for seq in seqs:
+            self._seq_to_req[seq.seq_id] = req
+            self.scheduler.add(seq)
+        return request_id
+
+    def validate_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        cfg = self.config
+        if num_prompt_tokens == 0:
+            raise ValueError("prompt is empty: at least one token is needed")
+        if num_prompt_tokens >= cfg.max_model_len:
+            raise ValueError(f"prompt has {num_prompt_tokens} tokens; max_model_len is {cfg.max_model_len}, "
+                             "so at most max_model_len - 1 fit")
+        need = self.kv.blocks_needed(min(num_prompt_tokens + max_tokens, cfg.max_model_len))
+        if need > self.kv.num_blocks:
+            raise ValueError(f"request needs {need} KV blocks (prompt {num_prompt_tokens} + max_tokens "
+                             f"{max_tokens}) but the KV cache has only {self.kv.num_blocks}")
+
+    def abort_request(self, request_id: str) -> bool:
+        """Finish a request at once, wherever it is; its blocks are free when this returns."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+            self._seq_to_req.pop(seq.seq_id, None)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the loop ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, execute, update. Returns one RequestOutput per request that got new
+        tokens or finished in this step (cumulative text plus this step's delta)."""
+        sched = self.scheduler.schedule()
+        if not sched:
+            return []
+        sampled = self.executor.execute(sched)
+        touched = self.scheduler.update(sched, sampled)
+        self.num_generation_tokens += len(sampled)
+        reqs: dict[str, Request] = {}
+        for seq in touched:
+            if seq.num_output_tokens == 1:
+                self.num_prompt_tokens += seq.num_prompt_tokens
+            req = self._seq_to_req[seq.seq_id]
+            self._detokenize(req, seq)
+            reqs[req.request_id] = req
+        outputs = [self._make_output(req) for req in reqs.values()]
+        for out in outputs:
+            if out.finished:
+                req = self.requests.pop(out.request_id)
+                for seq in req.seqs:
+                    self._seq_to_req.pop(seq.seq_id, None)
+        return outputs
+
+    def _detokenize(self, req: Request, seq: Sequence) -> None:
+        idx = req.seqs.index(seq)
+        detok = req.detoks[idx]
+        if detok is None:
+            return
+        before = len(detok.text)
+        detok.step([seq.token_ids[-1]])
+        stops = seq.sampling_params.stop_list
+        if stops and not seq.status.finished and seq.num_output_tokens >= seq.sampling_params.min_tokens:
+            window_start = max(0, before - max(map(len, stops)) + 1)
+            hit = min(((pos, s) for s in stops if (pos := detok.text.find(s, window_start)) >= 0), default=None)
+            if hit is not None:
+                detok.text = detok.text[:hit[0]]
+                seq.stop_reason = hit[1]
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+
+    def _make_output(self, req: Request) -> RequestOutput:
+        completions = []
+        for i, (seq, detok) in enumerate(zip(req.seqs, req.detoks)):
+            text = detok.text if detok is not None else ""
+            end = len(text)
+            stops = seq.sampling_params.stop_list
+            if stops and not seq.status.finished:     # hold back what may be the start of a stop string
+                end = max(req.emitted[i], end - max(map(len, stops)) + 1)
+            delta = text[req.emitted[i]:end]
+            req.emitted[i] = end
+            n_out = seq.num_output_tokens
+            completions.append(CompletionOutput(
+                index=i, text=text, token_ids=seq.output_token_ids, finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason, delta_text=delta,
+                delta_token_ids=seq.token_ids[-1:] if n_out else []))
+        first = req.seqs[0]
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+            outputs=completions, finished=all(s.status.finished for s in req.seqs),
+            num_cached_tokens=first.num_cached_tokens,
+            metrics=RequestMetrics(first.arrival_time, first.first_token_time, first.finish_time))
+
+    # ---- metrics -----------------------------------------------------------------------
+    def get_metrics(self) -> dict[str, float | int]:
+        kv = self.kv
+        q, h = kv.prefix_query_tokens, kv.prefix_hit_tokens
+        return {
+            "num_kv_blocks": kv.num_blocks,
+            "num_free_kv_blocks": kv.num_free_blocks,
+            "kv_cache_usage": kv.usage,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_query_tokens": q,
+            "prefix_cache_hit_tokens": h,
+            "prefix_cache_hit_rate": h / q if q else 0.0,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_generation_tokens": self.num_generation_tokens,
+            "num_requests_running": len({s.request_id for s in self.scheduler.running}),
+            "num_requests_waiting": len({s.request_id for s in self.scheduler.waiting}
+                                        - {s.request_id for s in self.scheduler.running}),
+            "num_prefix_cache_evictions": kv.pool.num_evictions,
+        }
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    import dataclasses
+    kwargs = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
+    kwargs["seed"] = seed
+    return SamplingParams(**kwargs)

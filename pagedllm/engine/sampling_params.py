@@ -1,0 +1,60 @@
+"""SamplingParams: vLLM's names and defaults, validated on construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0          # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1                   # 0 or -1 means off
+    min_p: float = 0.0
+    max_tokens: int = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    n: int = 1
+    stop_list: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, name: str, what: str) -> None:
+            if not ok:
+                raise ValueError(f"SamplingParams.{name} {what}, got {getattr(self, name)!r}")
+
+        for name in ("temperature", "top_p", "min_p"):
+            need(isinstance(getattr(self, name), (int, float)) and not isinstance(getattr(self, name), bool),
+                 name, "must be a number")
+        for name in ("top_k", "max_tokens", "min_tokens", "n"):
+            need(isinstance(getattr(self, name), int) and not isinstance(getattr(self, name), bool),
+                 name, "must be an integer")
+        need(self.temperature >= 0, "temperature", "must be >= 0")
+        need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        need(self.top_k == -1 or self.top_k >= 0, "top_k", "must be -1, 0 (off) or a positive integer")
+        need(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        need(self.max_tokens >= 1, "max_tokens", "must be >= 1")
+        need(0 <= self.min_tokens, "min_tokens", "must be >= 0")
+        need(self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens")
+        need(self.n >= 1, "n", "must be >= 1")
+        need(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
+             "seed", "must be an integer or None")
+        if self.stop is None:
+            self.stop_list = []
+        elif isinstance(self.stop, str):
+            self.stop_list = [self.stop]
+        else:
+            need(isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) for s in self.stop),
+                 "stop", "must be a string or a list of strings")
+            self.stop_list = list(self.stop)
+        need(all(self.stop_list), "stop", "must not contain empty strings")
+        if self.stop_token_ids is not None:
+            need(isinstance(self.stop_token_ids, (list, tuple))
+                 and all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids),
+                 "stop_token_ids", "must be a list of integers")
+            self.stop_token_ids = list(self.stop_token_ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1

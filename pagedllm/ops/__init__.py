@@ -1,0 +1,8 @@
+"""Kernels and their torch references.
+
+KV cache layout (one tensor per layer and K/V):
+    k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim]
+so one (block, kv_head) tile of block_size x head_dim is contiguous: the attention
+kernels read it once for all query heads of its GQA group.
+slot = block_id * block_size + offset; slot -1 means "do not store" (padding).
+"""

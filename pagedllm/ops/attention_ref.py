@@ -1,0 +1,61 @@
+"""Torch references for the paged KV store and paged attention.
+
+They are exact (float32 math) and device-agnostic: the CPU path runs on them and the
+Triton kernels are tested against them.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def store_kvcache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """key/value: [N, Hkv, D]; caches: [num_blocks, Hkv, block_size, D]; slot -1 is skipped."""
+    block_size = k_cache.shape[2]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, :, offsets] = key[keep].to(k_cache.dtype)
+    v_cache[blocks, :, offsets] = value[keep].to(v_cache.dtype)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first seq_len tokens of one sequence's K or V: [seq_len, Hkv, D]."""
+    block_size = cache.shape[2]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    tiles = cache[block_table[:num_blocks].long()]          # [nb, Hkv, bs, D]
+    return tiles.transpose(1, 2).reshape(-1, cache.shape[1], cache.shape[3])[:seq_len]
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                        seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Varlen causal attention over the paged cache.
+
+    q: [T, Hq, D], the new tokens of B sequences packed; cu_seqlens_q: [B+1].
+    seq_lens: [B], each sequence's context length *including* its new tokens, whose K/V
+    must already be stored. Query i of a sequence with q_len L sits at position
+    seq_len - L + i and attends to positions <= that one. Returns [T, Hq, D] in q's dtype.
+    """
+    out = torch.empty_like(q)
+    hq, hkv = q.shape[1], k_cache.shape[1]
+    group = hq // hkv
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        start, end = cu[b], cu[b + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        k = gather_kv(k_cache, block_tables[b], seq_len).float()
+        v = gather_kv(v_cache, block_tables[b], seq_len).float()
+        qs = q[start:end].float().transpose(0, 1)                      # [Hq, L, D]
+        k = k.transpose(0, 1).repeat_interleave(group, dim=0)          # [Hq, S, D]
+        v = v.transpose(0, 1).repeat_interleave(group, dim=0)
+        scores = torch.matmul(qs, k.transpose(1, 2)) * scale           # [Hq, L, S]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        k_pos = torch.arange(seq_len, device=q.device)
+        scores.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[start:end] = torch.matmul(probs, v).transpose(0, 1).to(q.dtype)
+    return out

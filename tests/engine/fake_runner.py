@@ -1,0 +1,73 @@
+"""A fake model runner with a shadow KV cache, for testing the control plane without torch.
+
+It writes (position, token) into slot = block_table[p // bs] * bs + p % bs for every new
+token, then reads the whole context back through the block table. The next token is a
+hash of what it read back, so a wrong slot, a wrongly shared block or a wrong prefix hit
+changes the output.
+"""
+from __future__ import annotations
+
+import zlib
+
+from pagedllm.engine.scheduler import SchedulerOutput
+from pagedllm.engine.sequence import Sequence
+
+VOCAB = 97
+
+
+def next_token(context: list) -> int:
+    return zlib.crc32(repr(context).encode()) % VOCAB
+
+
+def reference_generate(prompt: list[int], max_tokens: int) -> list[int]:
+    tokens = list(prompt)
+    out = []
+    for _ in range(max_tokens):
+        t = next_token([(p, tok) for p, tok in enumerate(tokens)])
+        tokens.append(t)
+        out.append(t)
+    return out
+
+
+class ShadowRunner:
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.shadow: dict[int, tuple[int, int]] = {}
+        self.steps = 0
+        self.decode_and_prefill_mixed = 0
+
+    def slot(self, seq: Sequence, pos: int) -> int:
+        return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def execute(self, out: SchedulerOutput) -> list[int]:
+        self.steps += 1
+        bs = self.block_size
+        for src, dst in out.blocks_to_copy:
+            for off in range(bs):
+                if src * bs + off in self.shadow:
+                    self.shadow[dst * bs + off] = self.shadow[src * bs + off]
+        kinds = set()
+        for s in out.scheduled:
+            seq = s.seq
+            kinds.add(s.num_new_tokens == 1 and seq.num_computed_tokens > 0)
+            for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + s.num_new_tokens):
+                self.shadow[self.slot(seq, pos)] = (pos, seq.token_ids[pos])
+        if len(kinds) == 2:
+            self.decode_and_prefill_mixed += 1
+        sampled = []
+        for s in out.scheduled:
+            if s.samples:
+                seq = s.seq
+                ctx = [self.shadow.get(self.slot(seq, p)) for p in range(seq.num_tokens)]
+                sampled.append(next_token(ctx))
+        return sampled
+
+
+class CharTokenizer:
+    """One token per character code (mod VOCAB is not applied: test prompts stay ASCII < 97)."""
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) - 32 for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i + 32) for i in ids)
