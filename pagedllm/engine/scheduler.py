@@ -32,6 +32,7 @@ class ScheduledSequence:
 class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    finished_seq_ids: list[int] = field(default_factory=list)   # since the last step: drop their state
     num_preempted: int = 0
 
     @property
@@ -61,6 +62,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._finished_seq_ids: list[int] = []
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -101,6 +103,7 @@ class Scheduler:
                 out.scheduled.append(ScheduledSequence(seq, num_new))
                 budget -= num_new
         out.blocks_to_copy = self.kv.take_blocks_to_copy()
+        out.finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, []
         return out
 
     def _preempt(self, seq: Sequence) -> None:
@@ -157,5 +160,6 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         self.kv.free(seq)
+        self._finished_seq_ids.append(seq.seq_id)
         seq.status = status
         seq.finish_time = time.monotonic() if now is None else now

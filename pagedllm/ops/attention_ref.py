@@ -59,3 +59,20 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.matmul(probs, v).transpose(0, 1).to(q.dtype)
     return out
+
+
+def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """Causal attention of new tokens over themselves only (no cached history): [T, Hq, D]."""
+    out = torch.empty_like(q)
+    group = q.shape[1] // k.shape[1]
+    cu = cu_seqlens_q.tolist()
+    for start, end in zip(cu[:-1], cu[1:]):
+        if end == start:
+            continue
+        qs = q[start:end].transpose(0, 1)
+        ks = k[start:end].transpose(0, 1).repeat_interleave(group, dim=0)
+        vs = v[start:end].transpose(0, 1).repeat_interleave(group, dim=0)
+        o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+        out[start:end] = o.transpose(0, 1)
+    return out

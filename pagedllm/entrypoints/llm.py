@@ -1,0 +1,174 @@
+"""The `LLM` class: vLLM's offline API on top of LLMEngine and a ModelRunner."""
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+from typing import Any, Sequence
+
+from pagedllm.engine import LLMEngine, RequestOutput, SamplingParams, SchedulerConfig
+
+logger = logging.getLogger("pagedllm")
+
+
+def _load_hf_config(model: str):
+    if not os.path.isdir(model):
+        raise ValueError(f"model directory {model!r} does not exist (pagedllm loads local Hugging Face "
+                         "directories; no hub downloads)")
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise ValueError(f"model directory {model!r} has no config.json")
+    from transformers import AutoConfig
+    try:
+        return AutoConfig.from_pretrained(model)
+    except (ValueError, KeyError) as e:
+        with open(os.path.join(model, "config.json")) as f:
+            archs = json.load(f).get("architectures")
+        from pagedllm.model.registry import SUPPORTED_ARCHITECTURES
+        raise ValueError(f"unsupported architecture {archs}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}") from e
+
+
+def _load_tokenizer(path: str):
+    if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json",
+                                                                 "tokenizer.model", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _eos_ids(model: str, hf_config, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    path = os.path.join(model, "generation_config.json")
+    candidates = [getattr(hf_config, "eos_token_id", None)]
+    if os.path.isfile(path):
+        with open(path) as f:
+            candidates.append(json.load(f).get("eos_token_id"))
+    if tokenizer is not None:
+        candidates.append(tokenizer.eos_token_id)
+    for c in candidates:
+        if isinstance(c, int):
+            ids.add(c)
+        elif isinstance(c, list):
+            ids.update(x for x in c if isinstance(x, int))
+    return ids
+
+
+class LLM:
+    def __init__(self, model: str, *, tokenizer: str | None = None, dtype: str = "auto", device: str = "auto",
+                 block_size: int = 16, enable_prefix_caching: bool = True, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
+                 num_kv_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
+                 gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
+                 tensor_parallel_size: int = 1, seed: int = 0, trace_blocks: bool = False, **kwargs: Any):
+        if kwargs:
+            raise ValueError(f"unknown LLM argument(s): {', '.join(sorted(kwargs))}")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        model = os.fspath(model)
+        hf_config = _load_hf_config(model)
+        from pagedllm.model.registry import resolve
+        resolve(hf_config)                                   # fail early with the supported list
+        self.tokenizer = _load_tokenizer(tokenizer or model)
+        limit = getattr(hf_config, "max_position_embeddings", 4096)
+        if max_model_len is None:
+            max_model_len = limit
+        elif max_model_len > limit:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}")
+        SchedulerConfig(num_kv_blocks=1, block_size=block_size, max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)  # validate
+        import torch  # noqa: F401  (heavy imports only once the arguments are known good)
+        from pagedllm.worker.model_runner import resolve_device, resolve_dtype
+        dev = resolve_device(device)
+        runner_kwargs = dict(
+            device=dev, dtype=resolve_dtype(dtype, hf_config, dev), block_size=block_size,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            num_kv_blocks=num_kv_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
+            gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager, seed=seed)
+        if tensor_parallel_size > 1:
+            from pagedllm.worker.tp_executor import TPExecutor
+            self.runner = TPExecutor(hf_config, model, tensor_parallel_size, **runner_kwargs)
+        else:
+            from pagedllm.worker.model_runner import ModelRunner
+            self.runner = ModelRunner(hf_config, model, **runner_kwargs)
+        config = SchedulerConfig(num_kv_blocks=self.runner.num_kv_blocks, block_size=block_size,
+                                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                 max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
+                                 trace_blocks=trace_blocks)
+        self.hf_config = hf_config
+        self.model_path = model
+        self.engine = LLMEngine(config, self.runner, self.tokenizer, _eos_ids(model, hf_config, self.tokenizer),
+                                vocab_size=hf_config.vocab_size)
+        self._counter = 0
+
+    # ---- generation --------------------------------------------------------------------
+    def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+        # validate everything before anything is queued: a bad prompt leaves the engine untouched
+        for prompt, p in zip(prompts, params):
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
+            _, ids = self.engine.tokenize(prompt)
+            self.engine.validate_length(len(ids), p.max_tokens)
+        ids = []
+        for prompt, p in zip(prompts, params):
+            ids.append(f"gen-{self._counter}")
+            self._counter += 1
+            self.engine.add_request(ids[-1], prompt, p)
+        return self._run(ids, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        wanted = set(request_ids)
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm and len(request_ids) > 1:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while len(done) < len(wanted):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for rid in request_ids:                          # leave nothing half-run behind
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[r] for r in request_ids]
+
+    def get_metrics(self) -> dict:
+        return self.engine.get_metrics()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def close(self) -> None:
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+LLM_ARGUMENTS = [p for p in inspect.signature(LLM.__init__).parameters if p not in ("self", "model", "kwargs")]

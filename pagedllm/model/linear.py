@@ -1,0 +1,87 @@
+"""Rank-aware linear layers (Megatron style).
+
+ColumnParallelLinear splits the output features across ranks (no communication);
+RowParallelLinear splits the input features and all-reduces the partial sums. Packed
+projections (qkv, gate_up) are column-parallel layers whose checkpoint shards are loaded
+into their slice of the packed weight by `weight_loader(param, tensor, shard_id)`.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from pagedllm.model.parallel import all_reduce, divide, tp_rank, tp_size
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.tp_size, self.tp_rank = tp_size(), tp_rank()
+        self.out_per_rank = divide(out_features, self.tp_size, "output features")
+        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        n = param.shape[0]
+        param.data.copy_(loaded.narrow(0, self.tp_rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs packed in one matrix, e.g. gate_up = [gate; up]."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), bias)
+
+    def shard_range(self, shard_id: int) -> tuple[int, int]:
+        sizes = [s // self.tp_size for s in self.output_sizes]
+        return sum(sizes[:shard_id]), sizes[shard_id]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        offset, size = self.shard_range(shard_id)
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """q, k, v packed; split by heads. shard_id is "q", "k" or "v"."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        tp = tp_size()
+        divide(num_heads, tp, "num_attention_heads")
+        divide(num_kv_heads, tp, "num_key_value_heads")
+        super().__init__(hidden, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], bias)
+
+    def weight_loader(self, param, loaded, shard_id=None) -> None:
+        super().weight_loader(param, loaded, {"q": 0, "k": 1, "v": 2}[shard_id])
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.tp_size, self.tp_rank = tp_size(), tp_rank()
+        self.in_per_rank = divide(in_features, self.tp_size, "input features")
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = lambda p, w, s=None: p.data.copy_(w)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        n = param.shape[1]
+        param.data.copy_(loaded.narrow(1, self.tp_rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y

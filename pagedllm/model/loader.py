@@ -1,0 +1,51 @@
+"""Load a Hugging Face safetensors checkpoint (single file or sharded) into a model,
+packing q/k/v and gate/up into their fused parameters and slicing for this TP rank."""
+from __future__ import annotations
+
+import glob
+import os
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+
+def checkpoint_files(model_dir: str) -> list[str]:
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {model_dir}")
+    return files
+
+
+def load_weights(model: nn.Module, model_dir: str) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    packed = getattr(model, "packed_modules", {})
+    loaded: set[str] = set()
+    for path in checkpoint_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if "rotary_emb.inv_freq" in name:
+                    continue
+                if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
+                    continue
+                target, shard = name, None
+                for ckpt_part, (packed_part, shard_id) in packed.items():
+                    if f".{ckpt_part}." in name:
+                        target, shard = name.replace(f".{ckpt_part}.", f".{packed_part}."), shard_id
+                        break
+                param = params.get(target)
+                if param is None:
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+                tensor = f.get_tensor(name)
+                loader = getattr(param, "weight_loader", None)
+                with torch.no_grad():
+                    if loader is None:
+                        param.data.copy_(tensor)
+                    else:
+                        loader(param, tensor, shard)
+                loaded.add(target)
+    missing = {n for n in params if n not in loaded}
+    if getattr(model, "tie_word_embeddings", False):
+        missing.discard("lm_head.weight")
+    if missing:
+        raise ValueError(f"checkpoint in {model_dir} lacks weights for {sorted(missing)[:5]}")

@@ -1,0 +1,45 @@
+"""Tensor-parallel state: which rank this process is and how to reduce across ranks.
+
+With no process group (the usual single-device case) every helper is the identity, so the
+layers are written rank-aware once and run unchanged at TP=1.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+_group = None
+
+
+def set_tp_group(group) -> None:
+    global _group
+    _group = group
+
+
+def tp_size() -> int:
+    return dist.get_world_size(_group) if _group is not None or dist.is_initialized() else 1
+
+
+def tp_rank() -> int:
+    return dist.get_rank(_group) if _group is not None or dist.is_initialized() else 0
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    if tp_size() > 1:
+        dist.all_reduce(x, group=_group)
+    return x
+
+
+def gather_last_dim(x: torch.Tensor) -> torch.Tensor:
+    """Concatenate each rank's shard of the last dimension on every rank."""
+    if tp_size() == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(tp_size())]
+    dist.all_gather(parts, x.contiguous(), group=_group)
+    return torch.cat(parts, dim=-1)
+
+
+def divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what} ({n}) is not divisible by tensor_parallel_size ({d})")
+    return n // d

@@ -1,0 +1,224 @@
+"""ModelRunner: owns the device, the weights and the one KV tensor; turns a step's inputs
+into sampled token ids. It never decides policy: the scheduler does."""
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import torch
+
+from pagedllm.engine.scheduler import SchedulerOutput
+from pagedllm.model.attention import Attention, TorchBackend, TritonBackend
+from pagedllm.model.context import AttentionMetadata, set_attention_metadata
+from pagedllm.model.loader import load_weights
+from pagedllm.model.parallel import tp_size
+from pagedllm.model.registry import build_model
+from pagedllm.worker.sampler import SamplingTensors, sample
+from pagedllm.worker.step_inputs import StepInputs, build_step_inputs
+
+logger = logging.getLogger("pagedllm")
+
+GiB = 1 << 30
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA GPU is available")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype, hf_config, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16, "half": torch.float16}
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        cfg_dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+        if isinstance(cfg_dtype, torch.dtype):
+            return cfg_dtype
+        return names.get(str(cfg_dtype).replace("torch.", ""), torch.bfloat16)
+    if dtype not in names:
+        raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
+    return names[dtype]
+
+
+def available_ram_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * GiB
+
+
+class ModelRunner:
+    def __init__(self, hf_config, model_dir: str, *, device: torch.device, dtype: torch.dtype,
+                 block_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 num_kv_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
+                 gpu_memory_utilization: float = 0.9, enforce_eager: bool = False, seed: int = 0):
+        self.hf_config = hf_config
+        self.device, self.dtype = device, dtype
+        self.block_size = block_size
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.vocab_size = hf_config.vocab_size
+        self.enforce_eager = enforce_eager or device.type != "cuda"
+        torch.manual_seed(seed)
+        Attention.backend = TritonBackend if device.type == "cuda" else TorchBackend
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                self.model = build_model(hf_config)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        load_weights(self.model, model_dir)
+        self.model.eval()
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        a = self.attn_layers[0]
+        self.num_kv_heads, self.head_dim = a.num_kv_heads, a.head_dim
+        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.num_kv_blocks = self._size_kv_cache(num_kv_blocks, kv_cache_memory_bytes, gpu_memory_utilization)
+        self._allocate_kv_cache()
+        self._generators: dict[int, torch.Generator] = {}
+        self.graphs = None
+        if not self.enforce_eager:
+            from pagedllm.worker.cuda_graphs import DecodeGraphs
+            self.graphs = DecodeGraphs(self)
+
+    # ---- KV cache ----------------------------------------------------------------------
+    @property
+    def block_bytes(self) -> int:
+        return 2 * len(self.attn_layers) * self.num_kv_heads * self.block_size * self.head_dim * \
+            torch.empty((), dtype=self.dtype).element_size()
+
+    def _size_kv_cache(self, num_kv_blocks, kv_cache_memory_bytes, gpu_memory_utilization) -> int:
+        if num_kv_blocks is not None:
+            return int(num_kv_blocks)
+        if kv_cache_memory_bytes is not None:
+            return max(1, int(kv_cache_memory_bytes) // self.block_bytes)
+        if self.device.type == "cuda":
+            return self._profile_kv_blocks(gpu_memory_utilization)
+        # CPU: a tenth of available RAM, no more than max_num_seqs full-length sequences need
+        want = self.max_num_seqs * (-(-self.max_model_len // self.block_size))
+        return max(-(-self.max_model_len // self.block_size), min(want, available_ram_bytes() // 10 // self.block_bytes))
+
+    @torch.inference_mode()
+    def _profile_kv_blocks(self, utilization: float) -> int:
+        """Seeds' formula: total * utilization - used - peak + current, after a warm-up forward
+        at the largest batch the scheduler can form."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = min(self.max_num_batched_tokens, self.max_num_seqs * self.max_model_len)
+        num_seqs = min(self.max_num_seqs, n)
+        per_seq = n // num_seqs
+        lens = np.full(num_seqs, per_seq, dtype=np.int64)
+        lens[: n - per_seq * num_seqs] += 1
+        cu = np.zeros(num_seqs + 1, dtype=np.int32)
+        np.cumsum(lens, out=cu[1:])
+        positions = np.concatenate([np.arange(k) for k in lens])
+        ids = np.random.randint(0, self.vocab_size, size=n)
+        # no KV is bound yet: attention runs over the new tokens only (block_tables unused)
+        meta = self._metadata_from(
+            slot_mapping=np.full(n, -1), block_tables=np.zeros((num_seqs, 1), np.int32), cu=cu,
+            seq_lens=lens.astype(np.int32), max_q=int(lens.max()), max_k=int(lens.max()), decode_only=False,
+            no_history=True)
+        set_attention_metadata(meta)
+        hidden = self.model(torch.from_numpy(ids).to(self.device), torch.from_numpy(positions).to(self.device))
+        self.model.compute_logits(hidden[cu[1:] - 1])
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = total - free
+        peak = torch.cuda.memory_stats(self.device)["allocated_bytes.all.peak"]
+        current = torch.cuda.memory_stats(self.device)["allocated_bytes.all.current"]
+        self.peak_activation_bytes = peak - current
+        budget = total * utilization - used - peak + current
+        blocks = int(budget // self.block_bytes)
+        if blocks < 1:
+            raise ValueError(f"no GPU memory left for the KV cache (budget {budget / GiB:.2f} GiB); raise "
+                             "gpu_memory_utilization or lower max_num_batched_tokens")
+        return blocks
+
+    def _allocate_kv_cache(self) -> None:
+        n_layers = len(self.attn_layers)
+        shape = (2, n_layers, self.num_kv_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.attn_layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        peak = getattr(self, "peak_activation_bytes", 0)
+        logger.info("KV cache: %d blocks x %d tokens = %.3f GiB; weights %.3f GiB; peak activations %.3f GiB",
+                    self.num_kv_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / GiB,
+                    self.weights_bytes / GiB, peak / GiB)
+
+    # ---- one step ----------------------------------------------------------------------
+    def execute(self, out: SchedulerOutput) -> list[int]:
+        return self.run(build_step_inputs(out, self.block_size, self.vocab_size))
+
+    def _to_device(self, a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def _metadata_from(self, *, slot_mapping, block_tables, cu, seq_lens, max_q, max_k, decode_only, no_history):
+        return AttentionMetadata(
+            slot_mapping=self._to_device(slot_mapping), block_tables=self._to_device(block_tables),
+            cu_seqlens_q=self._to_device(cu), seq_lens=self._to_device(seq_lens), max_seqlen_q=max_q,
+            max_seqlen_k=max_k, decode_only=decode_only, no_history=no_history)
+
+    @torch.inference_mode()
+    def run(self, inp: StepInputs) -> list[int]:
+        for seq_id in inp.finished_seq_ids:
+            self._generators.pop(seq_id, None)
+        for src, dst in inp.blocks_to_copy:
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        if self.graphs is not None and inp.decode_only and self.graphs.can_run(inp):
+            logits = self.graphs.run(inp)
+        else:
+            logits = self.forward(inp)
+        if logits is None:                 # not rank 0 of a TP group, or nothing to sample
+            return []
+        return self.sample(logits, inp)
+
+    def forward(self, inp: StepInputs) -> torch.Tensor | None:
+        meta = self._metadata_from(
+            slot_mapping=inp.slot_mapping, block_tables=inp.block_tables, cu=inp.cu_seqlens_q,
+            seq_lens=inp.seq_lens, max_q=inp.max_seqlen_q, max_k=inp.max_seqlen_k,
+            decode_only=inp.decode_only, no_history=inp.no_history)
+        set_attention_metadata(meta)
+        hidden = self.model(self._to_device(inp.input_ids), self._to_device(inp.positions))
+        set_attention_metadata(None)
+        if len(inp.logits_indices) == 0:
+            return None
+        return self.model.compute_logits(hidden[self._to_device(inp.logits_indices)])
+
+    def sample(self, logits: torch.Tensor, inp: StepInputs) -> list[int]:
+        gens = []
+        for seq_id, seed in zip(inp.sample_seq_ids, inp.seeds):
+            if seed is None:
+                gens.append(None)
+                continue
+            g = self._generators.get(seq_id)
+            if g is None:
+                g = torch.Generator(device=self.device)
+                g.manual_seed(seed)
+                self._generators[seq_id] = g
+            gens.append(g)
+        temperature = inp.temperature
+        t = SamplingTensors(
+            temperature=self._to_device(temperature), top_k=self._to_device(inp.top_k),
+            top_p=self._to_device(inp.top_p), min_p=self._to_device(inp.min_p), generators=gens,
+            all_greedy=bool((temperature == 0).all()),
+            need_top_k_p=bool((inp.top_k < self.vocab_size).any() or (inp.top_p < 1).any()),
+            need_min_p=bool((inp.min_p > 0).any()))
+        return sample(logits, t).tolist()
