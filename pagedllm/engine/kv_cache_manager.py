@@ -88,8 +88,9 @@ class KVCacheManager:
         for block in computed_blocks:
             self.pool.touch(block, seq.seq_id)
             seq.block_table.append(block.block_id)
-        seq.num_computed_tokens += num_cached
-        seq.num_registered_blocks = len(seq.block_table)
+        if computed_blocks:
+            seq.num_computed_tokens += num_cached
+            seq.num_registered_blocks = len(computed_blocks)
         if cow:
             self._copy_last_block(seq)
         for _ in range(num_new_blocks):

@@ -157,6 +157,9 @@ def test_invariants_hold_under_random_operations(ops, block_size, num_blocks):
             assert b.ref_cnt == held.get(b.block_id, 0)      # ref_cnt counts live holders exactly
             if b.block_hash is not None and kv.pool.cached.get(b.block_hash) is b:
                 assert b.ref_cnt == 0 or any(b.block_id in s.block_table for s in live)
+        for s in live:                                       # every fully written block is findable
+            for i in range(s.num_computed_tokens // block_size):
+                assert kv.pool.lookup(s.block_hashes[i], tuple(s.token_ids[i * block_size:(i + 1) * block_size]))
         for s in live:                                       # cached tokens are the right tokens
             for i, b in enumerate(s.block_table):
                 blk = kv.pool.blocks[b]

@@ -1,0 +1,108 @@
+"""The LLM API: sampling, stops, errors, detokenization."""
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models):
+    return LLM(tiny_models["qwen3"], num_kv_blocks=128, block_size=8)
+
+
+def tokens(out):
+    return out.outputs[0].token_ids
+
+
+def test_seeded_sampling_is_reproducible_across_batch_compositions(llm):
+    p = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = tokens(llm.generate([[5, 6, 7]], p, use_tqdm=False)[0])
+    others = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in (3, 20, 7)]
+    batch = llm.generate([[9, 9], [5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [40]], [others[0], p, others[1], others[2]],
+                         use_tqdm=False)
+    assert tokens(batch[1]) == alone
+    different_seed = SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=12, ignore_eos=True)
+    assert tokens(llm.generate([[5, 6, 7]], different_seed, use_tqdm=False)[0]) != alone
+
+
+def test_top_k_1_equals_greedy(llm):
+    greedy = llm.generate([[3, 4, 5, 6]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                          use_tqdm=False)[0]
+    topk1 = llm.generate([[3, 4, 5, 6]], SamplingParams(temperature=1.5, top_k=1, max_tokens=10, ignore_eos=True),
+                         use_tqdm=False)[0]
+    assert tokens(greedy) == tokens(topk1)
+
+
+def test_min_p_and_top_p_restrict_to_the_argmax_when_tight(llm):
+    greedy = tokens(llm.generate([[7, 8]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                                 use_tqdm=False)[0])
+    for p in (SamplingParams(temperature=1.0, min_p=1.0, max_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=8, ignore_eos=True)):
+        assert tokens(llm.generate([[7, 8]], p, use_tqdm=False)[0]) == greedy
+
+
+def test_stop_token_ids_and_stop_strings(llm):
+    base = llm.generate(["def fib"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    stop_tok = base.token_ids[4]
+    k = base.token_ids.index(stop_tok)
+    out = llm.generate(["def fib"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                   stop_token_ids=[stop_tok]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == base.token_ids[:k + 1] and out.finish_reason == "stop"
+    text = base.text
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    assert stop
+    out = llm.generate(["def fib"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=stop),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text == text[:text.find(stop)]
+    assert base.finish_reason == "length"
+
+
+def test_bad_input_raises_and_llm_keeps_working(llm):
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate([[1, 2, 10 ** 6]], use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([""], use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([[1] * 600], use_tqdm=False)
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate([[1], [2]], [SamplingParams()], use_tqdm=False)
+    # nothing from the failed calls is left queued
+    assert not llm.engine.has_unfinished_requests()
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(tokens(out[0])) == 4
+
+
+def test_unknown_keyword_and_bad_paths(tiny_models, tmp_path):
+    with pytest.raises(ValueError, match="unknown LLM argument.*bogus"):
+        LLM(tiny_models["qwen3"], bogus=1)
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(str(tmp_path / "nope"))
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
+    with pytest.raises(ValueError, match="supported: .*Qwen3ForCausalLM"):
+        LLM(str(tmp_path))
+
+
+def test_prompt_forms_and_output_shape(llm):
+    outs = llm.generate(["def ", [5, 6], {"prompt_token_ids": [7, 8, 9]}],
+                        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert [o.prompt for o in outs] == ["def ", None, None]
+    assert outs[1].prompt_token_ids == [5, 6] and outs[2].prompt_token_ids == [7, 8, 9]
+    for o in outs:
+        assert o.finished and len(o.outputs[0].token_ids) == 3 and o.outputs[0].finish_reason == "length"
+        assert isinstance(o.request_id, str) and isinstance(o.outputs[0].text, str)
+    single = llm.generate("def ", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert tokens(single[0]) == tokens(outs[0])
+
+
+def test_incremental_detokenizer_never_splits_multibyte_characters(llm):
+    tok = llm.get_tokenizer()
+    text = "héllo wörld — ünïcode ✓ 你好 ok"
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [])
+    pieces = [detok.step([i]) for i in ids]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+    # byte tokens of a single multi-byte char: nothing is emitted until it is complete
+    byte_ids = [tok.convert_tokens_to_ids(t) for t in tok.convert_ids_to_tokens(tok.encode("你", add_special_tokens=False))]
+    assert len(ids) > 0 and len(byte_ids) >= 1
