@@ -1,0 +1,55 @@
+"""What every benchmark row records: commit, GPU, library versions, date."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import subprocess
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
+                             cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def environment() -> dict:
+    import torch
+    env = {"commit": os.environ.get("PAGEDLLM_COMMIT") or git_commit(), "torch": torch.__version__,
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+           "cpu_count": os.cpu_count()}
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    try:
+        import transformers
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return env
+
+
+def gpu_slug(gpu: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-") or "cpu"
+
+
+def append_result(row: dict, results_dir: str, name: str | None = None) -> str:
+    os.makedirs(results_dir, exist_ok=True)
+    path = os.path.join(results_dir, f"{name or gpu_slug(row.get('gpu', 'cpu'))}.json")
+    rows = []
+    if os.path.exists(path):
+        with open(path) as f:
+            rows = json.load(f)
+    rows.append(row)
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)
+    return path

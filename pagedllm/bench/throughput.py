@@ -1,0 +1,193 @@
+"""Offline throughput: nano-vllm's workload, reproduced exactly.
+
+random.seed(0); 256 requests of randint(100, 1024) random token ids, each with
+SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, 1024)):
+133,966 output tokens in all. One warm-up request, then `generate` over all of them is timed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+TOTAL_OUTPUT_TOKENS = 133_966
+
+
+def workload(num_seqs: int = 256):
+    from pagedllm import SamplingParams
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(100, 1024))
+              for _ in range(256)]
+    assert sum(p.max_tokens for p in params) == TOTAL_OUTPUT_TOKENS
+    return prompts[:num_seqs], params[:num_seqs]
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="HF model directory (e.g. from tools/make_random_model.py)")
+    p.add_argument("--num-seqs", type=int, default=256, help="run the first N requests of the workload")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--compare-hf", action="store_true", help="also run HF transformers' continuous batching")
+    p.add_argument("--skip-pagedllm", action="store_true")
+    p.add_argument("--results-dir", default="benchmarks/results")
+    p.add_argument("--out", help="also write this run's rows as JSON to this file")
+    p.add_argument("--label", default="", help="free text stored with the row")
+
+
+class StepTimer:
+    """Host vs GPU time per engine step (decode steps at large batch are what matters)."""
+
+    def __init__(self, llm):
+        import torch
+        self.torch = torch
+        self.rows = []
+        engine, runner = llm.engine, llm.runner
+        self._step, self._run = engine.step, runner.run
+        self.engine, self.runner = engine, runner
+        engine.step = self.step
+        runner.run = self.run
+        self.cur = None
+
+    def run(self, inp):
+        ev0, ev1 = self.torch.cuda.Event(enable_timing=True), self.torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        ev0.record()
+        out = self._run(inp)
+        ev1.record()
+        t1 = time.perf_counter()
+        self.cur.update(run_s=t1 - t0, events=(ev0, ev1), batch=inp.num_seqs, decode=inp.decode_only)
+        return out
+
+    def step(self):
+        self.cur = {}
+        t0 = time.perf_counter()
+        out = self._step()
+        self.cur["step_s"] = time.perf_counter() - t0
+        if "events" in self.cur:
+            self.rows.append(self.cur)
+        return out
+
+    def summary(self) -> dict:
+        self.torch.cuda.synchronize()
+        dec = [r for r in self.rows if r["decode"] and r["batch"] >= 200]
+        if not dec:
+            return {}
+        gpu = [r["events"][0].elapsed_time(r["events"][1]) for r in dec]
+        step = [r["step_s"] * 1e3 for r in dec]
+        run = [r["run_s"] * 1e3 for r in dec]
+        n = len(dec)
+        return {"decode_steps_measured": n, "batch_mean": sum(r["batch"] for r in dec) / n,
+                "step_ms": sum(step) / n, "gpu_ms": sum(gpu) / n,
+                "host_ms": (sum(step) - sum(run)) / n,     # schedule + inputs + update + detokenize
+                "run_ms": sum(run) / n}
+
+
+def run_pagedllm(args, prompts, params) -> dict:
+    from pagedllm import LLM, SamplingParams
+    llm = LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
+              block_size=args.block_size, enforce_eager=args.enforce_eager,
+              tensor_parallel_size=args.tensor_parallel_size)
+    llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
+    timer = StepTimer(llm) if llm.runner.device.type == "cuda" and args.tensor_parallel_size == 1 else None
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert tokens == sum(p.max_tokens for p in params), (tokens, sum(p.max_tokens for p in params))
+    row = {"engine": "pagedllm", "output_tokens": tokens, "seconds": round(seconds, 3),
+           "tokens_per_s": round(tokens / seconds, 1), "num_seqs": len(prompts),
+           "num_kv_blocks": llm.runner.num_kv_blocks, "metrics": llm.get_metrics(),
+           "enforce_eager": args.enforce_eager, "tensor_parallel_size": args.tensor_parallel_size}
+    if timer is not None:
+        row["per_step"] = timer.summary()
+    llm.close()
+    return row
+
+
+def run_hf(args, prompts, params) -> dict:
+    """HF transformers continuous batching, its best measured configuration (see the issue)."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    try:
+        from transformers import ContinuousBatchingConfig
+    except ImportError:
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16,
+                                                 attn_implementation="paged|sdpa").cuda().eval()
+    gen = GenerationConfig(do_sample=True, temperature=0.6, top_p=1.0, top_k=0, max_new_tokens=1024,
+                           eos_token_id=-1, pad_token_id=0)
+    cb = ContinuousBatchingConfig(use_cuda_graph=True, max_batch_tokens=8192, max_memory_percent=0.9)
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+    manager.start()
+
+    def run_all(ps, ms):
+        ids = [manager.add_request(p, request_id=f"r{i}-{time.monotonic_ns()}", max_new_tokens=m)
+               for i, (p, m) in enumerate(zip(ps, ms))]
+        want, got = set(ids), 0
+        while want:
+            r = manager.get_result(timeout=600)
+            if r is None:
+                raise RuntimeError("HF continuous batching returned no result")
+            if r.request_id in want and r.is_finished():
+                want.discard(r.request_id)
+                got += len(r.generated_tokens)
+        return got
+
+    run_all([prompts[0][:8]], [8])                               # warm-up
+    t = time.perf_counter()
+    tokens = run_all(prompts, [p.max_tokens for p in params])
+    seconds = time.perf_counter() - t
+    manager.stop(block=True)
+    return {"engine": "hf-transformers-cb", "output_tokens": tokens, "seconds": round(seconds, 3),
+            "tokens_per_s": round(tokens / seconds, 1), "num_seqs": len(prompts),
+            "config": "paged|sdpa, ContinuousBatchingConfig(use_cuda_graph=True, max_batch_tokens=8192, "
+                      "max_memory_percent=0.9)"}
+
+
+def main(args) -> int:
+    from pagedllm.bench.common import append_result, environment
+    prompts, params = workload(args.num_seqs)
+    env = environment()
+    rows = []
+    if not args.skip_pagedllm:
+        rows.append(run_pagedllm(args, prompts, params))
+    if args.compare_hf:
+        try:
+            rows.append(run_hf(args, prompts, params))
+        except Exception as e:                                    # report, do not lose the pagedllm row
+            rows.append({"engine": "hf-transformers-cb", "error": f"{type(e).__name__}: {e}"})
+    ours = next((r for r in rows if r["engine"] == "pagedllm"), None)
+    hf = next((r for r in rows if r["engine"] == "hf-transformers-cb" and "tokens_per_s" in r), None)
+    for r in rows:
+        r.update({"benchmark": "throughput", "model": os.path.basename(os.path.normpath(args.model)),
+                  "label": args.label, **env})
+        if ours and hf:
+            r["ratio_vs_hf"] = round(ours["tokens_per_s"] / hf["tokens_per_s"], 2)
+        path = append_result(r, args.results_dir)
+        print(f"{r['engine']}: " + (f"{r['output_tokens']} tokens in {r['seconds']:.2f} s = "
+                                    f"{r['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in r else r["error"]))
+        if "per_step" in r:
+            print(f"  per decode step at batch >= 200: {json.dumps(r['per_step'])}")
+    if ours and hf:
+        print(f"pagedllm / HF = {rows[0]['ratio_vs_hf']:.2f}x")
+    print(f"results appended to {path}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(parser)
+    sys.exit(main(parser.parse_args()))

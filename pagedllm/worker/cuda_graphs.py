@@ -1,0 +1,94 @@
+"""CUDA graphs for decode-only steps.
+
+At start-up the decode forward (model + LM head) is captured once per batch size of a
+ladder (1, 2, 4, 8, 16, 32, 48, ... up to max_num_seqs). A step of B sequences copies its
+inputs into the static buffers, pads to the next captured size (padding rows store nothing:
+slot -1) and replays. All graphs share one memory pool.
+"""
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+import torch
+
+from pagedllm.model.context import AttentionMetadata, set_attention_metadata
+
+
+def batch_size_ladder(max_num_seqs: int) -> list[int]:
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
+    return sorted(set(sizes + [max_num_seqs]))
+
+
+class DecodeGraphs:
+    def __init__(self, runner):
+        self.runner = runner
+        dev = runner.device
+        self.sizes = batch_size_ladder(runner.max_num_seqs)
+        max_bs = self.sizes[-1]
+        self.max_blocks = -(-runner.max_model_len // runner.block_size)
+        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64, device=dev)
+        self.block_tables = torch.zeros(max_bs, self.max_blocks, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
+        self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
+        # one pinned staging area, so a step's inputs go up in one copy per array
+        self.host = {name: torch.zeros(t.shape, dtype=t.dtype).pin_memory()
+                     for name, t in (("input_ids", self.input_ids), ("positions", self.positions),
+                                     ("slot_mapping", self.slot_mapping), ("seq_lens", self.seq_lens),
+                                     ("block_tables", self.block_tables))}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.pool = None
+        self._capture_all()
+
+    def _meta(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs],
+            cu_seqlens_q=self.cu_seqlens_q[:bs + 1], seq_lens=self.seq_lens[:bs], max_seqlen_q=1,
+            max_seqlen_k=self.runner.max_model_len, decode_only=True, no_history=False)
+
+    def _forward(self, bs: int) -> torch.Tensor:
+        set_attention_metadata(self._meta(bs))
+        hidden = self.runner.model(self.input_ids[:bs], self.positions[:bs])
+        logits = self.runner.model.compute_logits(hidden)
+        set_attention_metadata(None)
+        return logits
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        for bs in reversed(self.sizes):                 # largest first: the pool fits all the others
+            self._forward(bs)                           # warm-up (Triton compiles, allocator settles)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                self.logits[bs] = self._forward(bs)
+            if self.pool is None:
+                self.pool = g.pool()
+            self.graphs[bs] = g
+        torch.cuda.synchronize()
+
+    def can_run(self, inp) -> bool:
+        return inp.num_seqs <= self.sizes[-1] and inp.block_tables.shape[1] <= self.max_blocks
+
+    def run(self, inp) -> torch.Tensor:
+        bs = inp.num_seqs
+        padded = self.sizes[bisect.bisect_left(self.sizes, bs)]
+        h = self.host
+        h["input_ids"][:bs].numpy()[:] = inp.input_ids
+        h["positions"][:bs].numpy()[:] = inp.positions
+        h["slot_mapping"][:padded].fill_(-1)
+        h["slot_mapping"][:bs].numpy()[:] = inp.slot_mapping
+        h["seq_lens"][:padded].fill_(1)
+        h["seq_lens"][:bs].numpy()[:] = inp.seq_lens
+        nb = inp.block_tables.shape[1]
+        bt = h["block_tables"].numpy()
+        bt[:bs, :nb] = inp.block_tables
+        self.input_ids[:padded].copy_(h["input_ids"][:padded], non_blocking=True)
+        self.positions[:padded].copy_(h["positions"][:padded], non_blocking=True)
+        self.slot_mapping[:padded].copy_(h["slot_mapping"][:padded], non_blocking=True)
+        self.seq_lens[:padded].copy_(h["seq_lens"][:padded], non_blocking=True)
+        self.block_tables[:bs].copy_(h["block_tables"][:bs], non_blocking=True)
+        self.graphs[padded].replay()
+        return self.logits[padded][:bs]
