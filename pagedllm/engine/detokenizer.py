@@ -20,6 +20,12 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def decode_all(self, output_token_ids: list[int]) -> str:
+        """Non-streaming: the whole output's text in one decode (same left context as step())."""
+        context = self.token_ids[:self.read_offset]
+        self.text = self._decode(context + list(output_token_ids))[len(self._decode(context)):]
+        return self.text
+
     def step(self, new_token_ids: list[int]) -> str:
         """Append tokens; return the text they complete (possibly empty)."""
         self.token_ids.extend(new_token_ids)

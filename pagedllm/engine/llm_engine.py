@@ -33,6 +33,7 @@ class Request:
     seqs: list[Sequence]
     detoks: list[IncrementalDetokenizer | None]
     emitted: list[int] = field(default_factory=list)   # chars of text already streamed, per seq
+    stream: bool = True        # False: one output when finished, text decoded once unless stop strings need it
 
 
 class LLMEngine:
@@ -82,7 +83,9 @@ class LLMEngine:
         return list(ids)
 
     def add_request(self, request_id: str | None, prompt: Any, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None, stream: bool = True) -> str:
+        """Queue a request. With stream=True, step() returns an output for it whenever it gets a
+        token (cumulative text plus delta); with stream=False only once, when it finishes."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -98,7 +101,7 @@ class LLMEngine:
                 p = _with_seed(params, params.seed + i)
             seqs.append(Sequence(request_id, ids, p, arrival_time))
         detoks = [IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer is not None else None for _ in seqs]
-        req = Request(request_id, text, ids, seqs, detoks, [0] * len(seqs))
+        req = Request(request_id, text, ids, seqs, detoks, [0] * len(seqs), stream)
         self.requests[request_id] = req
         for seq in seqs:
             self._seq_to_req[seq.seq_id] = req
@@ -145,9 +148,14 @@ class LLMEngine:
             if seq.num_output_tokens == 1:
                 self.num_prompt_tokens += seq.num_prompt_tokens
             req = self._seq_to_req[seq.seq_id]
-            self._detokenize(req, seq)
-            reqs[req.request_id] = req
-        outputs = [self._make_output(req) for req in reqs.values()]
+            if req.stream or seq.sampling_params.stop_list:
+                self._detokenize(req, seq)
+            elif seq.status.finished and req.detoks[0] is not None:
+                req.detoks[req.seqs.index(seq)].decode_all(seq.output_token_ids)   # decode once, at the end
+            if req.stream or seq.status.finished:
+                reqs[req.request_id] = req
+        outputs = [self._make_output(req) for req in reqs.values()
+                   if req.stream or all(s.status.finished for s in req.seqs)]
         for out in outputs:
             if out.finished:
                 req = self.requests.pop(out.request_id)

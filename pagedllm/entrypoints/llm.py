@@ -127,7 +127,7 @@ class LLM:
         for prompt, p in zip(prompts, params):
             ids.append(f"gen-{self._counter}")
             self._counter += 1
-            self.engine.add_request(ids[-1], prompt, p)
+            self.engine.add_request(ids[-1], prompt, p, stream=False)
         return self._run(ids, use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
