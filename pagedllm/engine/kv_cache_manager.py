@@ -73,6 +73,12 @@ class KVCacheManager:
         """Give seq room for num_new_tokens more tokens after its computed ones (and after the
         prefix hit `computed_blocks`, which this call takes). False, with nothing changed,
         when the pool cannot provide the blocks."""
+        if not computed_blocks:       # fast path: the tokens fit in blocks the sequence already holds
+            total = seq.num_computed_tokens + num_new_tokens
+            if total <= len(seq.block_table) * self.block_size and (
+                    seq.num_computed_tokens % self.block_size == 0
+                    or self.pool.blocks[seq.block_table[seq.num_computed_tokens // self.block_size]].ref_cnt == 1):
+                return True
         computed_blocks = computed_blocks or []
         num_cached = len(computed_blocks) * self.block_size
         total = seq.num_computed_tokens + num_cached + num_new_tokens

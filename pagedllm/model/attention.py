@@ -17,18 +17,14 @@ class TorchBackend:
         store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
 
     @staticmethod
-    def prefill(q, k, v, meta, scale):
-        return prefill_attention_ref(q, k, v, meta.cu_seqlens_q, scale)
-
-    @staticmethod
     def attend(q, k, v, k_cache, v_cache, meta, scale):
+        if meta.no_history or not k_cache.numel():     # pure prefill: attend over the new tokens directly
+            return prefill_attention_ref(q, k, v, meta.cu_seqlens_q, scale)
         return paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
                                    meta.seq_lens, scale)
 
 
 class TritonBackend:
-    prefill = TorchBackend.prefill
-
     @staticmethod
     def store(k, v, k_cache, v_cache, slot_mapping):
         from pagedllm.ops.store_kv import store_kvcache
@@ -36,6 +32,8 @@ class TritonBackend:
 
     @staticmethod
     def attend(q, k, v, k_cache, v_cache, meta, scale):
+        if not k_cache.numel():                         # the profiling run, before the KV tensor exists
+            return prefill_attention_ref(q, k, v, meta.cu_seqlens_q, scale)
         from pagedllm.ops.paged_attention import paged_attention
         return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens,
                                scale, max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k)
@@ -54,6 +52,4 @@ class Attention(nn.Module):
         meta = get_attention_metadata()
         if self.k_cache.numel():
             self.backend.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        if meta.no_history:
-            return self.backend.prefill(q, k, v, meta, self.scale)
         return self.backend.attend(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
