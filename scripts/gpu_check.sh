@@ -1,20 +1,25 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: kernel tests, engine GPU tests, kernel and throughput benchmarks.
-# Writes logs and JSON under $OUT (default ./gpu_out). Usage: bash scripts/gpu_check.sh [quick|full]
+# One call on the GPU machine: the throughput benchmark first (the number that matters), then the
+# GPU tests, the HF side-by-side and the kernel benchmark, each under its own time limit.
+# Writes logs and JSON under $OUT (default ./gpu_out). Usage: bash scripts/gpu_check.sh [full|bench|tests]
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 MODE=${1:-full}
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-} PAGEDLLM_COMMIT=${PAGEDLLM_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name())' | tee "$OUT/env.txt"
-python3 -m pytest -q -m gpu -x tests/ops tests/gpu -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/gpu_tests.log"
-[ -f benchmarks/kernels.py ] && python3 benchmarks/kernels.py --out "$OUT/kernels.json" 2>&1 | tail -20
+MODEL=/tmp/qwen3-0.6b
 if [ "$MODE" != "tests" ]; then
-  MODEL=/tmp/qwen3-0.6b
   [ -d $MODEL ] || python3 tools/make_random_model.py --shape qwen3-0.6b --out $MODEL 2>&1 | tail -3
-  NUM=${NUM_SEQS:-256}
-  python3 benchmarks/throughput.py --model $MODEL --num-seqs "$NUM" --results-dir "$OUT" --out "$OUT/throughput.json" ${BENCH_ARGS:-} 2>&1 | grep -v Warning | tail -15
-  if [ "$MODE" = "full" ]; then
-    python3 benchmarks/throughput.py --model $MODEL --num-seqs 64 --compare-hf --results-dir "$OUT" --out "$OUT/throughput_hf64.json" 2>&1 | grep -v Warning | tail -15
-  fi
+  timeout ${T_BENCH:-240} python3 benchmarks/throughput.py --model $MODEL --num-seqs "${NUM_SEQS:-256}" \
+      --results-dir "$OUT" --out "$OUT/throughput.json" ${BENCH_ARGS:-} 2>&1 | grep -v -i warn | tail -15
 fi
-ls -la "$OUT"
+if [ "$MODE" != "bench" ]; then
+  timeout ${T_TESTS:-150} python3 -m pytest -q -m gpu -x tests/ops tests/gpu -p no:cacheprovider 2>&1 | tail -25 > "$OUT/gpu_tests.log"
+  tail -5 "$OUT/gpu_tests.log"
+fi
+if [ "$MODE" = "full" ]; then
+  timeout ${T_HF:-200} python3 benchmarks/throughput.py --model $MODEL --num-seqs 64 --compare-hf \
+      --results-dir "$OUT" --out "$OUT/throughput_hf64.json" 2>&1 | grep -v -i warn | tail -8
+  [ -f benchmarks/kernels.py ] && timeout 60 python3 benchmarks/kernels.py --out "$OUT/kernels.json" 2>&1 | tail -12
+fi
+ls "$OUT"
