@@ -40,7 +40,7 @@ class TritonBackend:
 
 
 class Attention(nn.Module):
-    backend = TorchBackend
+    backend = TorchBackend      # the runner sets TritonBackend on GPU, per layer
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__()

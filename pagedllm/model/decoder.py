@@ -73,7 +73,11 @@ class DecoderMLP(nn.Module):
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (silu only)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.is_cuda:
+            from pagedllm.ops.fused import silu_and_mul
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

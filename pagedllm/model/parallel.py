@@ -43,3 +43,13 @@ def divide(n: int, d: int, what: str) -> int:
     if n % d:
         raise ValueError(f"{what} ({n}) is not divisible by tensor_parallel_size ({d})")
     return n // d
+
+
+def agree_min(n: int) -> int:
+    """The smallest n over the ranks (e.g. KV blocks: every rank must index the same block ids)."""
+    if tp_size() == 1:
+        return n
+    device = "cuda" if dist.get_backend(_group) == "nccl" else "cpu"
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_group)
+    return int(t.item())

@@ -40,6 +40,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hkv, D] -> rotated (same dtype)."""
+        if q.is_cuda:                         # fused Triton kernel, rotates in place
+            from pagedllm.ops.fused import apply_rotary
+            return apply_rotary(q, k, self.cos_sin_cache, positions)
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 

@@ -3,7 +3,9 @@
 Triton is optional: the CPU path never needs it. On a machine without CUDA, Triton can only
 run kernels through its interpreter, and `triton.jit` chooses interpreter or compiler when a
 kernel is decorated, so the environment variable must be set before any kernel module is
-imported; setting it here makes that independent of import order.
+imported; setting it here covers that, provided nothing imported triton itself before
+(triton decorates its own helpers such as tl.zeros at import time, so a process that
+imported triton without TRITON_INTERPRET cannot interpret kernels afterwards).
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.model.attention import Attention, TorchBackend, TritonBackend
 from pagedllm.model.context import AttentionMetadata, set_attention_metadata
 from pagedllm.model.loader import load_weights
-from pagedllm.model.parallel import tp_size
+from pagedllm.model.parallel import agree_min, tp_rank, tp_size
 from pagedllm.model.registry import build_model
 from pagedllm.worker.sampler import SamplingTensors, sample
 from pagedllm.worker.step_inputs import StepInputs, build_step_inputs
@@ -73,7 +73,6 @@ class ModelRunner:
         self.vocab_size = hf_config.vocab_size
         self.enforce_eager = enforce_eager or device.type != "cuda"
         torch.manual_seed(seed)
-        Attention.backend = TritonBackend if device.type == "cuda" else TorchBackend
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
@@ -84,10 +83,14 @@ class ModelRunner:
         load_weights(self.model, model_dir)
         self.model.eval()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        for layer in self.attn_layers:          # per instance: CPU and GPU engines can live side by side
+            layer.backend = TritonBackend if device.type == "cuda" else TorchBackend
         a = self.attn_layers[0]
         self.num_kv_heads, self.head_dim = a.num_kv_heads, a.head_dim
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.num_kv_blocks = self._size_kv_cache(num_kv_blocks, kv_cache_memory_bytes, gpu_memory_utilization)
+        self.is_driver = tp_rank() == 0    # with TP, rank 0 alone samples
+        self.num_kv_blocks = agree_min(self.num_kv_blocks)   # TP: the same block ids on every rank
         self._allocate_kv_cache()
         self._generators: dict[int, torch.Generator] = {}
         self.graphs = None
@@ -186,7 +189,7 @@ class ModelRunner:
             logits = self.graphs.run(inp)
         else:
             logits = self.forward(inp)
-        if logits is None:                 # not rank 0 of a TP group, or nothing to sample
+        if logits is None or not self.is_driver:   # nothing to sample, or not rank 0 of a TP group
             return []
         return self.sample(logits, inp)
 

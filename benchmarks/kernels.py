@@ -1,0 +1,176 @@
+"""Kernel micro-benchmarks (CUDA only): paged attention decode and prefill.
+
+Decode reports achieved KV bandwidth (bytes of K and V read / kernel time, TB/s); prefill
+reports TFLOP/s counting only the causally visible (query, key) pairs, 4 * head_dim FLOPs
+each (QK^T and PV). Shapes follow Qwen3-0.6B: 16 query heads, 8 KV heads, head_dim 128,
+block_size 16, bf16. Block tables are random permutations (no locality between blocks).
+
+    python benchmarks/kernels.py [--out FILE] [--sweep]
+
+--sweep also times a grid of tile configurations and split counts and reports the best.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import triton  # noqa: E402
+from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
+
+from pagedllm.ops.attention_ref import paged_attention_ref  # noqa: E402
+from pagedllm.ops.paged_attention import (  # noqa: E402
+    _pick_config, default_num_splits, paged_attention)
+
+HQ, HKV, D, BS, DTYPE = 16, 8, 128, 16, torch.bfloat16
+DEVICE = "cuda"
+
+
+def make_inputs(q_lens, seq_lens, seed=0):
+    torch.manual_seed(seed)
+    dev = DEVICE
+    nb = [math.ceil(s / BS) for s in seq_lens]
+    num_blocks = sum(nb)
+    k_cache = torch.randn(num_blocks, HKV, BS, D, device=dev, dtype=DTYPE)
+    v_cache = torch.randn_like(k_cache)
+    perm = torch.randperm(num_blocks, device=dev).int()
+    bt = torch.zeros(len(seq_lens), max(nb), dtype=torch.int32, device=dev)
+    used = 0
+    for b, n in enumerate(nb):
+        bt[b, :n] = perm[used:used + n]
+        used += n
+    cu = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32, device=dev)
+    q = torch.randn(int(sum(q_lens)), HQ, D, device=dev, dtype=DTYPE)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=bt, cu_seqlens_q=cu,
+                seq_lens=sl, scale=D ** -0.5)
+
+
+def time_ms(fn, graph=False):
+    fn()
+    torch.cuda.synchronize()
+    if graph:
+        return do_bench_cudagraph(fn, rep=100)
+    return do_bench(fn, warmup=25, rep=100)
+
+
+def check(inp, out, max_seqlen_q):
+    ref = paged_attention_ref(**inp)
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err < 3e-2, f"max abs error {err}"
+    return err
+
+
+def bench_decode(batch, ctx, sweep):
+    inp = make_inputs([1] * batch, [ctx] * batch)
+    kv_bytes = 2 * batch * ctx * HKV * D * inp["k_cache"].element_size()
+    out = torch.empty_like(inp["q"])
+
+    def run(num_splits=None, cfg=None):
+        return lambda: paged_attention(**inp, max_seqlen_q=1, max_seqlen_k=ctx,
+                                       num_splits=num_splits, out=out, _config=cfg)
+
+    splits = default_num_splits(batch, HKV, ctx, inp["q"].device)
+    ms = time_ms(run())
+    ms_graph = time_ms(run(), graph=True)
+    err = check(inp, out, 1)
+    res = dict(batch=batch, ctx=ctx, num_splits=splits, ms=ms, ms_graph=ms_graph,
+               kv_TBps=kv_bytes / ms / 1e9, kv_TBps_graph=kv_bytes / ms_graph / 1e9,
+               max_abs_err=err, config=_pick_config(True, 2, D, DTYPE))
+    if sweep:
+        rows = []
+        if splits == 1:
+            grid = itertools.product([1], [32, 64, 128], [4, 8], [2, 3, 4])
+        else:
+            grid = itertools.product(sorted({4, 8, 16, 32, splits}), [64, 128], [4], [3])
+        for s, bn, nw, st in grid:
+            cfg = dict(BLOCK_Q=8, BLOCK_N=bn, num_warps=nw, num_stages=st)
+            try:
+                t = time_ms(run(s, cfg), graph=True)
+            except Exception as e:  # noqa: BLE001 - out of shared memory etc.
+                rows.append(dict(splits=s, **cfg, error=type(e).__name__))
+                continue
+            rows.append(dict(splits=s, **cfg, ms=t, kv_TBps=kv_bytes / t / 1e9))
+        ok = [r for r in rows if "ms" in r]
+        res["sweep_best"] = sorted(ok, key=lambda r: r["ms"])[:5]
+        res["sweep_n"] = len(rows)
+    return res
+
+
+def bench_prefill(n_seqs, new, hist, sweep):
+    inp = make_inputs([new] * n_seqs, [new + hist] * n_seqs)
+    pairs = n_seqs * (new * hist + new * (new + 1) // 2)
+    flops = 4 * D * HQ * pairs
+    out = torch.empty_like(inp["q"])
+
+    def run(cfg=None):
+        return lambda: paged_attention(**inp, max_seqlen_q=new, out=out, _config=cfg)
+
+    ms = time_ms(run())
+    err = check(inp, out, new)
+    res = dict(n_seqs=n_seqs, new_tokens=new, history=hist, ms=ms, TFLOPs=flops / ms / 1e9,
+               max_abs_err=err, config=_pick_config(False, 2, D, DTYPE))
+    if sweep:
+        rows = []
+        for bm, bn, nw, st in [(64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2),
+                               (64, 32, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2),
+                               (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3),
+                               (256, 64, 8, 3)]:
+            cfg = dict(BLOCK_Q=bm // 2, BLOCK_N=bn, num_warps=nw, num_stages=st)
+            try:
+                t = time_ms(run(cfg))
+            except Exception as e:  # noqa: BLE001
+                rows.append(dict(BLOCK_M=bm, **cfg, error=type(e).__name__))
+                continue
+            rows.append(dict(BLOCK_M=bm, **cfg, ms=t, TFLOPs=flops / t / 1e9))
+        ok = [r for r in rows if "ms" in r]
+        res["sweep_best"] = sorted(ok, key=lambda r: r["ms"])[:4]
+    return res
+
+
+def copy_bandwidth():
+    x = torch.empty(2 * 1024 ** 3 // 2, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+    ms = do_bench(lambda: y.copy_(x), warmup=10, rep=50)
+    return 2 * x.numel() * x.element_size() / ms / 1e9
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="write the JSON result here")
+    ap.add_argument("--sweep", action="store_true", help="also time tile/split variants")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/kernels.py needs CUDA")
+    t0 = time.time()
+    res = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+               triton=triton.__version__, python=platform.python_version(),
+               shape=dict(hq=HQ, hkv=HKV, head_dim=D, block_size=BS, dtype=str(DTYPE)))
+    cases = [("copy_TBps_read_plus_write", copy_bandwidth),
+             ("decode_256x1024", lambda: bench_decode(256, 1024, args.sweep)),
+             ("decode_8x8192", lambda: bench_decode(8, 8192, args.sweep)),
+             ("prefill_4x1024", lambda: bench_prefill(4, 1024, 0, args.sweep)),
+             ("prefill_4x1024_hist1024", lambda: bench_prefill(4, 1024, 1024, args.sweep)),
+             ("prefill_1x4096", lambda: bench_prefill(1, 4096, 0, False))]
+    for name, fn in cases:
+        res[name] = fn()
+        print(json.dumps({name: res[name]}), file=sys.stderr, flush=True)  # progress
+    res["wall_s"] = time.time() - t0
+    text = json.dumps(res, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

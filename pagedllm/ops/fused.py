@@ -1,0 +1,200 @@
+"""Fused elementwise kernels (Triton) with their torch references beside them.
+
+Rounding follows HF transformers (Llama/Qwen), so a model built on these matches HF:
+- RMSNorm: residual add rounded to x.dtype first; normalise in fp32; round to x.dtype;
+  then multiply by the weight (in fp32, rounded once to x.dtype).
+- SiLU-and-mul: fp32 math, one rounding at the end.
+- Rotary (neox / rotate-half): fp32 math, one rounding per element.
+"""
+from __future__ import annotations
+
+import torch
+
+from pagedllm.ops._triton import HAS_TRITON, next_pow2, require_triton, tl, triton
+
+# ----------------------------------------------------------------------------- references
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None):
+    """out = weight * normalise(x [+ residual]); with residual returns (out, x + residual)."""
+    if residual is not None:
+        x = (x.float() + residual.float()).to(x.dtype)
+        new_residual = x
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    out = (normed.float() * weight.float()).to(x.dtype)
+    return out if residual is None else (out, new_residual)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """x: [..., 2*I] -> silu(x[..., :I]) * x[..., I:]."""
+    i = x.shape[-1] // 2
+    a, b = x[..., :i].float(), x[..., i:].float()
+    return (torch.nn.functional.silu(a) * b).to(x.dtype)
+
+
+def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, H, D]; cos/sin: [T, 1, R/2] with R = rotary dim <= D
+    half = cos.shape[-1]
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:2 * half]
+    out = xf.clone()
+    out[..., :half] = x1 * cos - x2 * sin
+    out[..., half:2 * half] = x2 * cos + x1 * sin
+    return out.to(x.dtype)
+
+
+def apply_rotary_ref(q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
+                     positions: torch.Tensor, head_dim: int | None = None):
+    """Neox-style rotary. q: [T, Hq, D] or [T, Hq*D]; k likewise; returns new (q, k).
+
+    cos_sin_cache: [max_pos, R] with cos in [:R/2] and sin in [R/2:]; the first R <= D
+    dims of each head are rotated (rotate-half over those R dims). For 2-D inputs D is
+    head_dim, default R.
+    """
+    rot = cos_sin_cache.shape[-1]
+    cs = cos_sin_cache[positions.long()].float()
+    cos, sin = cs[:, None, : rot // 2], cs[:, None, rot // 2:]
+    d = q.shape[-1] if q.dim() == 3 else (head_dim or rot)
+
+    def one(x):
+        x3 = x if x.dim() == 3 else x.reshape(x.shape[0], -1, d)
+        return _rotate_ref(x3, cos, sin).reshape(x.shape)
+
+    return one(q), one(k)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, n_cols, eps,
+                         stride_x, stride_r, stride_o, stride_nr,
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            tl.store(new_res_ptr + row * stride_nr + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        var = tl.sum(xf * xf, 0) / n_cols
+        normed = (xf * tl.math.rsqrt(var + eps)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty),
+                 mask=mask)
+
+    @triton.jit
+    def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        a = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        y = a / (1.0 + tl.exp(-a)) * b
+        tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rotate_heads(x_ptr, tok, stride_t, stride_h, n_heads, cos, sin,
+                      BLOCK_H: tl.constexpr, HALF: tl.constexpr):
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_r = tl.arange(0, HALF)
+        mask = (offs_h < n_heads)[:, None]
+        p1 = x_ptr + tok * stride_t + offs_h[:, None] * stride_h + offs_r[None, :]
+        p2 = p1 + HALF
+        x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
+        tl.store(p1, (x1 * cos[None, :] - x2 * sin[None, :]).to(x_ptr.dtype.element_ty),
+                 mask=mask)
+        tl.store(p2, (x2 * cos[None, :] + x1 * sin[None, :]).to(x_ptr.dtype.element_ty),
+                 mask=mask)
+
+    @triton.jit
+    def _rotary_kernel(q_ptr, k_ptr, cache_ptr, pos_ptr,
+                       stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
+                       n_q_heads, n_k_heads,
+                       HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr):
+        tok = tl.program_id(0).to(tl.int64)
+        pos = tl.load(pos_ptr + tok).to(tl.int64)
+        offs_r = tl.arange(0, HALF)
+        cos = tl.load(cache_ptr + pos * stride_c + offs_r).to(tl.float32)
+        sin = tl.load(cache_ptr + pos * stride_c + HALF + offs_r).to(tl.float32)
+        _rotate_heads(q_ptr, tok, stride_qt, stride_qh, n_q_heads, cos, sin, BLOCK_HQ, HALF)
+        _rotate_heads(k_ptr, tok, stride_kt, stride_kh, n_k_heads, cos, sin, BLOCK_HK, HALF)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None):
+    """RMSNorm over the last dim; with residual, fused add: returns (out, x + residual)."""
+    require_triton()
+    h = x.shape[-1]
+    x2 = x.reshape(-1, h)
+    assert x2.stride(-1) == 1 and weight.is_contiguous()
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    rows = x2.shape[0]
+    if residual is not None:
+        r2 = residual.reshape(-1, h)
+        assert r2.stride(-1) == 1
+        new_res = torch.empty_like(out)
+    else:
+        r2 = new_res = x2
+    if rows:
+        block = next_pow2(h)
+        _rms_norm_kernel[(rows,)](
+            x2, r2, weight, out, new_res, h, float(eps),
+            x2.stride(0), r2.stride(0), out.stride(0), new_res.stride(0),
+            HAS_RESIDUAL=residual is not None, BLOCK=block,
+            num_warps=min(16, max(1, block // 256)),
+        )
+    out = out.view(x.shape)
+    return out if residual is None else (out, new_res.view(x.shape))
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [..., 2*I] -> silu(x[..., :I]) * x[..., I:] in x's dtype (fp32 math)."""
+    require_triton()
+    two_i = x.shape[-1]
+    i = two_i // 2
+    x2 = x.reshape(-1, two_i)
+    assert x2.stride(-1) == 1
+    out = torch.empty((x2.shape[0], i), dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        block = min(1024, next_pow2(i))
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(i, block))](
+            x2, out, i, x2.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+    return out.view(*x.shape[:-1], i)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
+                 positions: torch.Tensor, head_dim: int | None = None):
+    """Neox rotary applied IN PLACE to q and k; returns (q, k).
+
+    q: [T, Hq, D] or [T, Hq*D] (then head_dim, default the cache's rotary dim), k likewise;
+    may be strided views of a fused qkv output (last dim contiguous).
+    cos_sin_cache: [max_pos, R], cos in [:R/2], sin in [R/2:]; R <= D, power of two.
+    """
+    require_triton()
+    rot = cos_sin_cache.shape[-1]
+    d = q.shape[-1] if q.dim() == 3 else (head_dim or rot)
+    q3 = q if q.dim() == 3 else q.view(q.shape[0], -1, d)
+    k3 = k if k.dim() == 3 else k.view(k.shape[0], -1, d)
+    assert rot <= d and rot & (rot - 1) == 0 and rot >= 2
+    assert q3.stride(-1) == 1 and k3.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
+    t = q3.shape[0]
+    if t:
+        _rotary_kernel[(t,)](
+            q3, k3, cos_sin_cache, positions,
+            q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), cos_sin_cache.stride(0),
+            q3.shape[1], k3.shape[1],
+            HALF=rot // 2, BLOCK_HQ=next_pow2(q3.shape[1]), BLOCK_HK=next_pow2(k3.shape[1]),
+            num_warps=4,
+        )
+    return q, k
+
+
+__all__ = ["rms_norm", "rms_norm_ref", "silu_and_mul", "silu_and_mul_ref", "apply_rotary",
+           "apply_rotary_ref"]
