@@ -4,7 +4,8 @@ prefix-cache hash table. It knows nothing about scheduling policy.
 Invariants (checked by `check_invariants`, exercised by the property tests):
 - ref_cnt == 0  <=>  the block is in the free queue.
 - A block with a hash is findable through `cached` until it is reallocated (lazy eviction);
-  `cached[h]` always points at a block whose block_hash is h.
+  `cached[h]` holds exactly the blocks whose block_hash is h (several when two sequences
+  computed the same content at the same time; any of them serves a hit).
 - Allocation takes from the head of the free queue; freed blocks go to the tail.
 """
 from __future__ import annotations
@@ -89,7 +90,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
-        self.cached: dict[int, Block] = {}
+        self.cached: dict[int, dict[int, Block]] = {}     # hash -> {block_id: block}
         self.tracer = tracer
         self.num_evictions = 0
 
@@ -102,19 +103,17 @@ class BlockPool:
 
     def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> Block | None:
         """The cached block for this hash, only if its token ids match (no wrong KV on a collision)."""
-        block = self.cached.get(block_hash)
-        if block is None or block.token_ids != token_ids:
-            return None
-        return block
+        for block in self.cached.get(block_hash, {}).values():
+            if block.token_ids == token_ids:
+                return block
+        return None
 
     def allocate(self, seq_id: int | None = None) -> Block:
         """ALLOCATE: the LRU head; a cached block found there is evicted now (lazy eviction)."""
         block = self.free_queue.popleft()
         if block.block_hash is not None:
-            if self.cached.get(block.block_hash) is block:
-                del self.cached[block.block_hash]
-            block.block_hash = None
-            block.token_ids = None
+            self._uncache(block)
+            block.block_hash = block.token_ids = None
             self.num_evictions += 1
             if self.tracer:
                 self._trace("EVICT", block, seq_id)
@@ -143,19 +142,24 @@ class BlockPool:
         if self.tracer:
             self._trace("RELEASE", block, seq_id)
 
+    def _uncache(self, block: Block) -> None:
+        same = self.cached[block.block_hash]
+        del same[block.block_id]
+        if not same:
+            del self.cached[block.block_hash]
+
     def register(self, block: Block, block_hash: int, token_ids: tuple[int, ...]) -> None:
-        """Make a block whose KV has been written findable under its hash. If another block
-        already holds that content, this one stays unregistered (duplicates are not cached)."""
-        if block.block_hash is not None or block_hash in self.cached:
+        """Make a block whose KV has been written findable under its hash."""
+        if block.block_hash is not None:
             return
         block.block_hash = block_hash
         block.token_ids = token_ids
-        self.cached[block_hash] = block
+        self.cached.setdefault(block_hash, {})[block.block_id] = block
 
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:
             if block.ref_cnt == 0 and block.block_hash is not None:
-                del self.cached[block.block_hash]
+                self._uncache(block)
                 block.block_hash = block.token_ids = None
 
     def check_invariants(self) -> None:
@@ -164,5 +168,6 @@ class BlockPool:
         for b in self.blocks:
             assert (b.ref_cnt == 0) == (b.block_id in in_queue), b
             assert b.ref_cnt >= 0
-        for h, b in self.cached.items():
-            assert b.block_hash == h, (h, b)
+            assert b.block_hash is None or b.block_id in self.cached.get(b.block_hash, {}), b
+        for h, same in self.cached.items():
+            assert same and all(b.block_hash == h and b.block_id == i for i, b in same.items()), (h, same)

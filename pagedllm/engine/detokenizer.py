@@ -26,6 +26,16 @@ class IncrementalDetokenizer:
         self.text = self._decode(context + list(output_token_ids))[len(self._decode(context)):]
         return self.text
 
+    def flush(self) -> str:
+        """At the end of the output, emit what step() still holds back (an incomplete character
+        decodes as U+FFFD), so a stream's text ends the same as decode_all's."""
+        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        full_text = self._decode(self.token_ids[self.prefix_offset:])
+        delta = full_text[len(prefix_text):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        self.text += delta
+        return delta
+
     def step(self, new_token_ids: list[int]) -> str:
         """Append tokens; return the text they complete (possibly empty)."""
         self.token_ids.extend(new_token_ids)

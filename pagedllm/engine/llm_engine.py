@@ -178,6 +178,8 @@ class LLMEngine:
                 detok.text = detok.text[:hit[0]]
                 seq.stop_reason = hit[1]
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+        if seq.status.finished and not isinstance(seq.stop_reason, str):
+            detok.flush()                  # EOS, stop token or length: nothing more will complete it
 
     def _make_output(self, req: Request) -> RequestOutput:
         completions = []

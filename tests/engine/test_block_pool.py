@@ -155,7 +155,7 @@ def test_invariants_hold_under_random_operations(ops, block_size, num_blocks):
                 held[b] = held.get(b, 0) + 1
         for b in kv.pool.blocks:
             assert b.ref_cnt == held.get(b.block_id, 0)      # ref_cnt counts live holders exactly
-            if b.block_hash is not None and kv.pool.cached.get(b.block_hash) is b:
+            if b.block_hash is not None and b.block_id in kv.pool.cached.get(b.block_hash, {}):
                 assert b.ref_cnt == 0 or any(b.block_id in s.block_table for s in live)
         for s in live:                                       # every fully written block is findable
             for i in range(s.num_computed_tokens // block_size):
