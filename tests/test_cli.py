@@ -1,0 +1,206 @@
+"""The `pagedllm` command line: help/version, streaming and batch generate, errors.
+
+Most tests call `main([...])` in-process (capsys); a few spawn `python -m pagedllm` to check
+what a user sees: the exit code, a clean stdout and a one-line error without a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pagedllm.entrypoints import cli
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENGINE = ["--device", "cpu", "--num-kv-blocks", "64"]
+PROMPTS = ["def fibonacci(", "import os\n", "The quick brown"]
+
+
+def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pagedllm", *args], input=stdin, capture_output=True,
+                          text=True, timeout=120, cwd=REPO)
+
+
+def one_error_line(stderr: str) -> str:
+    lines = [ln for ln in stderr.splitlines() if ln.startswith("pagedllm: error:")]
+    assert len(lines) == 1, stderr
+    assert "Traceback" not in stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_models):
+    return tiny_models["qwen3"]
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """Greedy completions of PROMPTS through the Python API (non-streamed)."""
+    from pagedllm import LLM, SamplingParams
+    llm = LLM(model, device="cpu", num_kv_blocks=64)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    llm.close()
+    return {o.prompt: o.outputs[0] for o in outs}
+
+
+# ---- help and version -------------------------------------------------------------------
+def test_help_lists_commands_and_flags(capsys):
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for word in ("generate", "serve", "bench"):
+        assert word in out
+    assert cli.main(["generate", "--help"]) == 0
+    out = capsys.readouterr().out
+    for flag in ("--max-tokens", "--temperature", "--top-p", "--top-k", "--min-p", "--json", "--input",
+                 "--model", "--block-size", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
+                 "--enable-prefix-caching", "--no-enable-prefix-caching", "--gpu-memory-utilization",
+                 "--enforce-eager", "--tensor-parallel-size", "--num-kv-blocks", "--kv-cache-memory-bytes"):
+        assert flag in out, flag
+
+
+def test_version_subprocess():
+    import pagedllm
+    r = run_cli("--version")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"pagedllm {pagedllm.__version__}"
+
+
+def test_engine_args_map_to_llm_arguments():
+    from pagedllm.entrypoints.llm import LLM_ARGUMENTS
+    p = cli.add_engine_args(argparse.ArgumentParser())
+    args = p.parse_args(["--model", "m", "--no-enable-prefix-caching", "-tp", "2", "--kv-cache-memory-bytes",
+                         "512MiB", "--block-size", "32", "--enforce-eager", "--dtype", "float32"])
+    kw = cli.engine_kwargs(args)
+    assert kw == {"model": "m", "enable_prefix_caching": False, "tensor_parallel_size": 2,
+                  "kv_cache_memory_bytes": 512 << 20, "block_size": 32, "enforce_eager": True, "dtype": "float32"}
+    # every LLM argument has a flag, and nothing else is produced
+    assert set(cli._ENGINE_DESTS) == set(LLM_ARGUMENTS) | {"model"}
+    assert cli.engine_kwargs(p.parse_args(["--model", "m"])) == {"model": "m"}   # LLM's defaults apply
+
+
+def test_sampling_defaults_come_from_generation_config(tmp_path):
+    p = argparse.ArgumentParser()
+    cli.add_generate_args(p)
+    assert cli.sampling_params_from_args(p.parse_args([]), str(tmp_path)).temperature == 1.0
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "top_p": 0.95,
+                                                                 "do_sample": True}))
+    sp = cli.sampling_params_from_args(p.parse_args([]), str(tmp_path))
+    assert (sp.temperature, sp.top_p, sp.max_tokens) == (0.7, 0.95, cli.DEFAULT_MAX_TOKENS)
+    sp = cli.sampling_params_from_args(p.parse_args(["--temperature", "0", "--top-k", "5"]), str(tmp_path))
+    assert (sp.temperature, sp.top_p, sp.top_k) == (0, 0.95, 5)
+
+
+# ---- generate -----------------------------------------------------------------------------
+def test_generate_one_prompt_streams(model, reference, capsys, monkeypatch):
+    writes = []
+    real_write = cli._write
+    monkeypatch.setattr(cli, "_write", lambda s: (writes.append(s), real_write(s)))
+    prompt = PROMPTS[0]
+    rc = cli.main(["generate", prompt, "--model", model, *ENGINE, "--temperature", "0", "--max-tokens", "12"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert out == prompt + reference[prompt].text + "\n"
+    assert writes[0] == prompt and writes[-1] == "\n"
+    assert len(writes) > 3                       # the completion arrived in several pieces
+    assert "KV cache" in err                     # INFO logs go to stderr, not stdout
+
+
+def test_generate_batch_from_file_json_in_order(model, reference, tmp_path, capsys):
+    path = tmp_path / "prompts.txt"
+    # blank lines are skipped; a JSON line with "prompt" carries a prompt that holds a newline
+    path.write_text(PROMPTS[0] + "\n\n" + json.dumps({"prompt": PROMPTS[1]}) + "\n" + PROMPTS[2] + "\n")
+    rc = cli.main(["generate", "--input", str(path), "--json", "--model", model, *ENGINE,
+                   "--temperature", "0", "--max-tokens", "12"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["prompt"] for r in rows] == PROMPTS
+    for r in rows:
+        ref = reference[r["prompt"]]
+        assert (r["text"], r["token_ids"], r["finish_reason"]) == (ref.text, list(ref.token_ids), "length")
+
+
+def test_generate_batch_from_stdin_plain(model, reference, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO(PROMPTS[0] + "\n" + PROMPTS[2] + "\n"))
+    rc = cli.main(["generate", "-", "--model", model, *ENGINE, "--temperature", "0", "--max-tokens", "12"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    expected = [p + reference[p].text + "\n" for p in (PROMPTS[0], PROMPTS[2])]
+    assert out == cli.BATCH_SEPARATOR.join(expected)
+
+
+def test_generate_stdin_json_subprocess(model, reference):
+    """End to end: stdout holds only the JSON lines; logs and the progress bar are on stderr."""
+    r = run_cli("generate", "-", "--json", "--model", model, *ENGINE, "--temperature", "0",
+                "--max-tokens", "12", stdin=PROMPTS[2] + "\n" + PROMPTS[0] + "\n")
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [x["prompt"] for x in rows] == [PROMPTS[2], PROMPTS[0]]
+    assert [x["text"] for x in rows] == [reference[PROMPTS[2]].text, reference[PROMPTS[0]].text]
+    assert "KV cache" in r.stderr and "Traceback" not in r.stderr
+
+
+# ---- errors ----------------------------------------------------------------------------------
+def test_missing_model_dir_subprocess(tmp_path):
+    r = run_cli("generate", "hi", "--model", str(tmp_path / "nope"), "--device", "cpu")
+    assert r.returncode == 1
+    assert "does not exist" in one_error_line(r.stderr)
+    assert r.stdout == ""
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--max-tokens", "-3"], "--max-tokens"),
+    (["--max-tokens", "ten"], "--max-tokens"),
+    (["--temperature", "-1"], "--temperature"),
+    (["--top-p", "1.5"], "--top-p"),
+    (["--block-size", "0"], "--block-size"),
+    (["--device", "tpu"], "--device"),
+    (["--gpu-memory-utilization", "2"], "--gpu-memory-utilization"),
+    (["--no-such-flag"], "--no-such-flag"),
+])
+def test_bad_flag_values_are_usage_errors(flags, needle, capsys):
+    assert cli.main(["generate", "hi", *flags]) == 2
+    out, err = capsys.readouterr()
+    assert needle in one_error_line(err) and out == ""
+
+
+def test_runtime_errors_are_one_line(model, tmp_path, capsys, monkeypatch):
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    cases = [
+        (["generate", "hi", "--model", str(gpt2), "--device", "cpu"], "unsupported architecture"),
+        (["generate", "hi", "--model", str(tmp_path / "nope")], "does not exist"),
+        (["generate", "hi", "--model", model, *ENGINE, "--max-model-len", "100000"], "max_model_len"),
+        (["generate", "--input", str(empty), "--model", model], "no prompt"),
+        (["generate", "--input", str(tmp_path / "missing.txt"), "--model", model], "cannot read --input"),
+    ]
+    for argv, needle in cases:
+        assert cli.main(argv) == 1, argv
+        out, err = capsys.readouterr()
+        assert needle in one_error_line(err), err
+        assert out == ""
+    # the default model is used when --model is omitted; if it is missing the error says so
+    monkeypatch.setattr(cli, "default_model_path", lambda: str(tmp_path / "no_default"))
+    assert cli.main(["generate", "hi"]) == 1
+    assert "--model" in one_error_line(capsys.readouterr().err)
+
+
+def test_debug_shows_the_exception(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        cli.main(["--debug", "generate", "hi", "--model", str(tmp_path / "nope")])
+
+
+def test_missing_optional_subcommand_module(capsys, monkeypatch):
+    monkeypatch.setitem(cli._OPTIONAL, ("serve",),
+                        ("pagedllm.entrypoints.no_such_server", "serve", "add_server_args", "run_server", True))
+    assert cli.main(["serve", "--port", "8000"]) == 1
+    assert "not available" in one_error_line(capsys.readouterr().err)
+    assert cli.main(["bench"]) == 2                # a group without its subcommand prints its help
