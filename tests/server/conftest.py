@@ -1,0 +1,99 @@
+"""A live OpenAI-compatible server for the tests: uvicorn in a background thread of this
+process, on an ephemeral 127.0.0.1 port, CPU, small KV cache."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+API_KEY = "sk-test-key"
+MODEL_NAME = "test-model"
+# ChatML, for tokenizers that ship without a chat template
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def pick_model(tiny_models) -> str:
+    import pagedllm
+    default = pagedllm.default_model_path()
+    if os.path.isfile(os.path.join(default, "model.safetensors")):
+        return default
+    return tiny_models["qwen3"]
+
+
+class LiveServer:
+    """uvicorn.Server on port 0 in a daemon thread; `base_url` once started."""
+
+    def __init__(self, app):
+        import uvicorn
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off", ws="none")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
+
+    def start(self) -> "LiveServer":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.base_url = self.url + "/v1"
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+
+
+@pytest.fixture(scope="session")
+def server_model(tiny_models) -> str:
+    return pick_model(tiny_models)
+
+
+@pytest.fixture(scope="module")
+def live(server_model):
+    from pagedllm import LLM
+    from pagedllm.entrypoints.async_llm import AsyncLLM
+    from pagedllm.entrypoints.server import build_app
+    llm = LLM(server_model, device="cpu", num_kv_blocks=256, max_num_seqs=256)
+    if not getattr(llm.tokenizer, "chat_template", None):
+        llm.tokenizer.chat_template = CHAT_TEMPLATE
+    async_llm = AsyncLLM(llm=llm)
+    srv = LiveServer(build_app(async_llm, MODEL_NAME, API_KEY)).start()
+    srv.async_llm = async_llm
+    srv.tokenizer = llm.tokenizer
+    srv.max_model_len = async_llm.max_model_len
+    yield srv
+    srv.stop()
+    async_llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    import openai
+    with openai.OpenAI(base_url=live.base_url, api_key=API_KEY, max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def http(live):
+    import httpx
+    with httpx.Client(base_url=live.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
+        yield c
+
+
+def scrape(url: str) -> list[tuple[str, dict, float]]:
+    """GET /metrics -> [(name, labels, value)]."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return [(s.name, s.labels, s.value) for fam in text_string_to_metric_families(text) for s in fam.samples]
+
+
+def metric(samples: list[tuple[str, dict, float]], name: str, **labels: str) -> float:
+    """Sum of the samples called `name` whose labels include `labels`."""
+    return sum(v for n, lab, v in samples if n == name and all(lab.get(k) == x for k, x in labels.items()))

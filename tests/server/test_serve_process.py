@@ -1,0 +1,105 @@
+"""`python -m pagedllm serve` as a subprocess: the API key from the environment, 429 when the
+queue is full, and SIGTERM with a stream open (the stream ends cleanly, the process exits 0)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import metric, scrape
+
+KEY = "sk-from-env"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def long_context_model(tiny_models, tmp_path_factory):
+    """The tiny qwen3 with a 32k context, so one request can run for as long as a test needs."""
+    d = tmp_path_factory.mktemp("long_ctx")
+    src = tiny_models["qwen3"]
+    for f in os.listdir(src):
+        shutil.copy(os.path.join(src, f), d / f)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["max_position_embeddings"] = 32768
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def proc_server(long_context_model, tmp_path_factory):
+    port = _free_port()
+    env = dict(os.environ, PAGEDLLM_API_KEY=KEY)
+    cmd = [sys.executable, "-m", "pagedllm", "serve", "--model", long_context_model, "--device", "cpu",
+           "--num-kv-blocks", "2100", "--max-num-seqs", "1", "--max-queue-len", "1", "--port", str(port),
+           "--served-model-name", "tiny", "--log-level", "warning"]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    log = open(tmp_path_factory.mktemp("serve_log") / "server.log", "w+")
+    p = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if p.poll() is not None or time.monotonic() > deadline:
+            p.kill()
+            log.seek(0)
+            raise RuntimeError("server did not start:\n" + log.read())
+        time.sleep(0.1)
+    p.url = url
+    yield p
+    if p.poll() is None:
+        p.kill()
+        p.wait()
+    log.close()
+
+
+def test_key_from_env_queue_full_and_sigterm_with_an_open_stream(proc_server):
+    url = proc_server.url
+    assert httpx.post(url + "/v1/completions", json={"prompt": "x"}).status_code == 401
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    long = dict(model="tiny", prompt="def f(x):", max_tokens=30000, temperature=0, stream=True,
+                extra_body={"ignore_eos": True})
+    a = client.completions.create(**long)                 # runs (max_num_seqs=1) for a long time
+    first = next(iter(a))
+    assert first.choices[0].finish_reason is None
+
+    b_chunks: list = []
+
+    def consume_b():
+        for chunk in client.completions.create(**long):
+            b_chunks.append(chunk)
+    b = threading.Thread(target=consume_b, daemon=True)
+    b.start()                                             # waits: the only sequence slot is A's
+    deadline = time.monotonic() + 10
+    while metric(scrape(url), "pagedllm:num_requests_waiting") != 1:
+        assert time.monotonic() < deadline, "the second request never showed up as waiting"
+        time.sleep(0.02)
+    with pytest.raises(openai.RateLimitError) as e:       # the queue (length 1) is full
+        client.completions.create(model="tiny", prompt="x", max_tokens=1)
+    assert e.value.status_code == 429 and e.value.body["code"] == "queue_full"
+
+    proc_server.send_signal(signal.SIGTERM)
+    rest = list(a)                                        # the open stream ends cleanly ([DONE])
+    assert rest and rest[-1].choices[0].finish_reason == "abort"
+    assert all(c.choices[0].finish_reason is None for c in rest[:-1])
+    b.join(20)
+    assert not b.is_alive() and b_chunks and b_chunks[-1].choices[0].finish_reason == "abort"
+    assert proc_server.wait(30) == 0
