@@ -1,0 +1,31 @@
+"""TP=2 (two processes, gloo) gives the same greedy tokens as TP=1 and as HF transformers,
+for every family, with prefix caching, chunked prefill and forced preemption."""
+import multiprocessing
+
+import pytest
+
+from pagedllm import LLM
+from tests.conftest import FAMILIES
+from tests.tp.common import PREEMPTING, generate, hf_reference, workload
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tp2_equals_tp1_and_hf(tiny_models, family):
+    path = tiny_models[family]
+    prompts, max_tokens = workload()
+    expected = hf_reference(path, prompts, max_tokens)
+    tp1 = LLM(path, **PREEMPTING)                     # before the TP group exists in this process
+    assert generate(tp1, prompts, max_tokens) == expected
+    del tp1
+
+    with LLM(path, tensor_parallel_size=2, **PREEMPTING) as llm:
+        workers = list(llm.runner.procs)
+        assert len(workers) == 1 and workers[0].is_alive()
+        assert generate(llm, prompts, max_tokens) == expected
+        m = llm.get_metrics()
+        assert m["num_preemptions"] > 0
+        assert m["prefix_cache_hit_tokens"] > 0          # shared prompt prefixes, resumed victims
+        assert m["num_free_kv_blocks"] == m["num_kv_blocks"] == 9
+    # close() stopped the worker cleanly and left nothing behind
+    assert workers[0].exitcode == 0
+    assert not multiprocessing.active_children()
