@@ -27,6 +27,10 @@ What it does (all seeded, see ``--seed``):
 5. Saves the model in bfloat16 (``save_pretrained``, safetensors),
    ``generation_config.json`` and ``train_log.json``.
 
+The shipped model (pagedllm/default_model, see its README.md) was trained with
+``--sweep 12:0.1,16:0.15,20:0.2 --eval-every 50 --minutes 5``; its chosen run
+equals the defaults (16 epochs, dropout 0.15) with ``--minutes 5``.
+
 With ``--sweep`` the script prepares the data once and then trains several
 configurations in parallel child processes (on the same GPU), and copies the
 one with the lowest validation loss to ``--out``.
@@ -66,6 +70,15 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+# identifiers | numbers | punctuation runs (may take one leading space) | whitespace runs
+PRETOKENIZE_PATTERNS = {
+    # v1 (the shipped model): a newline and the next line's indentation form one token
+    "v1": r"[\p{L}_][\p{L}\p{N}_]*|\p{N}+| ?[^\s\p{L}\p{N}_]+|\s+",
+    # v2: newlines and indentation are separate tokens, so a prompt that ends in "\n" is
+    # tokenized as in training text (with v1 a bare "\n" token implies an unindented next line)
+    "v2": r"[\p{L}_][\p{L}\p{N}_]*|\p{N}+| ?[^\s\p{L}\p{N}_]+|\n+|[^\S\n]+",
+}
+
 EXCLUDED_DIR_NAMES = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 MODEL_FILES = [
     "config.json",
@@ -92,12 +105,13 @@ def is_generated(rel: str) -> bool:
 def gather_files(stdlib: str, keep_generated: bool) -> tuple[list[tuple[str, str]], dict]:
     root = Path(stdlib)
     files: list[tuple[str, str]] = []
-    skipped = {"excluded_dirs": 0, "generated": 0, "undecodable": 0}
+    skipped = {"test_dirs": 0, "package_dirs": 0, "generated": 0, "undecodable": 0}
     for dirpath, dirnames, filenames in os.walk(root):
         kept = []
         for d in dirnames:
             if d in EXCLUDED_DIR_NAMES:
-                skipped["excluded_dirs"] += sum(
+                key = "package_dirs" if d.endswith("-packages") else "test_dirs"
+                skipped[key] += sum(
                     1 for _, _, fs in os.walk(Path(dirpath) / d) for f in fs if f.endswith(".py")
                 )
             else:
@@ -139,11 +153,19 @@ def split_files(files, val_fraction: float, seed: int):
     return train, val
 
 
-def train_tokenizer(texts: list[str], vocab_size: int, max_chars: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+def train_tokenizer(texts: list[str], vocab_size: int, max_chars: int, pretokenizer: str = "v1"):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Byte-level BPE whose pre-tokenizer never glues a space to the *following* identifier
+    # (unlike GPT-2's " ?\p{L}+"), so prompts that end in a space ("import ", "def ") are
+    # tokenized exactly as in training text: "import os" -> "import", " ", "os".
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERNS[pretokenizer]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
@@ -230,7 +252,7 @@ def prepare_data(args, cache: Path) -> dict:
         args.tag,
     )
     t1 = time.time()
-    tok = train_tokenizer([t for _, t in train], args.vocab_size, args.tokenizer_max_chars)
+    tok = train_tokenizer([t for _, t in train], args.vocab_size, args.tokenizer_max_chars, args.pretokenizer)
     log(f"tokenizer: vocab {tok.get_vocab_size()} trained in {time.time()-t1:.1f}s", args.tag)
     cache.mkdir(parents=True, exist_ok=True)
     write_tokenizer_files(tok, cache, args.model_max_length)
@@ -264,6 +286,8 @@ def prepare_data(args, cache: Path) -> dict:
         "val_tokens": int(len(val_ids)),
         "vocab_size": tok.get_vocab_size(),
         "tokenizer_train_chars": args.tokenizer_max_chars,
+        "pretokenizer": args.pretokenizer,
+        "pretokenize_pattern": PRETOKENIZE_PATTERNS[args.pretokenizer],
         "seed": args.seed,
         "val_fraction": args.val_fraction,
         "prep_seconds": time.time() - t0,
@@ -288,7 +312,8 @@ def build_config(args, vocab_size: int):
         head_dim=args.head_dim,
         hidden_act="silu",
         max_position_embeddings=args.max_position_embeddings,
-        rope_theta=args.rope_theta,
+        rope_theta=args.rope_theta,  # transformers 4.x name
+        rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta},  # transformers 5.x
         rms_norm_eps=1e-6,
         initializer_range=0.02,
         tie_word_embeddings=True,
@@ -386,6 +411,8 @@ def train_one(args) -> dict:
 
     train_ids = torch.from_numpy(np.load(cache / "train_ids.npy").astype(np.int64))
     val_ids = torch.from_numpy(np.load(cache / "val_ids.npy").astype(np.int64))
+    train_ids_dev = train_ids.to(device)
+    arange_dev = torch.arange(args.seq_len + 1, device=device)
     vocab = meta["vocab_size"]
     assert vocab <= args.vocab_size
 
@@ -426,6 +453,17 @@ def train_one(args) -> dict:
 
     gen = np.random.default_rng(args.seed)
     n_windows = len(train_ids) - args.seq_len - 1
+    starts_pool = None
+    if args.align_windows == "line":
+        # Windows start where a file or an unindented line starts, like a prompt does.
+        from tokenizers import Tokenizer
+
+        tk = Tokenizer.from_file(str(cache / "tokenizer.json"))
+        nl = [i for i in range(tk.get_vocab_size()) if i == tk.token_to_id(EOT)
+              or (lambda t: t.endswith("\n") and t.strip() == "")(tk.decode([i], skip_special_tokens=False))]
+        prev = np.isin(np.load(cache / "train_ids.npy")[: n_windows - 1], np.array(nl, dtype=np.int32))
+        starts_pool = np.concatenate([[0], np.nonzero(prev)[0] + 1]).astype(np.int64)
+        log(f"aligned windows: {len(starts_pool)} start positions ({len(nl)} newline/eot token ids)", args.tag)
     evals = []
     best = {"val_loss": float("inf"), "step": -1, "state": None}
     recent = []
@@ -462,9 +500,12 @@ def train_one(args) -> dict:
         lr = lr_at(step, progress, warm_progress, args)
         for g in opt.param_groups:
             g["lr"] = lr
-        starts = gen.integers(0, n_windows, size=args.batch_size)
-        idx = torch.from_numpy(starts)[:, None] + torch.arange(args.seq_len + 1)[None, :]
-        batch = train_ids[idx].to(device, non_blocking=True)
+        if starts_pool is None:
+            starts = gen.integers(0, n_windows, size=args.batch_size)
+        else:
+            starts = starts_pool[gen.integers(0, len(starts_pool), size=args.batch_size)]
+        idx = torch.from_numpy(starts).to(device)[:, None] + arange_dev[None, :]
+        batch = train_ids_dev[idx]
         x, y = batch[:, :-1], batch[:, 1:]
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=amp):
             logits = fwd(input_ids=x).logits
@@ -615,8 +656,17 @@ def run_sweep(args, argv: list[str]) -> None:
         cmd = [sys.executable, os.path.abspath(__file__), *base, "--out", str(run_dir), "--data-cache",
                str(cache), "--max-epochs", str(ep), "--dropout", str(dr), "--tag", f"[run{i} ep{ep:g} do{dr:g}] "]
         log(f"sweep: launching {' '.join(cmd)}")
-        procs.append(subprocess.Popen(cmd))
-    rcs = [p.wait() for p in procs]
+        env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // len(configs))))
+        procs.append(subprocess.Popen(cmd, env=env))
+    # Children stop themselves after --minutes; kill any that hang well past that.
+    deadline = time.time() + args.minutes * 60 + args.sweep_grace
+    rcs = []
+    for p in procs:
+        try:
+            rcs.append(p.wait(timeout=max(1.0, deadline - time.time())))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            rcs.append(p.wait())
     results = []
     for i, rc in enumerate(rcs):
         lp = work / f"run{i}" / "train_log.json"
@@ -666,7 +716,7 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True, help="output directory (model + tokenizer + train_log.json)")
     p.add_argument("--minutes", type=float, default=7.0, help="wall-clock budget of the training loop")
     p.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: no limit)")
-    p.add_argument("--max-epochs", type=float, default=40.0, help="stop after this many passes over the "
+    p.add_argument("--max-epochs", type=float, default=16.0, help="stop after this many passes over the "
                    "training tokens (0: no limit)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--stdlib", default="", help="stdlib folder (default: sysconfig's, of this Python)")
@@ -675,6 +725,8 @@ def parse_args(argv=None):
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--tokenizer-max-chars", type=int, default=0, help="train the tokenizer on the first N "
                    "chars of training files only (0: all)")
+    p.add_argument("--pretokenizer", choices=sorted(PRETOKENIZE_PATTERNS), default="v1",
+                   help="split pattern before byte-level BPE (see PRETOKENIZE_PATTERNS)")
     p.add_argument("--model-max-length", type=int, default=2048)
     p.add_argument("--hidden", type=int, default=320)
     p.add_argument("--intermediate", type=int, default=960)
@@ -687,13 +739,17 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--eval-batch-size", type=int, default=32)
+    p.add_argument("--align-windows", choices=["none", "line"], default="none",
+                   help="where training windows start: anywhere (none), or only at the start of a file or of "
+                   "a line (line; with --pretokenizer v1 only unindented lines, since a newline and the next "
+                   "line's indentation share a token), which matches prompts such as 'import ' or 'def '")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--min-lr-ratio", type=float, default=0.1)
     p.add_argument("--warmup-steps", type=int, default=100)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--dropout", type=float, default=0.1, help="residual-branch dropout during training")
-    p.add_argument("--eval-every", type=int, default=0, help="steps between validation runs (0: ~2 epochs)")
+    p.add_argument("--dropout", type=float, default=0.15, help="residual-branch dropout during training")
+    p.add_argument("--eval-every", type=int, default=50, help="steps between validation runs (0: ~2 epochs)")
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--running-mean", type=int, default=8, help="logged losses in the running train-loss mean")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
@@ -703,6 +759,8 @@ def parse_args(argv=None):
     p.add_argument("--sweep", default="", help="comma-separated EPOCHS:DROPOUT configs to train in parallel; "
                    "the lowest validation loss is copied to --out")
     p.add_argument("--sweep-dir", default="", help="work folder of --sweep (default: OUT_sweep)")
+    p.add_argument("--sweep-grace", type=float, default=150.0, help="seconds past --minutes before a sweep "
+                   "run is killed")
     p.add_argument("--tag", default="", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
