@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from pagedllm.model.context import get_attention_metadata
-from pagedllm.ops.attention_ref import paged_attention_ref, prefill_attention_ref, store_kvcache_ref
+from pagedllm.ops.attention_ref import (paged_attention_ref, paged_decode_attention_ref, prefill_attention_ref,
+                                       store_kvcache_ref)
 
 
 class TorchBackend:
@@ -20,6 +21,9 @@ class TorchBackend:
     def attend(q, k, v, k_cache, v_cache, meta, scale):
         if meta.no_history or not k_cache.numel():     # pure prefill: attend over the new tokens directly
             return prefill_attention_ref(q, k, v, meta.cu_seqlens_q, scale)
+        if meta.decode_only:                            # batched, no per-sequence loop
+            return paged_decode_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                              meta.max_seqlen_k, scale)
         return paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
                                    meta.seq_lens, scale)
 

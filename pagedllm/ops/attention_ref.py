@@ -76,3 +76,24 @@ def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
         o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
         out[start:end] = o.transpose(0, 1)
     return out
+
+
+def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seqlen_k: int,
+                               scale: float) -> torch.Tensor:
+    """Decode only (one query per sequence), all sequences in one batched computation.
+
+    Same result as paged_attention_ref with q_len 1, without its per-sequence loop: K/V are
+    gathered in block layout [B, nb, Hkv, bs, D] and positions past seq_len are masked.
+    """
+    b, hq, d = q.shape
+    hkv, bs = k_cache.shape[1], k_cache.shape[2]
+    group, nb = hq // hkv, -(-max_seqlen_k // bs)
+    table = block_tables[:, :nb].long()
+    k, v = k_cache[table].float(), v_cache[table].float()                               # [B, nb, Hkv, bs, D]
+    scores = torch.matmul(q.float().view(b, 1, hkv, group, d), k.transpose(-1, -2)) * scale   # [B, nb, Hkv, G, bs]
+    pos = torch.arange(nb * bs, device=q.device).view(1, nb, 1, 1, bs)
+    scores.masked_fill_(pos >= seq_lens.long().view(b, 1, 1, 1, 1), float("-inf"))
+    probs = torch.softmax(scores.permute(0, 2, 3, 1, 4).reshape(b, hkv, group, nb * bs), dim=-1)
+    probs = probs.view(b, hkv, group, nb, bs).permute(0, 3, 1, 2, 4)                   # [B, nb, Hkv, G, bs]
+    return torch.matmul(probs, v).sum(1).reshape(b, hq, d).to(q.dtype)
