@@ -27,20 +27,32 @@ def test_fp32_gpu_greedy_equals_cpu(tiny_models, family, enforce_eager):
     assert m["num_free_kv_blocks"] == m["num_kv_blocks"]
 
 
+def first_step_logits(path, dtype, prompts):
+    llm = LLM(path, device="cuda", dtype=dtype, num_kv_blocks=128, enforce_eager=True)
+    captured = []
+    real = llm.runner.sample
+    llm.runner.sample = lambda lg, inp: (captured.append(lg.float().clone()), real(lg, inp))[1]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False)
+    return torch.cat(captured)
+
+
+def relative_error(path, prompts):
+    a, b = first_step_logits(path, "bfloat16", prompts), first_step_logits(path, "float32", prompts)
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_bf16_logits_close_to_fp32_on_the_trained_default_model():
+    from pagedllm import default_model_path
+    prompts = ["def fibonacci(", "import os\nimport ", "class Stack:\n    def ", "for i in range(10):\n"]
+    assert relative_error(default_model_path(), prompts) < 2e-2      # 0.0037 measured on CPU
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_bf16_logits_close_to_fp32(tiny_models, family):
+def test_bf16_logits_close_to_fp32_tiny(tiny_models, family):
+    # The tiny models' weights are drawn with std 0.2 so that greedy decoding is decisive; that
+    # amplifies rounding: on CPU their bf16 error is already 1.5-1.9% (default model: 0.37%).
     prompts, _ = workload(4, n=6)
-    logits = {}
-    for dtype in ("float32", "bfloat16"):
-        llm = LLM(tiny_models[family], device="cuda", dtype=dtype, num_kv_blocks=128, enforce_eager=True)
-        captured = []
-        real = llm.runner.sample
-        llm.runner.sample = lambda lg, inp: (captured.append(lg.float().clone()), real(lg, inp))[1]
-        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False)
-        logits[dtype] = torch.cat(captured)
-    a, b = logits["bfloat16"], logits["float32"]
-    rel = (a - b).norm() / b.norm()
-    assert rel < 2e-2, rel
+    assert relative_error(tiny_models[family], [p for p in prompts]) < 3e-2
 
 
 def test_profiled_kv_sizing_and_preemption_free_all(tiny_models):
