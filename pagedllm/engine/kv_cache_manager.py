@@ -96,6 +96,7 @@ class KVCacheManager:
             seq.block_table.append(block.block_id)
         if computed_blocks:
             seq.num_computed_tokens += num_cached
+            seq.num_written = num_cached
             seq.num_registered_blocks = len(computed_blocks)
         if cow:
             self._copy_last_block(seq)
@@ -119,11 +120,11 @@ class KVCacheManager:
         self.blocks_to_copy.append((src.block_id, dst.block_id))
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register the blocks whose KV is now completely written. Called after the step that
-        wrote them, so a block is never findable before its KV exists."""
+        """Register the blocks whose KV is now completely written (num_written: set when the step
+        that wrote them has finished) and whose token ids are all known (no placeholder)."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        num_full = min(seq.num_written, seq.num_tokens - seq.num_pending) // self.block_size
         if num_full <= seq.num_registered_blocks:
             return
         hashes = self._block_hashes(seq, num_full)
@@ -137,6 +138,7 @@ class KVCacheManager:
             self.pool.release(self.pool.blocks[block_id], seq.seq_id)
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.num_written = 0
         seq.num_registered_blocks = 0
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -146,6 +148,7 @@ class KVCacheManager:
             self.pool.touch(self.pool.blocks[block_id], child.seq_id)
         child.block_table = list(parent.block_table)
         child.num_computed_tokens = parent.num_computed_tokens
+        child.num_written = parent.num_written
         child.num_registered_blocks = parent.num_registered_blocks
         child.block_hashes = list(parent.block_hashes)
 

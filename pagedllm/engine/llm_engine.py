@@ -39,7 +39,7 @@ class Request:
 class LLMEngine:
     def __init__(self, config: SchedulerConfig, executor: Executor, tokenizer: Any = None,
                  eos_token_ids: set[int] | frozenset[int] = frozenset(), vocab_size: int | None = None,
-                 trace_sink=None):
+                 trace_sink=None, async_scheduling: bool = False):
         self.config = config
         self.executor = executor
         self.tokenizer = tokenizer
@@ -53,6 +53,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.async_scheduling = async_scheduling and hasattr(executor, "execute_async")
+        self._inflight: tuple[SchedulerOutput, Any] | None = None   # async: launched, not yet resolved
 
     # ---- requests ----------------------------------------------------------------------
     def tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
@@ -131,23 +133,47 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or self._inflight is not None
 
     # ---- the loop ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, execute, update. Returns one RequestOutput per request that got new
-        tokens or finished in this step (cumulative text plus this step's delta)."""
+        tokens or finished in this step (cumulative text plus this step's delta).
+
+        With async_scheduling (and an executor that has execute_async), the step launched here
+        runs on the device while the previous step's tokens are resolved and the next step is
+        scheduled; outputs then lag one step behind the launches."""
+        if self.async_scheduling:
+            return self._step_async()
         sched = self.scheduler.schedule()
         if not sched:
             return []
         sampled = self.executor.execute(sched)
-        touched = self.scheduler.update(sched, sampled)
-        self.num_generation_tokens += len(sampled)
+        return self._process(self.scheduler.update(sched, sampled), len(sampled))
+
+    def _step_async(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        launched = None
+        if sched:
+            launched = (sched, self.executor.execute_async(sched))
+            self.scheduler.advance(sched)
+        outputs: list[RequestOutput] = []
+        if self._inflight is not None:
+            prev, handle = self._inflight
+            sampled = handle.result()
+            outputs = self._process(self.scheduler.resolve(prev, sampled), len(sampled))
+        self._inflight = launched
+        return outputs
+
+    def _process(self, touched: list[Sequence], num_sampled: int) -> list[RequestOutput]:
+        self.num_generation_tokens += num_sampled
         reqs: dict[str, Request] = {}
         for seq in touched:
-            if seq.num_output_tokens == 1:
+            req = self._seq_to_req.get(seq.seq_id)
+            if req is None:
+                continue                                   # aborted while its step ran
+            if seq.num_resolved_output_tokens == 1:
                 self.num_prompt_tokens += seq.num_prompt_tokens
-            req = self._seq_to_req[seq.seq_id]
             if req.stream or seq.sampling_params.stop_list:
                 self._detokenize(req, seq)
             elif seq.status.finished and req.detoks[0] is not None:
@@ -169,9 +195,9 @@ class LLMEngine:
         if detok is None:
             return
         before = len(detok.text)
-        detok.step([seq.token_ids[-1]])
+        detok.step([seq.last_resolved_token])
         stops = seq.sampling_params.stop_list
-        if stops and not seq.status.finished and seq.num_output_tokens >= seq.sampling_params.min_tokens:
+        if stops and not seq.status.finished and seq.num_resolved_output_tokens >= seq.sampling_params.min_tokens:
             window_start = max(0, before - max(map(len, stops)) + 1)
             hit = min(((pos, s) for s in stops if (pos := detok.text.find(s, window_start)) >= 0), default=None)
             if hit is not None:
@@ -191,11 +217,11 @@ class LLMEngine:
                 end = max(req.emitted[i], end - max(map(len, stops)) + 1)
             delta = text[req.emitted[i]:end]
             req.emitted[i] = end
-            n_out = seq.num_output_tokens
+            n_out = seq.num_resolved_output_tokens
             completions.append(CompletionOutput(
-                index=i, text=text, token_ids=seq.output_token_ids, finish_reason=seq.finish_reason,
+                index=i, text=text, token_ids=seq.output_token_ids[:n_out], finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason, delta_text=delta,
-                delta_token_ids=seq.token_ids[-1:] if n_out else []))
+                delta_token_ids=[seq.last_resolved_token] if n_out else []))
         first = req.seqs[0]
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,

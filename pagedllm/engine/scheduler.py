@@ -17,10 +17,17 @@ from pagedllm.engine.kv_cache_manager import KVCacheManager
 from pagedllm.engine.sequence import Sequence, SequenceStatus
 
 
+PLACEHOLDER = -1   # a sampled token whose id has not reached the host yet (async scheduling)
+
+
 @dataclass
 class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int
+    # set by Scheduler.advance() at launch
+    sampled: bool = False
+    computed_after: int = 0
+    placeholder_index: int = -1
 
     @property
     def samples(self) -> bool:
@@ -77,6 +84,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_pending and self.reached_length(seq):
+                i += 1                            # async: finishes when its last token arrives
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.kv.allocate_slots(seq, num_new):
                 victim = self.running.pop()
@@ -113,43 +123,74 @@ class Scheduler:
         self.num_preemptions += 1
 
     def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
-        """Apply one step's results: advance computed tokens, register full blocks, append the
-        sampled tokens (one per sampling sequence, in scheduled order), finish what stopped.
-        Returns the sequences that got a token or finished."""
+        """Apply one step's results (synchronous scheduling): advance, then resolve at once."""
+        self.advance(out)
+        return self.resolve(out, sampled)
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """At launch: advance computed counts and give every sampling sequence a PLACEHOLDER
+        token, so the next step can be scheduled before the sampled ids reach the host (async
+        scheduling). The next step's input for that token is taken from the device."""
+        for sched in out.scheduled:
+            seq = sched.seq
+            sched.sampled = sched.samples
+            seq.num_computed_tokens += sched.num_new_tokens
+            sched.computed_after = seq.num_computed_tokens
+            if not sched.sampled:
+                continue
+            sched.placeholder_index = seq.num_tokens
+            seq.append_token(PLACEHOLDER)
+            seq.num_pending += 1
+
+    def resolve(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
+        """When the step's sampled ids arrive: fill the placeholders (one per sampling sequence,
+        in scheduled order), register the blocks now known written, stop on EOS / stop token
+        ids. Returns the sequences that got a token (finished or not)."""
         now = time.monotonic()
         it = iter(sampled)
         touched: list[Sequence] = []
         for sched in out.scheduled:
             seq = sched.seq
-            if seq.status is not SequenceStatus.RUNNING:
-                continue                                   # aborted while the step ran
-            samples = sched.samples
-            seq.num_computed_tokens += sched.num_new_tokens
-            self.kv.cache_full_blocks(seq)
-            if not samples:
+            if seq.status is SequenceStatus.RUNNING:
+                seq.num_written = max(seq.num_written, sched.computed_after)
+            if not sched.sampled:
+                self.kv.cache_full_blocks(seq)
                 continue
             token = next(it)
-            seq.append_token(token)
+            idx = sched.placeholder_index
+            if idx >= seq.num_tokens:
+                continue                          # finished (abort, stop) after this step launched
+            seq.token_ids[idx] = token
+            seq.num_pending -= 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            status = self.check_stop(seq, token)
+            self.kv.cache_full_blocks(seq)
+            status = self.check_stop(seq, token, idx + 1)
             if status is not None:
                 self.finish(seq, status, now)
             touched.append(seq)
         return touched
 
-    def check_stop(self, seq: Sequence, token: int) -> SequenceStatus | None:
+    def check_stop(self, seq: Sequence, token: int, num_tokens: int) -> SequenceStatus | None:
+        """Stop after `token`, the sequence's num_tokens-th token? EOS and stop token ids first
+        (once min_tokens are out), then max_tokens and max_model_len."""
         p = seq.sampling_params
-        if seq.num_output_tokens >= p.min_tokens:
+        num_output = num_tokens - seq.num_prompt_tokens
+        if num_output >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 seq.stop_reason = None
                 return SequenceStatus.FINISHED_STOPPED
             if p.stop_token_ids and token in p.stop_token_ids:
                 seq.stop_reason = token
                 return SequenceStatus.FINISHED_STOPPED
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if num_output >= p.max_tokens or num_tokens >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
         return None
+
+    def reached_length(self, seq: Sequence) -> bool:
+        """Its last (possibly pending) token is the last allowed: nothing more to schedule."""
+        return (seq.num_output_tokens >= seq.sampling_params.max_tokens
+                or seq.num_tokens >= self.max_model_len)
 
     def finish(self, seq: Sequence, status: SequenceStatus, now: float | None = None) -> None:
         """End a sequence wherever it is and free its blocks now."""
@@ -160,6 +201,9 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         self.kv.free(seq)
+        if seq.num_pending:                       # tokens of a step launched meanwhile: never sampled
+            del seq.token_ids[-seq.num_pending:]
+            seq.num_pending = 0
         self._finished_seq_ids.append(seq.seq_id)
         seq.status = status
         seq.finish_time = time.monotonic() if now is None else now

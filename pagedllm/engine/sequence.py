@@ -48,6 +48,8 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []                  # chained hashes of full blocks, lazily extended
         self.num_registered_blocks = 0                     # leading blocks already in the prefix cache
+        self.num_written = 0                               # tokens whose KV a finished step has written
+        self.num_pending = 0                               # trailing PLACEHOLDER tokens (async scheduling)
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -72,6 +74,15 @@ class Sequence:
     @property
     def finish_reason(self) -> str | None:
         return self.status.value if self.status.finished else None
+
+    @property
+    def num_resolved_output_tokens(self) -> int:
+        """Output tokens whose ids are known (not PLACEHOLDERs of a step still on the device)."""
+        return len(self.token_ids) - self.num_pending - self.num_prompt_tokens
+
+    @property
+    def last_resolved_token(self) -> int:
+        return self.token_ids[len(self.token_ids) - self.num_pending - 1]
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import zlib
 
-from pagedllm.engine.scheduler import SchedulerOutput
+from pagedllm.engine.scheduler import PLACEHOLDER, SchedulerOutput
 from pagedllm.engine.sequence import Sequence
 
 VOCAB = 97
@@ -33,6 +33,7 @@ class ShadowRunner:
     def __init__(self, block_size: int):
         self.block_size = block_size
         self.shadow: dict[int, tuple[int, int]] = {}
+        self.device_tokens: dict[tuple[int, int], int] = {}
         self.steps = 0
         self.decode_and_prefill_mixed = 0
 
@@ -51,7 +52,10 @@ class ShadowRunner:
             seq = s.seq
             kinds.add(s.num_new_tokens == 1 and seq.num_computed_tokens > 0)
             for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + s.num_new_tokens):
-                self.shadow[self.slot(seq, pos)] = (pos, seq.token_ids[pos])
+                token = seq.token_ids[pos]
+                if token == PLACEHOLDER:                 # async scheduling: the id lives "on the device"
+                    token = self.device_tokens[(seq.seq_id, pos)]
+                self.shadow[self.slot(seq, pos)] = (pos, token)
         if len(kinds) == 2:
             self.decode_and_prefill_mixed += 1
         sampled = []
@@ -60,7 +64,20 @@ class ShadowRunner:
                 seq = s.seq
                 ctx = [self.shadow.get(self.slot(seq, p)) for p in range(seq.num_tokens)]
                 sampled.append(next_token(ctx))
+                self.device_tokens[(seq.seq_id, seq.num_tokens)] = sampled[-1]
         return sampled
+
+    def execute_async(self, out: SchedulerOutput) -> "Done":
+        """Like a GPU launch: the work happens in launch order; the ids come back later."""
+        return Done(self.execute(out))
+
+
+class Done:
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
 
 
 class CharTokenizer:

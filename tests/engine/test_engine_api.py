@@ -9,10 +9,15 @@ from pagedllm.engine import LLMEngine, SamplingParams, SchedulerConfig
 from tests.engine.fake_runner import CharTokenizer, ShadowRunner, reference_generate
 
 
-def make_engine(**kw):
+def make_engine(async_scheduling=False, **kw):
     cfg = SchedulerConfig(**{"num_kv_blocks": 32, "block_size": 4, "max_model_len": 64, **kw})
     return LLMEngine(cfg, ShadowRunner(cfg.block_size), tokenizer=CharTokenizer(), vocab_size=97,
-                     eos_token_ids={5})
+                     eos_token_ids={5}, async_scheduling=async_scheduling)
+
+
+@pytest.fixture(params=[False, True], ids=["sync", "async"])
+def mode(request):
+    return request.param
 
 
 def drain(engine):
@@ -61,8 +66,8 @@ def test_admission_checks_and_the_engine_keeps_working():
     assert done["ok"].outputs[0].token_ids == reference_generate([1, 2, 3], 4)
 
 
-def test_length_stops_at_max_tokens_and_at_max_model_len():
-    engine = make_engine(max_model_len=12)
+def test_length_stops_at_max_tokens_and_at_max_model_len(mode):
+    engine = make_engine(mode, max_model_len=12)
     engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
     engine.add_request("b", [1] * 10, SamplingParams(max_tokens=50, ignore_eos=True))
     done = drain(engine)
@@ -74,12 +79,12 @@ def _first_index(tokens, wanted):
     return next(i for i, t in enumerate(tokens) if t in wanted)
 
 
-def test_stop_token_ids_eos_and_min_tokens():
+def test_stop_token_ids_eos_and_min_tokens(mode):
     prompt = [10, 20, 30]
     ref = reference_generate(prompt, 40)
     stop = ref[5]
     k = _first_index(ref, {stop})
-    engine = make_engine()
+    engine = make_engine(mode)
     engine.add_request("s", prompt, SamplingParams(max_tokens=40, stop_token_ids=[stop], ignore_eos=True))
     engine.add_request("m", prompt, SamplingParams(max_tokens=40, stop_token_ids=[stop], min_tokens=k + 2,
                                                    ignore_eos=True))
@@ -89,13 +94,13 @@ def test_stop_token_ids_eos_and_min_tokens():
     assert len(done["m"].outputs[0].token_ids) > k + 1
 
 
-def test_stop_strings_cut_the_text_and_stream_deltas_add_up():
+def test_stop_strings_cut_the_text_and_stream_deltas_add_up(mode):
     prompt = "hello"
     ids = CharTokenizer().encode(prompt)
     ref_text = CharTokenizer().decode(reference_generate(ids, 30))
     stop = ref_text[7:9]
     cut = ref_text.find(stop)
-    engine = make_engine()
+    engine = make_engine(mode)
     engine.add_request("x", prompt, SamplingParams(max_tokens=30, stop=[stop, "\x7f\x7f"], ignore_eos=True))
     deltas, final = [], None
     while engine.has_unfinished_requests():
@@ -108,19 +113,21 @@ def test_stop_strings_cut_the_text_and_stream_deltas_add_up():
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
-def test_abort_frees_blocks_at_once():
-    engine = make_engine()
+def test_abort_frees_blocks_at_once(mode):
+    engine = make_engine(mode)
     engine.add_request("a", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=20, ignore_eos=True))
     engine.step()
     assert engine.kv.num_free_blocks < engine.kv.num_blocks
     assert engine.abort_request("a")
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    if mode:                                   # async: the step in flight still has to land
+        assert engine.step() == []
     assert not engine.has_unfinished_requests()
     assert not engine.abort_request("a")
 
 
-def test_metrics_keys_and_values():
-    engine = make_engine(num_kv_blocks=64)
+def test_metrics_keys_and_values(mode):
+    engine = make_engine(mode, num_kv_blocks=64)
     shared = list(range(1, 17))
     engine.add_request("a", shared + [1], SamplingParams(max_tokens=3, ignore_eos=True))
     drain(engine)
@@ -136,8 +143,8 @@ def test_metrics_keys_and_values():
     assert m["num_free_kv_blocks"] == 64 and m["kv_cache_usage"] == 0.0
 
 
-def test_n_greater_than_one_gives_n_completions():
-    engine = make_engine(num_kv_blocks=64)
+def test_n_greater_than_one_gives_n_completions(mode):
+    engine = make_engine(mode, num_kv_blocks=64)
     engine.add_request("a", [1, 2, 3, 4, 5], SamplingParams(n=3, max_tokens=4, ignore_eos=True))
     out = drain(engine)["a"]
     assert [o.index for o in out.outputs] == [0, 1, 2]
