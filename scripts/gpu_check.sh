@@ -12,6 +12,9 @@ if [ "$MODE" != "tests" ]; then
   [ -d $MODEL ] || python3 tools/make_random_model.py --shape qwen3-0.6b --out $MODEL 2>&1 | tail -3
   timeout ${T_BENCH:-240} python3 benchmarks/throughput.py --model $MODEL --num-seqs "${NUM_SEQS:-256}" \
       --results-dir "$OUT" --out "$OUT/throughput.json" ${BENCH_ARGS:-} 2>&1 | grep -v -i warn | tail -15
+  timeout ${T_BENCH:-240} python3 benchmarks/throughput.py --model $MODEL --num-seqs "${NUM_SEQS:-256}" \
+      --async-scheduling --label "async scheduling" --results-dir "$OUT" --out "$OUT/throughput_async.json" \
+      ${BENCH_ARGS:-} 2>&1 | grep -v -i warn | tail -15
 fi
 if [ "$MODE" != "bench" ]; then
   timeout ${T_TESTS:-150} python3 -m pytest -q -m gpu -x tests/ops tests/gpu -p no:cacheprovider 2>&1 | tail -25 > "$OUT/gpu_tests.log"

@@ -115,12 +115,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="random seed of the engine; makes sampling reproducible (default: 0)")
     g.add_argument("--trace-blocks", action="store_true", default=None,
                    help="write the KV block lifecycle as JSON lines to stderr")
+    g.add_argument("--async-scheduling", action="store_true", default=None,
+                   help="schedule the next step while the GPU runs this one (single GPU)")
     return parser
 
 
 _ENGINE_DESTS = ["model", "tokenizer", "dtype", "device", "block_size", "max_num_seqs", "max_num_batched_tokens",
                  "max_model_len", "enable_prefix_caching", "num_kv_blocks", "kv_cache_memory_bytes",
-                 "gpu_memory_utilization", "enforce_eager", "tensor_parallel_size", "seed", "trace_blocks"]
+                 "gpu_memory_utilization", "enforce_eager", "tensor_parallel_size", "seed", "trace_blocks",
+                 "async_scheduling"]
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -59,7 +59,8 @@ class LLM:
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
                  num_kv_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
-                 tensor_parallel_size: int = 1, seed: int = 0, trace_blocks: bool = False, **kwargs: Any):
+                 tensor_parallel_size: int = 1, seed: int = 0, trace_blocks: bool = False,
+                 async_scheduling: bool = False, **kwargs: Any):
         if kwargs:
             raise ValueError(f"unknown LLM argument(s): {', '.join(sorted(kwargs))}")
         if not 0 < gpu_memory_utilization <= 1:
@@ -99,7 +100,7 @@ class LLM:
         self.hf_config = hf_config
         self.model_path = model
         self.engine = LLMEngine(config, self.runner, self.tokenizer, _eos_ids(model, hf_config, self.tokenizer),
-                                vocab_size=hf_config.vocab_size)
+                                vocab_size=hf_config.vocab_size, async_scheduling=async_scheduling)
         self._counter = 0
 
     # ---- generation --------------------------------------------------------------------

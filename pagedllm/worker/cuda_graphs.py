@@ -72,7 +72,7 @@ class DecodeGraphs:
     def can_run(self, inp) -> bool:
         return inp.num_seqs <= self.sizes[-1] and inp.block_tables.shape[1] <= self.max_blocks
 
-    def run(self, inp) -> torch.Tensor:
+    def run(self, inp, fix=None) -> torch.Tensor:
         bs = inp.num_seqs
         padded = self.sizes[bisect.bisect_left(self.sizes, bs)]
         h = self.host
@@ -90,5 +90,6 @@ class DecodeGraphs:
         self.slot_mapping[:padded].copy_(h["slot_mapping"][:padded], non_blocking=True)
         self.seq_lens[:padded].copy_(h["seq_lens"][:padded], non_blocking=True)
         self.block_tables[:bs].copy_(h["block_tables"][:bs], non_blocking=True)
+        self.runner.fill_placeholders(self.input_ids, fix)      # async scheduling: ids from the device
         self.graphs[padded].replay()
         return self.logits[padded][:bs]

@@ -93,6 +93,10 @@ class ModelRunner:
         self.num_kv_blocks = agree_min(self.num_kv_blocks)   # TP: the same block ids on every rank
         self._allocate_kv_cache()
         self._generators: dict[int, torch.Generator] = {}
+        self._last_sampled: torch.Tensor | None = None    # async scheduling: the previous step's ids
+        self._last_rows: dict[int, int] = {}
+        self._host_ids = [torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=device.type == "cuda")
+                          for _ in range(2)]
         self.graphs = None
         if not self.enforce_eager:
             from pagedllm.worker.cuda_graphs import DecodeGraphs
@@ -181,31 +185,65 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, inp: StepInputs) -> list[int]:
+        sampled = self.launch(inp)
+        return [] if sampled is None else sampled.tolist()
+
+    def execute_async(self, out: SchedulerOutput) -> "StepHandle":
+        """Launch a step and return at once; `.result()` waits for its sampled ids. The next
+        step may be launched before that: its PLACEHOLDER inputs are read from this step's
+        sampled tensor on the device."""
+        with torch.inference_mode():
+            sampled = self.launch(build_step_inputs(out, self.block_size, self.vocab_size))
+        return StepHandle(sampled, self._host_ids)
+
+    def launch(self, inp: StepInputs) -> torch.Tensor | None:
+        """Queue one step's work on the device; the sampled ids stay there (None if none)."""
         for seq_id in inp.finished_seq_ids:
             self._generators.pop(seq_id, None)
         for src, dst in inp.blocks_to_copy:
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        fix = self._placeholder_sources(inp)
         if self.graphs is not None and inp.decode_only and self.graphs.can_run(inp):
-            logits = self.graphs.run(inp)
+            logits = self.graphs.run(inp, fix)
         else:
-            logits = self.forward(inp)
+            logits = self.forward(inp, fix)
         if logits is None or not self.is_driver:   # nothing to sample, or not rank 0 of a TP group
-            return []
-        return self.sample(logits, inp)
+            return None
+        sampled = self.sample(logits, inp)
+        self._last_sampled = sampled
+        self._last_rows = {seq_id: i for i, seq_id in enumerate(inp.sample_seq_ids)}
+        return sampled
 
-    def forward(self, inp: StepInputs) -> torch.Tensor | None:
+    def _placeholder_sources(self, inp: StepInputs):
+        """Async scheduling: input rows whose token id is still a PLACEHOLDER, and where the
+        previous step's sampled tensor holds it: (rows, sources) on the device, or None."""
+        rows = np.flatnonzero(inp.input_ids < 0)
+        if rows.size == 0:
+            return None
+        seq_index = np.searchsorted(inp.cu_seqlens_q, rows, side="right") - 1
+        src = np.fromiter((self._last_rows[inp.seq_ids[j]] for j in seq_index), dtype=np.int64, count=rows.size)
+        return self._to_device(rows), self._to_device(src)
+
+    def fill_placeholders(self, input_ids: torch.Tensor, fix) -> None:
+        if fix is not None:
+            rows, src = fix
+            input_ids[rows] = self._last_sampled[src]
+
+    def forward(self, inp: StepInputs, fix=None) -> torch.Tensor | None:
         meta = self._metadata_from(
             slot_mapping=inp.slot_mapping, block_tables=inp.block_tables, cu=inp.cu_seqlens_q,
             seq_lens=inp.seq_lens, max_q=inp.max_seqlen_q, max_k=inp.max_seqlen_k,
             decode_only=inp.decode_only, no_history=inp.no_history)
         set_attention_metadata(meta)
-        hidden = self.model(self._to_device(inp.input_ids), self._to_device(inp.positions))
+        input_ids = self._to_device(inp.input_ids)
+        self.fill_placeholders(input_ids, fix)
+        hidden = self.model(input_ids, self._to_device(inp.positions))
         set_attention_metadata(None)
         if len(inp.logits_indices) == 0:
             return None
         return self.model.compute_logits(hidden[self._to_device(inp.logits_indices)])
 
-    def sample(self, logits: torch.Tensor, inp: StepInputs) -> list[int]:
+    def sample(self, logits: torch.Tensor, inp: StepInputs) -> torch.Tensor:
         gens = []
         for seq_id, seed in zip(inp.sample_seq_ids, inp.seeds):
             if seed is None:
@@ -224,4 +262,27 @@ class ModelRunner:
             all_greedy=bool((temperature == 0).all()),
             need_top_k_p=bool((inp.top_k < self.vocab_size).any() or (inp.top_p < 1).any()),
             need_min_p=bool((inp.min_p > 0).any()))
-        return sample(logits, t).tolist()
+        return sample(logits, t)
+
+
+class StepHandle:
+    """The sampled ids of a launched step: one device-to-host copy into pinned memory,
+    waited for only in result()."""
+
+    def __init__(self, sampled: torch.Tensor | None, host_buffers: list[torch.Tensor]):
+        self.event = None
+        if sampled is None:
+            self.host, self.n = None, 0
+        elif sampled.is_cuda:
+            host_buffers.append(host_buffers.pop(0))     # alternate: the previous step's is still being read
+            self.host, self.n = host_buffers[-1], sampled.numel()
+            self.host[:self.n].copy_(sampled, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host, self.n = sampled, sampled.numel()
+
+    def result(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return [] if self.host is None else self.host[:self.n].tolist()

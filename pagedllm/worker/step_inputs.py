@@ -26,6 +26,7 @@ class StepInputs:
     decode_only: bool
     no_history: bool
     blocks_to_copy: list[tuple[int, int]]
+    seq_ids: list[int]           # [B] the scheduled sequences, in order
     # sampling, one row per sampled sequence (only rank 0 uses these)
     sample_seq_ids: list[int]
     temperature: np.ndarray
@@ -78,6 +79,7 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, vocab_size: int) ->
         cu_seqlens_q=cu, seq_lens=end.astype(np.int32), logits_indices=logits_indices,
         max_seqlen_q=int(n_new.max()), max_seqlen_k=int(end.max()), decode_only=decode_only,
         no_history=bool((start == 0).all()), blocks_to_copy=list(out.blocks_to_copy),
+        seq_ids=[s.seq.seq_id for s in sched],
         sample_seq_ids=[q.seq_id for q in sampled],
         temperature=np.array([p.temperature for p in params], dtype=np.float32),
         top_k=np.array([p.top_k if p.top_k > 0 else vocab_size for p in params], dtype=np.int64),

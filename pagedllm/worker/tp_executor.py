@@ -276,8 +276,8 @@ class TPExecutor:
     def __getattr__(self, name):
         """Everything else (device, kv_cache, graphs, ...) is rank 0's ModelRunner's."""
         driver = self.__dict__.get("driver")
-        if driver is None:
-            raise AttributeError(name)
+        if driver is None or name in ("execute_async", "launch"):   # every rank must run each step:
+            raise AttributeError(name)                               # no async scheduling under TP yet
         return getattr(driver, name)
 
     def close(self) -> None:

@@ -106,3 +106,21 @@ def test_incremental_detokenizer_never_splits_multibyte_characters(llm):
     # byte tokens of a single multi-byte char: nothing is emitted until it is complete
     byte_ids = [tok.convert_tokens_to_ids(t) for t in tok.convert_ids_to_tokens(tok.encode("你", add_special_tokens=False))]
     assert len(ids) > 0 and len(byte_ids) >= 1
+
+
+def test_async_scheduling_keeps_seeded_sampling_and_stops(tiny_models):
+    sync = LLM(tiny_models["qwen3"], num_kv_blocks=128, block_size=8)
+    async_ = LLM(tiny_models["qwen3"], num_kv_blocks=128, block_size=8, async_scheduling=True)
+    assert async_.engine.async_scheduling
+    prompts = [[5, 6, 7], [9, 9], list(range(1, 30))]
+    params = [SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=15, ignore_eos=True)]
+    a = sync.generate(prompts, params, use_tqdm=False)
+    b = async_.generate(prompts, params, use_tqdm=False)
+    assert [tokens(o) for o in a] == [tokens(o) for o in b]
+    stop_tok = tokens(a[1])[3]
+    p = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, stop_token_ids=[stop_tok])
+    assert tokens(async_.generate([[9, 9]], p, use_tqdm=False)[0]) == tokens(a[1])[:tokens(a[1]).index(stop_tok) + 1]
+    m = async_.get_metrics()
+    assert m["num_free_kv_blocks"] == m["num_kv_blocks"]
