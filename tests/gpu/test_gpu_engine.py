@@ -4,7 +4,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from tests.conftest import FAMILIES
-from tests.model.test_hf_agreement import workload
+from tests.model.hf_reference import workload
 
 pytestmark = pytest.mark.gpu
 

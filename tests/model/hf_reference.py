@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import random
 
 import torch
 
@@ -24,3 +25,41 @@ def hf_greedy(path: str, prompt: list[int], max_tokens: int) -> list[int]:
     out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, min_new_tokens=max_tokens,
                          pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+def workload(seed=0, n=8):
+    """Prompts of random token ids (half share a prefix of 8-40 tokens) and their max_tokens."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(1, 370) for _ in range(40)]
+    prompts = []
+    for i in range(n):
+        own = [rng.randrange(1, 370) for _ in range(rng.randrange(1, 25))]
+        prompts.append(shared[: rng.randrange(8, 41)] + own if i % 2 else own)
+    max_tokens = [rng.randrange(4, 14) for _ in range(n)]
+    return prompts, max_tokens
+
+
+_ref_cache = {}
+
+
+def reference(path, prompts, max_tokens):
+    """HF greedy continuations, cached per (model, workload)."""
+    key = (path, tuple(map(tuple, prompts)), tuple(max_tokens))
+    if key not in _ref_cache:
+        _ref_cache[key] = [hf_greedy(path, p, m) for p, m in zip(prompts, max_tokens)]
+    return _ref_cache[key]
+
+
+def generate(llm, prompts, max_tokens, order=None):
+    """Greedy token ids from an LLM, submitted in `order` (default: as given), returned in input order."""
+    from pagedllm import SamplingParams
+    idx = list(range(len(prompts))) if order is None else order
+    outs = llm.generate([prompts[i] for i in idx], [SamplingParams(max_tokens=max_tokens[i], **GREEDY) for i in idx],
+                        use_tqdm=False)
+    res = [None] * len(prompts)
+    for i, o in zip(idx, outs):
+        res[i] = o.outputs[0].token_ids
+    return res

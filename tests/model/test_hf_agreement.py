@@ -7,41 +7,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from tests.conftest import FAMILIES
-from tests.model.hf_reference import hf_greedy, hf_logits
-
-GREEDY = dict(temperature=0, ignore_eos=True)
-
-
-def workload(seed=0, n=8):
-    rng = random.Random(seed)
-    shared = [rng.randrange(1, 370) for _ in range(40)]
-    prompts = []
-    for i in range(n):
-        own = [rng.randrange(1, 370) for _ in range(rng.randrange(1, 25))]
-        prompts.append(shared[: rng.randrange(8, 41)] + own if i % 2 else own)
-    max_tokens = [rng.randrange(4, 14) for _ in range(n)]
-    return prompts, max_tokens
-
-
-_ref_cache = {}
-
-
-def reference(path, prompts, max_tokens):
-    key = (path, tuple(map(tuple, prompts)), tuple(max_tokens))
-    if key not in _ref_cache:
-        _ref_cache[key] = [hf_greedy(path, p, m) for p, m in zip(prompts, max_tokens)]
-    return _ref_cache[key]
-
-
-def generate(llm, prompts, max_tokens, order=None):
-    idx = list(range(len(prompts))) if order is None else order
-    outs = llm.generate([prompts[i] for i in idx], [SamplingParams(max_tokens=max_tokens[i], **GREEDY) for i in idx],
-                        use_tqdm=False)
-    res = [None] * len(prompts)
-    for i, o in zip(idx, outs):
-        res[i] = o.outputs[0].token_ids
-    return res
-
+from tests.model.hf_reference import GREEDY, generate, hf_logits, reference, workload
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_ragged_batch_logits_match_hf(tiny_models, family):
