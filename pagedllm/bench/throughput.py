@@ -76,14 +76,26 @@ class StepTimer:
         return out
 
     def summary(self) -> dict:
+        """Decode steps at batch >= 200 (the issue's host vs GPU split), and where the whole run's
+        time goes: steps, wall seconds and GPU seconds per kind of step."""
         self.torch.cuda.synchronize()
+        for r in self.rows:
+            r["gpu_s"] = r["events"][0].elapsed_time(r["events"][1]) / 1e3
+        out = {}
         dec = [r for r in self.rows if r["decode"] and r["batch"] >= 200]
-        if not dec:
-            return {}
-        gpu = sum(r["events"][0].elapsed_time(r["events"][1]) for r in dec) / len(dec)
-        step = sum(r["step_s"] for r in dec) * 1e3 / len(dec)
-        return {"decode_steps_measured": len(dec), "batch_mean": sum(r["batch"] for r in dec) / len(dec),
-                "step_ms": step, "gpu_ms": gpu, "host_exposed_ms": step - gpu}
+        if dec:
+            step = sum(r["step_s"] for r in dec) * 1e3 / len(dec)
+            gpu = sum(r["gpu_s"] for r in dec) * 1e3 / len(dec)
+            out = {"decode_steps_measured": len(dec), "batch_mean": sum(r["batch"] for r in dec) / len(dec),
+                   "step_ms": step, "gpu_ms": gpu, "host_exposed_ms": step - gpu}
+        buckets = {"prefill_or_mixed": lambda r: not r["decode"]}
+        for lo, hi in ((1, 16), (17, 64), (65, 128), (129, 200), (201, 100000)):
+            buckets[f"decode_batch_{lo}_{hi}"] = lambda r, lo=lo, hi=hi: r["decode"] and lo <= r["batch"] <= hi
+        out["time_by_step_kind"] = {
+            name: {"steps": len(rs), "wall_s": round(sum(r["step_s"] for r in rs), 3),
+                   "gpu_s": round(sum(r["gpu_s"] for r in rs), 3)}
+            for name, pick in buckets.items() if (rs := [r for r in self.rows if pick(r)])}
+        return out
 
 
 def run_pagedllm(args, prompts, params) -> dict:
