@@ -38,3 +38,12 @@ def test_step_timer_splits_time_by_step_kind(tiny_models, monkeypatch, async_sch
     kinds = timer.summary()["time_by_step_kind"]
     assert kinds["prefill_or_mixed"]["steps"] >= 1 and kinds["decode_batch_1_16"]["steps"] == 5
     assert all(k["wall_s"] >= 0 and k["gpu_s"] >= 0 for k in kinds.values())
+
+
+def test_step_timer_times_rank_0_under_tensor_parallelism(tiny_models, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    with LLM(tiny_models["qwen3"], num_kv_blocks=64, block_size=8, tensor_parallel_size=2) as llm:
+        timer = throughput.StepTimer(llm)
+        llm.generate([[1, 2, 3]] * 3, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        assert timer.summary()["time_by_step_kind"]["decode_batch_1_16"]["steps"] == 3

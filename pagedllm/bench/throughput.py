@@ -52,7 +52,8 @@ class StepTimer:
         import torch
         self.torch = torch
         self.rows = []
-        engine, runner = llm.engine, llm.runner
+        engine = llm.engine
+        runner = getattr(llm.runner, "driver", None) or llm.runner     # TP: rank 0's ModelRunner
         self._step, self._launch = engine.step, runner.launch
         engine.step = self.step
         runner.launch = self.launch
@@ -105,7 +106,7 @@ def run_pagedllm(args, prompts, params) -> dict:
               block_size=args.block_size, enforce_eager=args.enforce_eager,
               tensor_parallel_size=args.tensor_parallel_size, async_scheduling=args.async_scheduling)
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
-    timer = StepTimer(llm) if llm.runner.device.type == "cuda" and args.tensor_parallel_size == 1 else None
+    timer = StepTimer(llm) if llm.runner.device.type == "cuda" else None
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t
