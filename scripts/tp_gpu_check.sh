@@ -3,6 +3,7 @@
 # then TP=1 vs TP=2 throughput on the standard workload for the Qwen3-8B shape (the issue's
 # goal: TP=2 >= 1.7x TP=1) and the Qwen3-0.6B shape (communication-bound).
 # Writes logs and JSON under $OUT (default ./gpu_out). Usage: bash scripts/tp_gpu_check.sh [tests|full]
+# The device tool allows 10 minutes a command: T_TESTS and T_BENCH (per run) keep it inside that.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 MODE=${1:-full}
@@ -13,7 +14,7 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 nvidia-smi topo -m 2>/dev/null | tee -a "$OUT/tp_env.txt"
 
 # 1. correctness: TP=2 == TP=1 in float32 (CUDA graphs capture the all-reduce), bf16 logits in tolerance
-timeout 900 python3 -m pytest -q -m gpu tests/tp -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/tp_gpu_tests.log"
+timeout ${T_TESTS:-150} python3 -m pytest -q -m gpu tests/tp -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/tp_gpu_tests.log"
 [ "$MODE" = "tests" ] && { ls -la "$OUT"; exit 0; }
 
 # 2. throughput: the same requests at TP=1 and TP=2, one run each
@@ -22,7 +23,7 @@ for SHAPE in qwen3-8b qwen3-0.6b; do
   MODEL=/tmp/$SHAPE
   [ -d $MODEL ] || python3 tools/make_random_model.py --shape $SHAPE --out $MODEL --device cuda 2>&1 | tail -3
   for TP in 1 2; do
-    timeout 1500 python3 benchmarks/throughput.py --model $MODEL --num-seqs "$NUM" --tensor-parallel-size $TP \
+    timeout ${T_BENCH:-110} python3 benchmarks/throughput.py --model $MODEL --num-seqs "$NUM" --tensor-parallel-size $TP \
       --label "tp$TP $SHAPE" --results-dir "$OUT" --out "$OUT/throughput_${SHAPE}_tp$TP.json" ${BENCH_ARGS:-} \
       2>&1 | grep -v Warning | tail -8
   done
