@@ -15,6 +15,10 @@ if [ "$MODE" != "tests" ]; then
   timeout ${T_BENCH:-240} python3 benchmarks/throughput.py --model $MODEL --num-seqs "${NUM_SEQS:-256}" \
       --async-scheduling --label "async scheduling" --results-dir "$OUT" --out "$OUT/throughput_async.json" \
       ${BENCH_ARGS:-} 2>&1 | grep -v -i warn | tail -15
+  # where the GPU time goes: torch.profiler over 5 decode steps at large batch (own run: timing perturbed)
+  [ "${PROFILE:-1}" = 1 ] && timeout ${T_BENCH:-240} python3 benchmarks/throughput.py --model $MODEL \
+      --profile-steps 300:305 --label "profiled run (timing perturbed)" --results-dir "$OUT" \
+      --out "$OUT/throughput_profiled.json" 2>&1 | grep -v -i warn | tail -3
 fi
 if [ "$MODE" != "bench" ]; then
   timeout ${T_TESTS:-150} python3 -m pytest -q -m gpu -x tests/ops tests/gpu -p no:cacheprovider 2>&1 | tail -25 > "$OUT/gpu_tests.log"

@@ -28,16 +28,19 @@ class FakeEvent:
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_step_timer_splits_time_by_step_kind(tiny_models, monkeypatch, async_scheduling):
+def test_step_timer_splits_time_by_step_kind(tiny_models, monkeypatch, tmp_path, async_scheduling):
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     llm = LLM(tiny_models["qwen3"], num_kv_blocks=256, block_size=8, async_scheduling=async_scheduling)
     timer = throughput.StepTimer(llm)
+    profile = tmp_path / "profile.txt"
+    timer.profile("1:3", str(profile))
     outs = llm.generate([[1, 2, 3]] * 5, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
     kinds = timer.summary()["time_by_step_kind"]
     assert kinds["prefill_or_mixed"]["steps"] >= 1 and kinds["decode_batch_1_16"]["steps"] == 5
     assert all(k["wall_s"] >= 0 and k["gpu_s"] >= 0 for k in kinds.values())
+    assert "aten::" in profile.read_text()                  # the profiled window's op table
 
 
 def test_step_timer_times_rank_0_under_tensor_parallelism(tiny_models, monkeypatch):

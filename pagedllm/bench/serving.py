@@ -10,7 +10,8 @@ median and p99, where
   per request, ITL = every gap between two chunks of a request.
 
 The load generator is plain asyncio + httpx (not the openai client, whose per-chunk overhead
-would be measured too). `--launch` starts `pagedllm serve` itself and stops it afterwards;
+would be measured too), in several processes on a machine with many cores (one asyncio
+process parses at most ~15-20k SSE events/s, less than a fast server sends). `--launch` starts `pagedllm serve` itself and stops it afterwards;
 otherwise `--base-url` names a running server. Each run appends a JSON row to
 benchmarks/results/<gpu>.json (or --result-name).
 """
@@ -74,6 +75,9 @@ def add_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "the same server hits its prefix cache, so change it or restart the server")
     w.add_argument("--warmup-requests", type=int, default=2,
                    help="short requests sent (and not timed) before the run")
+    w.add_argument("--client-processes", type=int, default=0, metavar="N",
+                   help="load-generator processes (request i goes to process i %% N, all start together); "
+                        "0: min(4, CPUs / 4, prompts / 64), at least 1")
     o = p.add_argument_group("output")
     o.add_argument("--results-dir", default="benchmarks/results")
     o.add_argument("--result-name", default=None, help="results file name without .json (default: the GPU)")
@@ -106,7 +110,7 @@ def arrival_offsets(num: int, rate: float, seed: int) -> list[float]:
 
 async def one_request(client, url: str, headers: dict, payload: dict) -> RequestResult:
     res = RequestResult(prompt_len=len(payload["prompt"]))
-    start = time.perf_counter()
+    start = time.monotonic()                    # one clock for every client process of the host
     res.start = start
     last = start
     try:
@@ -120,7 +124,7 @@ async def one_request(client, url: str, headers: dict, payload: dict) -> Request
                 data = line[6:]
                 if data == "[DONE]":
                     break
-                now = time.perf_counter()
+                now = time.monotonic()
                 obj = json.loads(data)
                 if "error" in obj:
                     res.error = str(obj["error"])
@@ -133,7 +137,7 @@ async def one_request(client, url: str, headers: dict, payload: dict) -> Request
                     last = now
                 if obj.get("usage"):
                     res.output_tokens = obj["usage"]["completion_tokens"]
-        res.latency = time.perf_counter() - start
+        res.latency = time.monotonic() - start
         res.ok = res.ttft > 0
         if not res.ok:
             res.error = "no tokens streamed"
@@ -142,37 +146,109 @@ async def one_request(client, url: str, headers: dict, payload: dict) -> Request
     return res
 
 
-async def run_load(base_url: str, model: str, prompts: list[list[int]], args) -> tuple[list[RequestResult], float]:
-    import httpx
-    url = base_url.rstrip("/") + "/v1/completions"
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+@dataclass
+class _Load:
+    """What a client process needs (picklable)."""
+    url: str
+    headers: dict
+    model: str
+    temperature: float
+    output_len: int
+    max_concurrency: int | None
 
-    def payload(prompt: list[int], max_tokens: int) -> dict:
-        return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": args.temperature,
+    def payload(self, prompt: list[int], max_tokens: int) -> dict:
+        return {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": self.temperature,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits, http2=False) as client:
-        for i in range(args.warmup_requests):
-            r = await one_request(client, url, headers, payload(prompts[i % len(prompts)][:16], 4))
-            if not r.ok:
-                raise RuntimeError(f"warm-up request failed: {r.error}")
-        offsets = arrival_offsets(len(prompts), args.request_rate, args.seed)
-        sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
 
-        async def scheduled(prompt: list[int], at: float, t0: float) -> RequestResult:
-            delay = t0 + at - time.perf_counter()
+def _client():
+    import httpx
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    return httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits, http2=False)
+
+
+async def _drive(load: _Load, items: list[tuple[list[int], float]], t0: float) -> tuple[list[RequestResult], float]:
+    """Send each prompt at t0 + its offset (time.monotonic()); returns the results and the end time."""
+    sem = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
+    async with _client() as client:
+        async def scheduled(prompt: list[int], at: float) -> RequestResult:
+            delay = t0 + at - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
             if sem is None:
-                return await one_request(client, url, headers, payload(prompt, args.output_len))
+                return await one_request(client, load.url, load.headers, load.payload(prompt, load.output_len))
             async with sem:
-                return await one_request(client, url, headers, payload(prompt, args.output_len))
+                return await one_request(client, load.url, load.headers, load.payload(prompt, load.output_len))
+        results = await asyncio.gather(*(scheduled(p, at) for p, at in items))
+    return list(results), time.monotonic()
 
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(scheduled(p, at, t0) for p, at in zip(prompts, offsets)))
-        duration = time.perf_counter() - t0
-    return list(results), duration
+
+def _client_process(conn, load: _Load, items: list) -> None:
+    """A spawned load-generator process: report ready, wait for the common start time, run."""
+    conn.send("ready")
+    t0 = conn.recv()
+    conn.send(asyncio.run(_drive(load, items, t0)))
+    conn.close()
+
+
+def client_process_count(requested: int, num_prompts: int) -> int:
+    if requested > 0:
+        return min(requested, num_prompts)
+    return max(1, min(4, (os.cpu_count() or 1) // 4, num_prompts // 64))
+
+
+def run_load(base_url: str, model: str, prompts: list[list[int]], args) -> tuple[list[RequestResult], float]:
+    """Warm up, then run the whole load, spread over `--client-processes` processes (a single
+    asyncio + httpx process tops out near 15-20k SSE events/s, below what a fast server sends)."""
+    load = _Load(base_url.rstrip("/") + "/v1/completions",
+                 {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}, model, args.temperature,
+                 args.output_len, args.max_concurrency)
+
+    async def warmup() -> None:
+        async with _client() as client:
+            for i in range(args.warmup_requests):
+                r = await one_request(client, load.url, load.headers, load.payload(prompts[i % len(prompts)][:16], 4))
+                if not r.ok:
+                    raise RuntimeError(f"warm-up request failed: {r.error}")
+    asyncio.run(warmup())
+    offsets = arrival_offsets(len(prompts), args.request_rate, args.seed)
+    n = client_process_count(getattr(args, "client_processes", 1), len(prompts))
+    if n == 1:
+        t0 = time.monotonic()
+        results, end = asyncio.run(_drive(load, list(zip(prompts, offsets)), t0))
+        return results, end - t0
+    import multiprocessing
+    ctx = multiprocessing.get_context("spawn")
+    if load.max_concurrency:
+        load.max_concurrency = -(-load.max_concurrency // n)     # the cap is shared out evenly
+    conns, procs = [], []
+    try:
+        for i in range(n):                      # request i goes to process i % n: each gets the same mix
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_client_process, args=(child, load, list(zip(prompts[i::n], offsets[i::n]))),
+                            name=f"bench-client-{i}", daemon=True)
+            p.start()
+            child.close()
+            conns.append(parent)
+            procs.append(p)
+        for c in conns:
+            if c.recv() != "ready":
+                raise RuntimeError("a load-generator process failed to start")
+        t0 = time.monotonic() + 0.05
+        for c in conns:
+            c.send(t0)
+        parts = [c.recv() for c in conns]
+    except EOFError:
+        raise RuntimeError("a load-generator process died") from None
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    results: list[RequestResult] = [None] * len(prompts)      # type: ignore[list-item]
+    for i, (part, _) in enumerate(parts):
+        results[i::n] = part
+    return results, max(end for _, end in parts) - t0
 
 
 # ---- statistics ------------------------------------------------------------------------------
@@ -300,7 +376,7 @@ def main(args: argparse.Namespace) -> int:
         if args.launch:
             proc, base_url = launch_server(args.model, args.server_args, args.launch_timeout, args.api_key)
         model = args.served_model_name or server_model_name(base_url, args.api_key)
-        results, duration = asyncio.run(run_load(base_url, model, prompts, args))
+        results, duration = run_load(base_url, model, prompts, args)
     finally:
         if proc is not None:
             stop_server(proc)
@@ -310,7 +386,8 @@ def main(args: argparse.Namespace) -> int:
               "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
               "max_concurrency": args.max_concurrency, "temperature": args.temperature, "seed": args.seed,
               "model": os.path.basename(os.path.normpath(args.model)) if args.model else model,
-              "launched": bool(args.launch), "server_args": args.server_args if args.launch else None}
+              "launched": bool(args.launch), "server_args": args.server_args if args.launch else None,
+              "client_processes": client_process_count(args.client_processes, args.num_prompts)}
     if not args.no_save:
         from pagedllm.bench.common import append_result, environment
         row = {"benchmark": "serving", "config": config, "results": summary, "label": args.label, **environment()}

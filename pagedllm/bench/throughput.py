@@ -42,6 +42,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--results-dir", default="benchmarks/results")
     p.add_argument("--out", help="also write this run's rows as JSON to this file")
     p.add_argument("--label", default="", help="free text stored with the row")
+    p.add_argument("--profile-steps", default=None, metavar="START:END",
+                   help="torch.profiler over engine steps START..END of the timed run; the top ops "
+                        "by device time go to the results directory as a text table")
 
 
 class StepTimer:
@@ -67,7 +70,22 @@ class StepTimer:
         self.cur.update(events=(ev0, ev1), batch=inp.num_seqs, decode=inp.decode_only)
         return out
 
+    def profile(self, window: str, path: str) -> None:
+        start, end = (int(x) for x in window.split(":"))
+        self.window, self.profile_path, self.prof = (start, end), path, None
+
     def step(self):
+        window = getattr(self, "window", None)
+        if window and len(self.rows) == window[0] and self.prof is None:
+            self.prof = self.torch.profiler.profile(activities=[self.torch.profiler.ProfilerActivity.CPU,
+                                                                self.torch.profiler.ProfilerActivity.CUDA])
+            self.prof.__enter__()
+        if window and len(self.rows) == window[1] and self.prof is not None:
+            self.prof.__exit__(None, None, None)
+            sort = "cuda_time_total" if self.torch.cuda.is_available() else "cpu_time_total"
+            with open(self.profile_path, "w") as f:
+                f.write(self.prof.key_averages().table(sort_by=sort, row_limit=40))
+            self.window = None
         self.cur = {}
         t0 = time.perf_counter()
         out = self._step()
@@ -107,6 +125,8 @@ def run_pagedllm(args, prompts, params) -> dict:
               tensor_parallel_size=args.tensor_parallel_size, async_scheduling=args.async_scheduling)
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
     timer = StepTimer(llm) if llm.runner.device.type == "cuda" else None
+    if timer is not None and args.profile_steps:
+        timer.profile(args.profile_steps, os.path.join(args.results_dir, "profile_steps.txt"))
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t

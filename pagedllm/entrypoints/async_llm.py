@@ -1,33 +1,46 @@
-"""AsyncLLM: the engine loop in its own thread, requests as asyncio streams.
+"""AsyncLLM: requests as asyncio streams, the engine in its own process (vLLM v1's split).
 
-The engine is not thread-safe, so exactly one thread (the engine thread) ever calls it after
-start-up. Everything else talks to that thread through `_new` / `_aborts`, guarded by one
-condition variable; the engine thread sleeps on it when there is no work (no busy spin).
-Outputs go back to each caller's event loop with one `call_soon_threadsafe` per loop per
-step, and from there into the request's own RequestStream (a one-slot collector).
+    API process (this object)                         engine core process (engine_core.py)
+    tokenize + validate -> ("add", ids, params) ----> scheduler, KV cache, model runner
+    per-request RequestStream  <-- reader thread <---- one message per step: new token ids,
+    (detokenize, stop strings, SSE)                   finish reasons, timestamps, metrics
 
-Prompts are tokenized and validated on the caller's side before anything is queued, so a bad
-request raises `ValueError` at once and never reaches the engine thread.
+The API process never touches the engine, so HTTP, JSON and detokenizing no longer compete
+with the engine loop for one GIL. A dedicated reader thread receives each step's message and
+hands it to each caller's event loop with one `call_soon_threadsafe` per loop; everything about
+a request (its token ids, its detokenizer, its stream) then lives on that loop. A stream keeps
+state, not a queue of outputs: a consumer that falls behind gets one output with everything
+new since it last looked (fewer, larger SSE chunks instead of a growing backlog).
+
+Stop strings are matched here, token by token, exactly as the engine would: on a hit the text
+is cut, the stream finishes with finish_reason "stop" and the core is told to abort.
+Validation happens before anything is sent, so a bad request raises ValueError at once.
+
+If the core process dies, every open stream raises EngineShutdownError and so does every new
+request; `shutdown()` (also on SIGTERM via the server) ends open streams with finish_reason
+"abort" and waits for the core to exit. `AsyncLLM(llm=LLM(...))` or `engine_process=False`
+runs the same core loop on a thread of this process instead (tests, debugging).
 """
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import itertools
 import logging
 import threading
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
-from pagedllm.engine.outputs import CompletionOutput, RequestOutput
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.entrypoints.engine_core import EngineCoreClient
 
 logger = logging.getLogger("pagedllm")
 
 LOG_INTERVAL_S = 10.0
-STATS_INTERVAL_S = 0.02      # engine stats are republished at most this often while busy (and when idle)
 
 
 class QueueFullError(RuntimeError):
@@ -35,7 +48,8 @@ class QueueFullError(RuntimeError):
 
 
 class EngineShutdownError(RuntimeError):
-    """The engine is shutting down or stopped and takes no new requests (the server answers 503)."""
+    """The engine is shutting down, stopped, or its process died: no new requests, and open
+    streams end with this error (the server answers 503)."""
 
 
 class EngineStepError(RuntimeError):
@@ -43,144 +57,302 @@ class EngineStepError(RuntimeError):
 
 
 @dataclass
-class _Pending:
-    request_id: str
-    prompt: Any                  # {"prompt": text, "prompt_token_ids": ids} or ids, already validated
-    params: SamplingParams
-    arrival_time: float
-    stream: bool
-    handle: "RequestStream"
-    seq: int = 0                 # submission order: an abort cancels only what was submitted before it
+class _Stats:
+    """The core's latest metrics dict (LLMEngine.get_metrics()) and when it arrived."""
+    engine: dict = field(default_factory=dict)
+    time: float = 0.0
 
 
 class RequestStream:
-    """The outputs of one request, as an async iterator. Iterating ends after the output with
-    `finished=True` (which is `finish_reason == "abort"` for an aborted request).
+    """One request's outputs as an async iterator; iteration ends after the output with
+    `finished=True` (finish_reason "abort" for an aborted request).
 
-    Like vLLM's output collector, it holds at most one pending output: when the consumer falls
-    behind, new outputs merge into it (cumulative fields from the newest, deltas concatenated),
-    so a slow consumer gets fewer, larger chunks instead of an ever-growing queue."""
+    All state is touched only on the request's event loop (`loop`). Outputs are built when the
+    consumer asks for one, from everything that arrived since the last: cumulative `text` and
+    `token_ids`, this output's `delta_text` and `delta_token_ids`."""
 
-    def __init__(self, owner: "AsyncLLM", request_id: str, loop: asyncio.AbstractEventLoop):
+    def __init__(self, owner: "AsyncLLM", request_id: str, core_id: str, loop: asyncio.AbstractEventLoop,
+                 prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, stream: bool,
+                 arrival_time: float):
         self.owner = owner
         self.request_id = request_id
+        self.core_id = core_id
         self.loop = loop
-        self.finished = False
-        self.last: RequestOutput | None = None    # engine thread only: the latest output, for abort
-        self._pending: RequestOutput | BaseException | None = None    # caller's loop only
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.stream = stream
+        self.stops = params.stop_list
+        self.arrival_time = arrival_time
+        self.token_ids: list[int] = []
+        self.detok: IncrementalDetokenizer | None = None
+        self.n_detok = 0                  # token ids fed to the detokenizer
+        self.n_seen = 0                   # token ids already handed out (delta_token_ids start here)
+        self.emitted = 0                  # chars of text already handed out
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_cached_tokens = 0
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.done = False                 # no more input: _final or error is set
+        self.finished = False             # the consumer has seen the end
+        self._final: RequestOutput | None = None
+        self.error: BaseException | None = None
         self._waiter: asyncio.Future | None = None
+        tok = owner.tokenizer
+        if tok is not None and (stream or self.stops):
+            self.detok = IncrementalDetokenizer(tok, prompt_token_ids)
 
-    def _put(self, item: RequestOutput | BaseException) -> None:
-        """On the caller's loop."""
-        if self._pending is None or isinstance(item, BaseException):
-            self._pending = item
-        elif not isinstance(self._pending, BaseException):
-            self._pending = _merge(self._pending, item)
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
+    # ---- consumer side --------------------------------------------------------------------
     def __aiter__(self) -> "RequestStream":
         return self
 
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        while self._pending is None:
+        while True:
+            if self.done:
+                self.finished = True
+                if self.error is not None:
+                    raise self.error
+                return self._final
+            if self.stream and len(self.token_ids) > self.n_seen:
+                return self._output()
             self._waiter = self.loop.create_future()
             try:
                 await self._waiter
             finally:
                 self._waiter = None
-        item, self._pending = self._pending, None
-        if isinstance(item, BaseException):
-            self.finished = True
-            self.owner._forget(self.request_id)
-            raise item
-        if item.finished:
-            self.finished = True
-            self.owner._forget(self.request_id)
-        return item
 
     def close(self) -> None:
         """Stop listening; abort the request if it has not finished."""
-        if not self.finished:
-            self.finished = True
-            self.owner.abort(self.request_id)
-            self.owner._forget(self.request_id)
+        if not self.done:
+            self.owner._abort_handle(self)
+        self.finished = True
 
+    # ---- on the loop: inputs from the core ----------------------------------------------------
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
 
-def _merge(old: RequestOutput, new: RequestOutput) -> RequestOutput:
-    """`new`, with the deltas of `old` (an output the consumer has not seen yet) in front."""
-    prev = {o.index: o for o in old.outputs}
-    outs = []
-    for o in new.outputs:
-        p = prev.get(o.index)
-        if p is not None and (p.delta_text or p.delta_token_ids):
-            o = dataclasses.replace(o, delta_text=p.delta_text + o.delta_text,
-                                    delta_token_ids=list(p.delta_token_ids) + list(o.delta_token_ids))
-        outs.append(o)
-    return dataclasses.replace(new, outputs=outs)
+    def _add(self, new: list[int], finish_reason, stop_reason, cached: int, t_first, t_finish) -> None:
+        if self.done:
+            return
+        if new:
+            if not self.token_ids:
+                self.owner._started_one()
+            start = len(self.token_ids)
+            self.token_ids.extend(new)
+            self.num_cached_tokens = cached
+            if self.first_token_time is None:
+                self.first_token_time = t_first
+            if self.stops and self.detok is not None and self._match_stops(start, finish_reason):
+                return
+        if finish_reason is not None:
+            self.finish_time = t_finish
+            self._finish(finish_reason, stop_reason)
+        elif self.stream:
+            self._wake()
 
+    def _match_stops(self, start: int, finish_reason) -> bool:
+        """Detokenize the new tokens one by one and look for a stop string in the text they add,
+        as LLMEngine does (not on the token that finished the request anyway, not before
+        min_tokens). On a hit: cut the text there, drop later tokens, finish "stop", abort."""
+        detok, stops = self.detok, self.stops
+        longest = max(map(len, stops))
+        last = len(self.token_ids) - 1
+        for i in range(start, len(self.token_ids)):
+            before = len(detok.text)
+            detok.step([self.token_ids[i]])
+            self.n_detok = i + 1
+            if (finish_reason is not None and i == last) or i + 1 < self.params.min_tokens:
+                continue
+            window = max(0, before - longest + 1)
+            hit = min(((pos, s) for s in stops if (pos := detok.text.find(s, window)) >= 0), default=None)
+            if hit is not None:
+                detok.text = detok.text[:hit[0]]
+                del self.token_ids[i + 1:]
+                self.finish_time = time.monotonic()
+                self.owner._abort_in_core(self.core_id)
+                self._finish("stop", hit[1])
+                return True
+        return False
 
-@dataclass
-class _Stats:
-    """What the engine thread last published; read by /metrics and by the queue-length check."""
-    engine: dict = field(default_factory=dict)
-    time: float = 0.0
+    def _finish(self, finish_reason: str, stop_reason=None, error: BaseException | None = None) -> None:
+        """The request is over: build the final output now (the metrics need it), wake the consumer."""
+        if self.done:
+            return
+        self.done = True
+        self.owner._forget(self)
+        if error is not None:
+            self.error = error
+            self._wake()
+            return
+        self.finish_reason = finish_reason
+        self.stop_reason = stop_reason
+        tok = self.owner.tokenizer
+        if tok is not None:
+            if self.detok is None:                                   # not streamed: decode once
+                self.detok = IncrementalDetokenizer(tok, self.prompt_token_ids)
+                self.detok.decode_all(self.token_ids)
+                self.n_detok = len(self.token_ids)
+            else:
+                if self.n_detok < len(self.token_ids):
+                    self.detok.step(self.token_ids[self.n_detok:])
+                    self.n_detok = len(self.token_ids)
+                if finish_reason != "abort" and not isinstance(stop_reason, str):
+                    self.detok.flush()                               # EOS, stop token, length
+        self._final = self._output()
+        self._wake()
+        for cb in self.owner.finish_callbacks:
+            try:
+                cb(self._final)
+            except Exception:
+                logger.exception("finish callback failed")
+
+    def _output(self) -> RequestOutput:
+        ids = self.token_ids
+        delta_ids = ids[self.n_seen:]
+        self.n_seen = len(ids)
+        text = ""
+        delta = ""
+        if self.detok is not None:
+            if self.n_detok < len(ids):
+                self.detok.step(ids[self.n_detok:])
+                self.n_detok = len(ids)
+            text = self.detok.text
+            end = len(text)
+            if self.stops and not self.done:          # hold back what may be the start of a stop string
+                end = max(self.emitted, end - max(map(len, self.stops)) + 1)
+            delta = text[self.emitted:end]
+            self.emitted = end
+        done = self.done
+        return RequestOutput(
+            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+            outputs=[CompletionOutput(index=0, text=text, token_ids=list(ids),
+                                      finish_reason=self.finish_reason if done else None,
+                                      stop_reason=self.stop_reason if done else None,
+                                      delta_text=delta, delta_token_ids=delta_ids)],
+            finished=done, num_cached_tokens=self.num_cached_tokens,
+            metrics=RequestMetrics(self.arrival_time, self.first_token_time, self.finish_time))
 
 
 class AsyncLLM:
-    """`AsyncLLM(model, **llm_kwargs)` or `AsyncLLM(llm=LLM(...))`.
+    """`AsyncLLM(model, **llm_kwargs)` starts the engine core process with `LLM(model, **llm_kwargs)`
+    and loads only the tokenizer here. `AsyncLLM(llm=LLM(...))` or `engine_process=False` runs
+    the core loop on a thread of this process.
 
     `async for out in async_llm.generate(prompt, params): ...` streams RequestOutputs
-    (cumulative `text`, this step's `delta_text`). `abort(request_id)` from any thread or loop.
+    (cumulative `text`, this output's `delta_text`). `abort(request_id)` from any thread or loop.
     """
 
     def __init__(self, model: str | None = None, *, llm: Any = None, max_queue_len: int | None = None,
-                 log_stats: bool = True, **llm_kwargs: Any):
-        if llm is None:
-            from pagedllm.entrypoints.llm import LLM
+                 log_stats: bool = True, engine_process: bool | None = None, startup_timeout: float | None = None,
+                 **llm_kwargs: Any):
+        if max_queue_len is not None and (not isinstance(max_queue_len, int) or max_queue_len < 0):
+            raise ValueError(f"max_queue_len must be a non-negative integer or None, got {max_queue_len!r}")
+        self._owns_llm = False
+        if llm is not None:
+            if model is not None or llm_kwargs:
+                raise ValueError("pass either llm= or the LLM arguments, not both")
+            if engine_process:
+                raise ValueError("llm= runs the engine on a thread of this process; engine_process=True needs "
+                                 "the model and LLM arguments instead")
+        else:
             if model is None:
                 from pagedllm import default_model_path
                 model = default_model_path()
-            llm = LLM(model, **llm_kwargs)
-            self._owns_llm = True
+            if engine_process is False:
+                from pagedllm.entrypoints.llm import LLM
+                llm = LLM(model, **llm_kwargs)
+                self._owns_llm = True
+        self.llm = llm                                   # None when the engine runs in its own process
+        self.engine = llm.engine if llm is not None else None
+        if llm is not None:
+            self.core = EngineCoreClient(llm=llm, name="pagedllm-engine")
+            self.tokenizer = llm.tokenizer
         else:
-            if model is not None or llm_kwargs:
-                raise ValueError("pass either llm= or the LLM arguments, not both")
-            self._owns_llm = False
-        if max_queue_len is not None and (not isinstance(max_queue_len, int) or max_queue_len < 0):
-            raise ValueError(f"max_queue_len must be a non-negative integer or None, got {max_queue_len!r}")
-        self.llm = llm
-        self.engine = llm.engine
-        self.tokenizer = llm.tokenizer
-        self.max_model_len = self.engine.config.max_model_len
+            self.core = EngineCoreClient(llm_kwargs={"model": model, **llm_kwargs})
+            try:                                         # meanwhile the core loads the model
+                from pagedllm.entrypoints.llm import _load_tokenizer
+                self.tokenizer = _load_tokenizer(llm_kwargs.get("tokenizer") or model)
+            except BaseException:
+                self.core.send(("shutdown",))
+                self.core.close(10)
+                raise
+        info = self.core.wait_ready(startup_timeout)
+        self.core_pid = self.core.pid
+        self.model_path = info["model_path"] or model
+        self.max_model_len = info["max_model_len"]
+        self.block_size = info["block_size"]
+        self.num_kv_blocks = info["num_kv_blocks"]
+        self.vocab_size = info["vocab_size"]
         self.max_queue_len = max_queue_len
         self.log_stats = log_stats
-        # caller side
+        self.stats = _Stats(info["metrics"], time.monotonic())
+        self.finish_callbacks: list[Callable[[RequestOutput], None]] = []   # run on the request's loop
+        self._lock = threading.Lock()
         self._ids = itertools.count()
-        self._live: set[str] = set()                     # request ids with an unfinished stream
-        self.finish_callbacks: list[Callable[[RequestOutput], None]] = []   # run on the caller's loop
-        # shared with the engine thread (under _cond)
-        self._cond = threading.Condition(threading.Lock())
-        self._new: list[_Pending] = []
-        self._aborts: list[tuple[str, int]] = []         # (request_id, submissions before the abort)
-        self._submitted = 0
+        self._core_ids = itertools.count()
+        self._live: dict[str, RequestStream] = {}        # request_id -> unfinished stream
+        self._by_core_id: dict[str, RequestStream] = {}
+        self._num_waiting = 0                            # sent to the core, no token back yet
         self._stopping = False
-        # engine thread only
-        self._active: dict[str, RequestStream] = {}
-        self.stats = _Stats(self.engine.get_metrics(), time.monotonic())
-        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
-        self._thread.start()
+        self._dead: str | None = None                    # why the core is gone, once it is
+        self._last_log = time.monotonic()
+        self._logged = (self.stats.engine.get("num_prompt_tokens", 0), self.stats.engine.get("num_generation_tokens", 0))
+        self._reader = threading.Thread(target=self._read, name="pagedllm-output-reader", daemon=True)
+        self._reader.start()
+        atexit.register(self._atexit)
+
+    # ---- inputs: tokenize and validate (LLMEngine's rules and messages) --------------------
+    def tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
+        """str | list[int] | {"prompt_token_ids": [...]} | {"prompt": str} -> (text, token ids)."""
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown:
+                raise ValueError(f"prompt dict has unknown keys {sorted(unknown)}; "
+                                 "use 'prompt' or 'prompt_token_ids'")
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt is a string but the engine has no tokenizer; pass token ids")
+            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=False)) if prompt else []
+        if isinstance(prompt, (list, tuple)):
+            return None, self._check_ids(prompt)
+        raise ValueError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _check_ids(self, ids: Any) -> list[int]:
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        vocab = self.vocab_size
+        bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
+        if bad:
+            raise ValueError(f"prompt_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        return list(ids)
+
+    def validate_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        if num_prompt_tokens == 0:
+            raise ValueError("prompt is empty: at least one token is needed")
+        if num_prompt_tokens >= self.max_model_len:
+            raise ValueError(f"prompt has {num_prompt_tokens} tokens; max_model_len is {self.max_model_len}, "
+                             "so at most max_model_len - 1 fit")
+        need = -(-min(num_prompt_tokens + max_tokens, self.max_model_len) // self.block_size)
+        if need > self.num_kv_blocks:
+            raise ValueError(f"request needs {need} KV blocks (prompt {num_prompt_tokens} + max_tokens "
+                             f"{max_tokens}) but the KV cache has only {self.num_kv_blocks}")
 
     # ---- caller side ---------------------------------------------------------------------
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and not self._stopping
+        return not self._stopping and self._dead is None and self.core.is_alive()
 
     def num_waiting(self) -> int:
-        """Requests queued but not yet running (an estimate at most one step old)."""
-        return len(self._new) + int(self.stats.engine.get("num_requests_waiting", 0))
+        """Requests sent to the engine that have no token yet (queued or prefilling)."""
+        return self._num_waiting
 
     def add_request(self, prompt: Any, params: SamplingParams | None = None, request_id: str | None = None,
                     *, stream: bool = True) -> RequestStream:
@@ -190,26 +362,33 @@ class AsyncLLM:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        text, ids = self.engine.tokenize(prompt)
-        self.engine.validate_length(len(ids), params.max_tokens)
-        if request_id is None:
-            request_id = f"req-{next(self._ids)}"
-        request_id = str(request_id)
-        handle = RequestStream(self, request_id, loop)
-        pending = _Pending(request_id, ids if text is None else {"prompt": text, "prompt_token_ids": ids},
-                           params, time.monotonic(), stream, handle)
-        with self._cond:
-            if self._stopping or not self._thread.is_alive():
-                raise EngineShutdownError("the engine is shutting down")
+        if params.n != 1:
+            raise ValueError(f"SamplingParams.n must be 1 in AsyncLLM (send several requests), got {params.n}")
+        text, ids = self.tokenize(prompt)
+        self.validate_length(len(ids), params.max_tokens)
+        core_params = dataclasses.replace(params, stop=None) if params.stop_list else params
+        with self._lock:
+            if self._stopping or self._dead is not None:
+                raise EngineShutdownError(self._dead or "the engine is shutting down")
+            if request_id is None:
+                request_id = f"req-{next(self._ids)}"
+            request_id = str(request_id)
             if request_id in self._live:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            if self.max_queue_len is not None and self.num_waiting() >= self.max_queue_len:
+            if self.max_queue_len is not None and self._num_waiting >= self.max_queue_len:
                 raise QueueFullError(f"the request queue is full ({self.max_queue_len} waiting); retry later")
-            self._live.add(request_id)
-            self._submitted += 1
-            pending.seq = self._submitted
-            self._new.append(pending)
-            self._cond.notify()
+            core_id = str(next(self._core_ids))
+            arrival = time.monotonic()
+            handle = RequestStream(self, request_id, core_id, loop, text, ids, params, stream, arrival)
+            self._live[request_id] = handle          # before sending: the reader may see its first token at once
+            self._by_core_id[core_id] = handle
+            self._num_waiting += 1
+            try:
+                self.core.send(("add", core_id, ids, core_params, arrival))
+            except (OSError, ValueError):
+                del self._live[request_id], self._by_core_id[core_id]
+                self._num_waiting -= 1
+                raise EngineShutdownError(self._dead or "the engine core is gone") from None
         return handle
 
     async def generate(self, prompt: Any, params: SamplingParams | None = None, request_id: str | None = None,
@@ -225,153 +404,52 @@ class AsyncLLM:
             handle.close()
 
     def abort(self, request_id: str) -> None:
-        """Abort from any thread. The engine thread frees the request's blocks at the start of its
-        next step, and its stream ends with an output whose finish_reason is "abort"."""
-        with self._cond:
-            self._aborts.append((str(request_id), self._submitted))
-            self._cond.notify()
+        """Abort from any thread: the stream ends with finish_reason "abort" and the core frees the
+        request's blocks at its next iteration."""
+        handle = self._live.get(str(request_id))
+        if handle is not None:
+            self._abort_handle(handle)
 
-    def _forget(self, request_id: str) -> None:
-        with self._cond:
-            self._live.discard(request_id)
+    def _abort_handle(self, handle: RequestStream) -> None:
+        self._abort_in_core(handle.core_id)
+        self._on_loop_of(handle, handle._finish, "abort")
 
     def get_metrics(self) -> dict:
         return dict(self.stats.engine)
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Abort everything in flight (each stream ends cleanly with finish_reason "abort"), stop
-        the engine thread. New requests raise EngineShutdownError. Safe to call twice."""
+        the engine core and wait for it. New requests raise EngineShutdownError. Safe to call twice."""
         self.begin_shutdown()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
-        if self._owns_llm and not self._thread.is_alive():
+        self.core.close(timeout)
+        if threading.current_thread() is not self._reader:
+            self._reader.join(5 if timeout is None else timeout)
+        if self._owns_llm and not self.core.is_alive():
             close = getattr(self.llm, "close", None)
             if close is not None:
                 close()
             self._owns_llm = False
+        atexit.unregister(self._atexit)
 
     def begin_shutdown(self) -> None:
         """The non-blocking half of shutdown(): stop taking requests, abort all in flight."""
-        with self._cond:
+        with self._lock:
+            if self._stopping:
+                return
             self._stopping = True
-            self._cond.notify()
+            live = list(self._live.values())
+        try:
+            self.core.send(("shutdown",))
+        except (OSError, ValueError):
+            pass
+        for handle in live:
+            self._on_loop_of(handle, handle._finish, "abort")
 
-    # ---- engine thread -------------------------------------------------------------------
-    def _run(self) -> None:
-        self._last_log = time.monotonic()
-        self._logged = (self.engine.num_prompt_tokens, self.engine.num_generation_tokens)
-        self._busy_since_log = False
-        while True:
-            with self._cond:
-                while not (self._new or self._aborts or self._stopping or self.engine.has_unfinished_requests()):
-                    self._publish_stats(force=True)
-                    self._cond.wait()
-                new, self._new = self._new, []
-                aborts, self._aborts = self._aborts, []
-                stopping = self._stopping
-            deliveries: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
-            try:
-                if stopping:
-                    for p in new:
-                        self._send(deliveries, p.handle, _aborted(p.request_id, None))
-                    for rid in list(self._active):
-                        self._abort_one(rid, deliveries)
-                    return
-                self._iteration(new, aborts, deliveries)
-            except Exception as e:                # an engine bug: fail what is in flight, keep serving
-                logger.exception("engine step failed; failing %d request(s)", len(self._active))
-                for rid, handle in list(self._active.items()):
-                    try:
-                        self.engine.abort_request(rid)
-                    except Exception:
-                        pass
-                    self._send(deliveries, handle, EngineStepError(f"engine step failed: {e!r}"))
-                self._active.clear()
-            finally:
-                self._deliver(deliveries)
-                self._publish_stats(force=stopping or not self.engine.has_unfinished_requests())
-
-    def _iteration(self, new: list[_Pending], aborts: list[tuple[str, int]], deliveries: dict) -> None:
-        engine = self.engine
-        if aborts:
-            cancelled: dict[str, int] = {}
-            for rid, seq in aborts:
-                cancelled[rid] = max(seq, cancelled.get(rid, 0))
-            for rid in cancelled:
-                self._abort_one(rid, deliveries)
-            kept = []
-            for p in new:                         # not yet in the engine: never add it
-                if p.seq <= cancelled.get(p.request_id, 0):
-                    self._send(deliveries, p.handle, _aborted(p.request_id, None))
-                else:
-                    kept.append(p)
-            new = kept
-        for p in new:
-            try:
-                engine.add_request(p.request_id, p.prompt, p.params, arrival_time=p.arrival_time, stream=p.stream)
-            except ValueError as e:               # checked on the caller's side; kept as a safety net
-                self._send(deliveries, p.handle, e)
-                continue
-            self._active[p.request_id] = p.handle
-        if engine.has_unfinished_requests():
-            for out in engine.step():
-                handle = self._active.get(out.request_id)
-                if handle is None:
-                    continue
-                handle.last = out
-                if out.finished:
-                    del self._active[out.request_id]
-                self._send(deliveries, handle, out)
-            self._busy_since_log = True
-        now = time.monotonic()
-        if now - self._last_log >= LOG_INTERVAL_S:
-            if self.log_stats and self._busy_since_log:
-                self._logged = self._log_stats(now - self._last_log, self._logged)
-            self._busy_since_log = False
-            self._last_log = now
-
-    def _abort_one(self, rid: str, deliveries: dict) -> None:
-        handle = self._active.pop(rid, None)
-        self.engine.abort_request(rid)
-        if handle is not None:
-            self._send(deliveries, handle, _aborted(rid, handle.last))
-
-    @staticmethod
-    def _send(deliveries: dict, handle: RequestStream, item: Any) -> None:
-        deliveries[handle.loop].append((handle, item))
-
-    def _deliver(self, deliveries: dict) -> None:
-        for loop, items in deliveries.items():
-            try:
-                loop.call_soon_threadsafe(self._on_loop, items)
-            except RuntimeError:                  # that caller's loop is closed: nobody is listening
-                pass
-
-    def _on_loop(self, items: list) -> None:
-        for handle, item in items:
-            handle._put(item)
-            if isinstance(item, RequestOutput) and item.finished:
-                for cb in self.finish_callbacks:
-                    try:
-                        cb(item)
-                    except Exception:
-                        logger.exception("finish callback failed")
-
-    def _publish_stats(self, force: bool) -> None:
-        now = time.monotonic()
-        if force or now - self.stats.time >= STATS_INTERVAL_S:
-            self.stats = _Stats(self.engine.get_metrics(), now)
-
-    def _log_stats(self, elapsed: float, logged: tuple[int, int]) -> tuple[int, int]:
-        engine = self.engine
-        m = self.stats.engine
-        prompt, gen = engine.num_prompt_tokens, engine.num_generation_tokens
-        logger.info("prompt throughput: %.1f tok/s, generation throughput: %.1f tok/s, running: %d, "
-                    "waiting: %d, KV cache usage: %.1f%%, prefix cache hit rate: %.1f%%",
-                    (prompt - logged[0]) / elapsed, (gen - logged[1]) / elapsed,
-                    m.get("num_requests_running", 0), m.get("num_requests_waiting", 0),
-                    100 * m.get("kv_cache_usage", 0.0), 100 * m.get("prefix_cache_hit_rate", 0.0))
-        return prompt, gen
+    def _atexit(self) -> None:                      # an interpreter exiting without shutdown(): no orphan core
+        try:
+            self.shutdown(10)
+        except Exception:
+            pass
 
     def __enter__(self) -> "AsyncLLM":
         return self
@@ -379,16 +457,128 @@ class AsyncLLM:
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
 
+    # ---- bookkeeping shared by the loops and the reader thread ---------------------------------
+    def _abort_in_core(self, core_id: str) -> None:
+        try:
+            self.core.send(("abort", [core_id]))
+        except (OSError, ValueError):
+            pass
 
-def _aborted(request_id: str, last: RequestOutput | None) -> RequestOutput:
-    """The final output of an aborted request: what it had produced so far, finish_reason "abort"."""
-    if last is None:
-        return RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=[],
-                             outputs=[CompletionOutput(index=0, text="", token_ids=[], finish_reason="abort")],
-                             finished=True)
-    outs = [CompletionOutput(index=o.index, text=o.text, token_ids=list(o.token_ids),
-                             finish_reason=o.finish_reason or "abort", stop_reason=o.stop_reason)
-            for o in last.outputs]
-    return RequestOutput(request_id=request_id, prompt=last.prompt, prompt_token_ids=last.prompt_token_ids,
-                         outputs=outs, finished=True, num_cached_tokens=last.num_cached_tokens,
-                         metrics=last.metrics)
+    def _forget(self, handle: RequestStream) -> None:
+        with self._lock:
+            if self._by_core_id.pop(handle.core_id, None) is None:
+                return
+            if self._live.get(handle.request_id) is handle:
+                del self._live[handle.request_id]
+            if not handle.token_ids:
+                self._num_waiting -= 1
+
+    def _started_one(self) -> None:
+        with self._lock:
+            self._num_waiting -= 1
+
+    @staticmethod
+    def _on_loop_of(handle: RequestStream, fn: Callable, *args: Any) -> None:
+        """Run fn(*args) on the handle's loop: now if we are on it, else at its next turn."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is handle.loop:
+            fn(*args)
+            return
+        try:
+            handle.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:                        # that loop is closed: nobody is listening
+            handle.owner._forget(handle)
+
+    # ---- the reader thread -------------------------------------------------------------------
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = self.core.recv()
+                kind = msg[0]
+                if kind == "step":
+                    if msg[2] is not None:
+                        self._set_stats(msg[2])
+                    self._dispatch(msg[1])
+                elif kind == "stats":
+                    self._set_stats(msg[1])
+                elif kind == "rejected":
+                    self._fail([msg[1]], ValueError(msg[2]))
+                elif kind == "failed":
+                    self._fail(msg[1], EngineStepError(msg[2]))
+                elif kind == "bye":
+                    break
+        except (EOFError, OSError):
+            pass
+        except Exception:
+            logger.exception("output reader failed")
+        self._core_gone()
+
+    def _dispatch(self, entries: list) -> None:
+        """One call_soon_threadsafe per event loop for the whole step."""
+        get = self._by_core_id.get
+        per_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for e in entries:
+            handle = get(e[0])
+            if handle is None:                      # aborted or stopped meanwhile
+                continue
+            items = per_loop.get(handle.loop)
+            if items is None:
+                items = per_loop[handle.loop] = []
+            items.append((handle, e))
+        for loop, items in per_loop.items():
+            try:
+                loop.call_soon_threadsafe(_apply_step, items)
+            except RuntimeError:
+                for handle, _ in items:
+                    self._forget(handle)
+
+    def _fail(self, core_ids: list[str], error: BaseException) -> None:
+        for cid in core_ids:
+            handle = self._by_core_id.get(cid)
+            if handle is not None:
+                self._on_loop_of(handle, handle._finish, "abort", None, error)
+
+    def _core_gone(self) -> None:
+        """EOF from the core. Expected after shutdown; otherwise it died: fail everything."""
+        if self.core.proc is not None:
+            self.core._exited(2)                    # so that its exit code is known
+        with self._lock:
+            expected = self._stopping
+            if not expected:
+                code = self.core.exitcode()
+                self._dead = ("the engine core process died" + (f" (exit code {code})" if code is not None else "")
+                              if self.core.proc is not None else "the engine thread stopped")
+            live = list(self._live.values())
+        if not expected:
+            logger.error("%s; failing %d request(s) in flight", self._dead, len(live))
+        self.stats = _Stats({**self.stats.engine, "num_requests_running": 0, "num_requests_waiting": 0},
+                            time.monotonic())
+        for handle in live:
+            if expected:
+                self._on_loop_of(handle, handle._finish, "abort")
+            else:
+                self._on_loop_of(handle, handle._finish, "abort", None, EngineShutdownError(self._dead))
+
+    def _set_stats(self, m: dict) -> None:
+        now = time.monotonic()
+        self.stats = _Stats(m, now)
+        if now - self._last_log >= LOG_INTERVAL_S:
+            prompt, gen = m.get("num_prompt_tokens", 0), m.get("num_generation_tokens", 0)
+            elapsed = now - self._last_log
+            if self.log_stats and (prompt, gen) != self._logged:
+                logger.info("prompt throughput: %.1f tok/s, generation throughput: %.1f tok/s, running: %d, "
+                            "waiting: %d, KV cache usage: %.1f%%, prefix cache hit rate: %.1f%%",
+                            (prompt - self._logged[0]) / elapsed, (gen - self._logged[1]) / elapsed,
+                            m.get("num_requests_running", 0), m.get("num_requests_waiting", 0),
+                            100 * m.get("kv_cache_usage", 0.0), 100 * m.get("prefix_cache_hit_rate", 0.0))
+            self._logged = (prompt, gen)
+            self._last_log = now
+
+
+def _apply_step(items: list) -> None:
+    """On one event loop: one step's outputs for the requests of that loop."""
+    for handle, (_, new, finish_reason, stop_reason, cached, t_first, t_finish) in items:
+        handle._add(new, finish_reason, stop_reason, cached, t_first, t_finish)

@@ -4,7 +4,9 @@ Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET 
 GET /metrics. Request bodies are parsed by hand so that every client mistake (malformed JSON,
 a wrong type, an unsupported option) is a 400 in OpenAI's error schema naming the field:
 `{"error": {"message", "type", "param", "code"}}`. Nothing a client sends can reach the
-engine thread unvalidated.
+engine unvalidated. The engine runs in its own process (AsyncLLM's engine core), so this
+process only parses, tokenizes, detokenizes and streams; if the core dies, open streams end
+with an error event and new requests get 503.
 
 A request's life: parse -> SamplingParams -> tokenize and validate (raises before any byte is
 sent) -> AsyncLLM.add_request -> stream SSE chunks, or wait for the final output. A client that
@@ -339,16 +341,15 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | None = None, api_key
     from pagedllm.entrypoints.metrics import ServerMetrics
 
     if served_model_name is None:
-        served_model_name = os.path.basename(os.path.normpath(async_llm.llm.model_path))
+        served_model_name = os.path.basename(os.path.normpath(async_llm.model_path))
     app = FastAPI(title="pagedllm", version=_version(), docs_url=None, redoc_url=None, openapi_url=None)
     app.state.async_llm = async_llm
     app.state.served_model_name = served_model_name
     metrics = ServerMetrics(async_llm, served_model_name)
     app.state.metrics = metrics
-    engine = async_llm.engine
     tokenizer = async_llm.tokenizer
     created = int(time.time())
-    kv_tokens = engine.kv.num_blocks * engine.config.block_size
+    kv_tokens = async_llm.num_kv_blocks * async_llm.block_size
     max_model_len = async_llm.max_model_len
 
     # -- error handlers: OpenAI's schema everywhere, never FastAPI's 422 --
@@ -382,8 +383,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | None = None, api_key
         try:
             tokenized = []
             for p in prompts:
-                text, ids = engine.tokenize(p)
-                engine.validate_length(len(ids), params.max_tokens)
+                text, ids = async_llm.tokenize(p)
+                async_llm.validate_length(len(ids), params.max_tokens)
                 tokenized.append(ids if text is None else {"prompt": text, "prompt_token_ids": ids})
                 lens.append(len(ids))
             for i, p in enumerate(tokenized):
@@ -432,6 +433,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | None = None, api_key
             outs = work.result()
         except EngineStepError as e:
             raise APIError(500, str(e), "internal_server_error") from None
+        except EngineShutdownError as e:
+            raise APIError(503, str(e), "service_unavailable", None, "engine_dead") from None
         if any(o.outputs[0].finish_reason == "abort" for o in outs):
             raise APIError(503, "the request was aborted (the server is shutting down)", "service_unavailable",
                            None, "aborted")
@@ -481,6 +484,9 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | None = None, api_key
             except EngineStepError as e:
                 yield _sse(error_body(str(e), "internal_server_error"))
                 yield SSE_DONE
+            except EngineShutdownError as e:      # the engine core died mid-stream
+                yield _sse(error_body(str(e), "service_unavailable", None, "engine_dead"))
+                yield SSE_DONE
             finally:
                 sub.close()
 
@@ -489,7 +495,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | None = None, api_key
     # -- routes --
     def model_card() -> dict:
         return {"id": served_model_name, "object": "model", "created": created, "owned_by": "pagedllm",
-                "root": async_llm.llm.model_path, "parent": None, "max_model_len": max_model_len}
+                "root": async_llm.model_path, "parent": None, "max_model_len": max_model_len}
 
     @app.get("/health")
     async def health():
@@ -559,7 +565,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | None = None, api_key
         stream, include_usage = _stream_flags(body)
         text = _chat_prompt(body, tokenizer, served_model_name)
         try:
-            _, ids = engine.tokenize(text)
+            _, ids = async_llm.tokenize(text)
         except ValueError as e:
             raise _value_error(e, "messages") from None
         # without max_tokens, OpenAI's default: whatever room is left in the context (and the KV cache)
@@ -657,6 +663,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
     g.add_argument("--timeout-graceful-shutdown", type=float, default=10.0, metavar="SECONDS",
                    help="on SIGTERM, how long to wait for the aborted streams to close")
+    g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine in its own process (--no-engine-process: on a thread of the server "
+                        "process, sharing its GIL; for debugging)")
     return parser
 
 
@@ -674,9 +683,10 @@ def run_server(args: argparse.Namespace) -> int:
         logging.basicConfig(format="%(levelname)s %(asctime)s %(message)s", datefmt="%m-%d %H:%M:%S")
     logger.setLevel(level)
     kwargs = engine_kwargs(args)
-    async_llm = AsyncLLM(max_queue_len=args.max_queue_len, **kwargs)
+    async_llm = AsyncLLM(max_queue_len=args.max_queue_len, engine_process=getattr(args, "engine_process", True),
+                         **kwargs)
     name = args.served_model_name or (getattr(args, "model", None) or
-                                      os.path.basename(os.path.normpath(async_llm.llm.model_path)))
+                                      os.path.basename(os.path.normpath(async_llm.model_path)))
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     app = build_app(async_llm, name, api_key)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=str(args.log_level).lower(),

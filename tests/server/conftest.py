@@ -2,7 +2,9 @@
 process, on an ephemeral 127.0.0.1 port, CPU, small KV cache."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import threading
 import time
 
@@ -54,22 +56,35 @@ def server_model(tiny_models) -> str:
     return pick_model(tiny_models)
 
 
+@pytest.fixture(scope="session")
+def long_context_model(tiny_models, tmp_path_factory):
+    """The tiny qwen3 with a 32k context, so one request can run for as long as a test needs."""
+    d = tmp_path_factory.mktemp("long_ctx")
+    src = tiny_models["qwen3"]
+    for f in os.listdir(src):
+        shutil.copy(os.path.join(src, f), d / f)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["max_position_embeddings"] = 32768
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)
+
+
 @pytest.fixture(scope="module")
 def live(server_model):
-    from pagedllm import LLM
+    """The server as `pagedllm serve` runs it: the engine in its own core process."""
     from pagedllm.entrypoints.async_llm import AsyncLLM
     from pagedllm.entrypoints.server import build_app
-    llm = LLM(server_model, device="cpu", num_kv_blocks=256, max_num_seqs=256)
-    if not getattr(llm.tokenizer, "chat_template", None):
-        llm.tokenizer.chat_template = CHAT_TEMPLATE
-    async_llm = AsyncLLM(llm=llm)
+    async_llm = AsyncLLM(server_model, device="cpu", num_kv_blocks=256, max_num_seqs=256)
+    if not getattr(async_llm.tokenizer, "chat_template", None):
+        async_llm.tokenizer.chat_template = CHAT_TEMPLATE
     srv = LiveServer(build_app(async_llm, MODEL_NAME, API_KEY)).start()
     srv.async_llm = async_llm
-    srv.tokenizer = llm.tokenizer
+    srv.tokenizer = async_llm.tokenizer
     srv.max_model_len = async_llm.max_model_len
     yield srv
     srv.stop()
     async_llm.shutdown()
+    assert not pid_alive(async_llm.core_pid)
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +112,28 @@ def scrape(url: str) -> list[tuple[str, dict, float]]:
 def metric(samples: list[tuple[str, dict, float]], name: str, **labels: str) -> float:
     """Sum of the samples called `name` whose labels include `labels`."""
     return sum(v for n, lab, v in samples if n == name and all(lab.get(k) == x for k, x in labels.items()))
+
+
+def pid_alive(pid: int) -> bool:
+    """Is a process with this pid running (and not a zombie)?"""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def child_pids(pid: int) -> list[int]:
+    """The live children of a process (from /proc; Linux)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(d))
+    return out

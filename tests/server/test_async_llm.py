@@ -1,29 +1,51 @@
-"""AsyncLLM from Python: streaming, validation before streaming, abort, slow consumers,
-queue limit, shutdown."""
+"""AsyncLLM from Python, with the engine core in its own process and on a thread: streaming,
+validation before streaming, abort, slow consumers, stop strings, queue limit, shutdown."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from pagedllm import SamplingParams
 from pagedllm.entrypoints.async_llm import AsyncLLM, EngineShutdownError, QueueFullError
+from tests.server.conftest import pid_alive
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+LLM_ARGS = dict(device="cpu", num_kv_blocks=128, block_size=8)
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_models):
     from pagedllm import LLM
-    return LLM(tiny_models["qwen3"], device="cpu", num_kv_blocks=128, block_size=8)
+    return LLM(tiny_models["qwen3"], **LLM_ARGS)
 
 
-@pytest.fixture
-def engine(llm):
-    a = AsyncLLM(llm=llm)
+@pytest.fixture(scope="module", params=["process", "thread"])
+def engine(request, llm, tiny_models):
+    """One AsyncLLM per mode for the whole module; the shutdown test runs last in each mode."""
+    if request.param == "process":
+        a = AsyncLLM(tiny_models["qwen3"], **LLM_ARGS)
+        assert a.llm is None and pid_alive(a.core_pid)
+    else:
+        a = AsyncLLM(llm=llm)
     yield a
     a.shutdown()
-    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    if request.param == "process":
+        assert not pid_alive(a.core_pid) and a.core.exitcode() == 0
+    else:
+        assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
+async def _idle(engine: AsyncLLM, timeout: float = 5.0) -> dict:
+    """The core's metrics once it has freed every block (it republishes them on going idle)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = engine.get_metrics()
+        if m["num_free_kv_blocks"] == m["num_kv_blocks"] and m["num_requests_running"] == 0 \
+                or time.monotonic() > deadline:
+            return m
+        await asyncio.sleep(0.02)
 
 
 def test_stream_matches_offline_and_errors_come_first(engine, llm):
@@ -31,16 +53,44 @@ def test_stream_matches_offline_and_errors_come_first(engine, llm):
 
     async def run():
         outs = [o async for o in engine.generate("def fib", GREEDY)]
+        final = [o async for o in engine.generate("def fib", GREEDY, stream=False)]
         with pytest.raises(ValueError, match="empty"):
             async for _ in engine.generate("", GREEDY):
                 pass
         with pytest.raises(ValueError, match="outside the vocabulary"):
             engine.add_request([10 ** 9], GREEDY)
-        return outs
-    outs = asyncio.run(run())
+        with pytest.raises(ValueError, match="max_model_len"):
+            engine.add_request([1] * engine.max_model_len, GREEDY)
+        return outs, final
+    outs, final = asyncio.run(run())
     assert outs[-1].finished and outs[-1].outputs[0].token_ids == offline.token_ids
+    assert outs[-1].outputs[0].text == offline.text and outs[-1].outputs[0].finish_reason == "length"
     assert "".join(o.outputs[0].delta_text for o in outs) == outs[-1].outputs[0].text
     assert sum(len(o.outputs[0].delta_token_ids) for o in outs) == 12
+    assert len(final) == 1 and final[0].outputs[0].text == offline.text
+    m = outs[-1].metrics
+    assert m.arrival_time <= m.first_token_time <= m.finish_time <= time.monotonic()
+
+
+def test_stop_strings_match_the_engine(engine, llm):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    base = llm.generate(["def fib"], params, use_tqdm=False)[0].outputs[0].text
+    stop = base[len(base) // 2: len(base) // 2 + 2]
+    stopped = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])
+    offline = llm.generate(["def fib"], stopped, use_tqdm=False)[0].outputs[0]
+    assert offline.finish_reason == "stop"
+
+    async def run():
+        streamed = [o async for o in engine.generate("def fib", stopped)]
+        final = [o async for o in engine.generate("def fib", stopped, stream=False)]
+        return streamed, final[-1]
+    streamed, final = asyncio.run(run())
+    for out in (streamed[-1], final):
+        o = out.outputs[0]
+        assert (o.text, o.token_ids, o.finish_reason, o.stop_reason) == \
+            (offline.text, offline.token_ids, "stop", stop)
+    assert "".join(o.outputs[0].delta_text for o in streamed) == offline.text
+    asyncio.run(_idle(engine))                    # the core was told to abort the rest
 
 
 def test_a_slow_consumer_gets_merged_deltas(engine):
@@ -54,7 +104,7 @@ def test_a_slow_consumer_gets_merged_deltas(engine):
     assert [t for o in outs for t in o.outputs[0].delta_token_ids] == outs[-1].outputs[0].token_ids
 
 
-def test_abort_and_leaving_early_free_blocks(engine, llm):
+def test_abort_and_leaving_early_free_blocks(engine):
     long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 
     async def run():
@@ -66,17 +116,11 @@ def test_abort_and_leaving_early_free_blocks(engine, llm):
         async for _ in gen:
             break
         await gen.aclose()                        # leaving the loop aborts the request
-        kv = llm.engine.kv
-        for _ in range(100):                      # the engine thread frees them at its next step
-            if kv.num_free_blocks == kv.num_blocks and engine.get_metrics()["kv_cache_usage"] == 0:
-                break
-            await asyncio.sleep(0.02)
-        return rest
-    rest = asyncio.run(run())
+        return rest, await _idle(engine)
+    rest, m = asyncio.run(run())
     assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
     assert len(rest[-1].outputs[0].token_ids) < 400
-    assert engine.get_metrics()["kv_cache_usage"] == 0
-    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    assert m["kv_cache_usage"] == 0 and m["num_free_kv_blocks"] == m["num_kv_blocks"]
 
 
 def test_queue_limit_duplicate_ids_and_shutdown(engine):

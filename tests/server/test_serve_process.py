@@ -1,10 +1,9 @@
 """`python -m pagedllm serve` as a subprocess: the API key from the environment, 429 when the
-queue is full, and SIGTERM with a stream open (the stream ends cleanly, the process exits 0)."""
+queue is full, and SIGTERM with a stream open (the stream ends cleanly, the process exits 0,
+its engine core process is gone)."""
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -16,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import metric, scrape
+from tests.server.conftest import child_pids, metric, pid_alive, scrape
 
 KEY = "sk-from-env"
 
@@ -25,19 +24,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def long_context_model(tiny_models, tmp_path_factory):
-    """The tiny qwen3 with a 32k context, so one request can run for as long as a test needs."""
-    d = tmp_path_factory.mktemp("long_ctx")
-    src = tiny_models["qwen3"]
-    for f in os.listdir(src):
-        shutil.copy(os.path.join(src, f), d / f)
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["max_position_embeddings"] = 32768
-    (d / "config.json").write_text(json.dumps(cfg))
-    return str(d)
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +82,8 @@ def test_key_from_env_queue_full_and_sigterm_with_an_open_stream(proc_server):
         client.completions.create(model="tiny", prompt="x", max_tokens=1)
     assert e.value.status_code == 429 and e.value.body["code"] == "queue_full"
 
+    children = child_pids(proc_server.pid)                # the engine core (and multiprocessing's helper)
+    assert children
     proc_server.send_signal(signal.SIGTERM)
     rest = list(a)                                        # the open stream ends cleanly ([DONE])
     assert rest and rest[-1].choices[0].finish_reason == "abort"
@@ -103,3 +91,7 @@ def test_key_from_env_queue_full_and_sigterm_with_an_open_stream(proc_server):
     b.join(20)
     assert not b.is_alive() and b_chunks and b_chunks[-1].choices[0].finish_reason == "abort"
     assert proc_server.wait(30) == 0
+    deadline = time.monotonic() + 10
+    while any(pid_alive(p) for p in children):
+        assert time.monotonic() < deadline, f"left behind: {[p for p in children if pid_alive(p)]}"
+        time.sleep(0.05)
