@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the throughput benchmark first (the number that matters), then the
 # GPU tests, the HF side-by-side and the kernel benchmark, each under its own time limit.
-# Writes logs and JSON under $OUT (default ./gpu_out). Usage: bash scripts/gpu_check.sh [full|bench|tests]
+# Writes logs and JSON under $OUT (default ./gpu_out; at most 8 files come back from the device tool:
+# the benchmark rows all go to one $OUT/<gpu>.json). Usage: bash scripts/gpu_check.sh [full|bench|tests]
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 MODE=${1:-full}
@@ -11,14 +12,14 @@ MODEL=/tmp/qwen3-0.6b
 if [ "$MODE" != "tests" ]; then
   [ -d $MODEL ] || python3 tools/make_random_model.py --shape qwen3-0.6b --out $MODEL 2>&1 | tail -3
   timeout ${T_BENCH:-240} python3 benchmarks/throughput.py --model $MODEL --num-seqs "${NUM_SEQS:-256}" \
-      --results-dir "$OUT" --out "$OUT/throughput.json" ${BENCH_ARGS:-} 2>&1 | grep -v -i warn | tail -15
+      --results-dir "$OUT" ${BENCH_ARGS:-} 2>&1 | grep -v -i warn | tail -15
   timeout ${T_BENCH:-240} python3 benchmarks/throughput.py --model $MODEL --num-seqs "${NUM_SEQS:-256}" \
-      --async-scheduling --label "async scheduling" --results-dir "$OUT" --out "$OUT/throughput_async.json" \
+      --async-scheduling --label "async scheduling" --results-dir "$OUT" \
       ${BENCH_ARGS:-} 2>&1 | grep -v -i warn | tail -15
   # where the GPU time goes: torch.profiler over 5 decode steps at large batch (own run: timing perturbed)
   [ "${PROFILE:-1}" = 1 ] && timeout ${T_BENCH:-240} python3 benchmarks/throughput.py --model $MODEL \
       --profile-steps 300:305 --label "profiled run (timing perturbed)" --results-dir "$OUT" \
-      --out "$OUT/throughput_profiled.json" 2>&1 | grep -v -i warn | tail -3
+      2>&1 | grep -v -i warn | tail -3
 fi
 if [ "$MODE" != "bench" ]; then
   timeout ${T_TESTS:-150} python3 -m pytest -q -m gpu -x tests/ops tests/gpu -p no:cacheprovider 2>&1 | tail -25 > "$OUT/gpu_tests.log"
@@ -26,7 +27,7 @@ if [ "$MODE" != "bench" ]; then
 fi
 if [ "$MODE" = "full" ]; then
   timeout ${T_HF:-200} python3 benchmarks/throughput.py --model $MODEL --num-seqs 64 --compare-hf \
-      --results-dir "$OUT" --out "$OUT/throughput_hf64.json" 2>&1 | grep -v -i warn | tail -8
+      --results-dir "$OUT" 2>&1 | grep -v -i warn | tail -8
   [ -f benchmarks/kernels.py ] && timeout 60 python3 benchmarks/kernels.py --out "$OUT/kernels.json" 2>&1 | tail -12
 fi
 ls "$OUT"
