@@ -10,10 +10,11 @@ median and p99, where
   per request, ITL = every gap between two chunks of a request.
 
 The load generator is plain asyncio + httpx (not the openai client, whose per-chunk overhead
-would be measured too), in several processes on a machine with many cores (one asyncio
-process parses at most ~15-20k SSE events/s, less than a fast server sends). `--launch` starts `pagedllm serve` itself and stops it afterwards;
-otherwise `--base-url` names a running server. Each run appends a JSON row to
-benchmarks/results/<gpu>.json (or --result-name).
+would be measured too), spread over several processes on a machine with many cores: one
+asyncio + httpx process spends ~50 us of CPU per SSE event (measured on CPU), so alone it
+would saturate near the 15k events/s of 120 req/s x 128 tokens. `--launch` starts
+`pagedllm serve` itself and stops it afterwards; otherwise `--base-url` names a running
+server. Each run appends a JSON row to benchmarks/results/<gpu>.json (or --result-name).
 """
 from __future__ import annotations
 
@@ -198,8 +199,7 @@ def client_process_count(requested: int, num_prompts: int) -> int:
 
 
 def run_load(base_url: str, model: str, prompts: list[list[int]], args) -> tuple[list[RequestResult], float]:
-    """Warm up, then run the whole load, spread over `--client-processes` processes (a single
-    asyncio + httpx process tops out near 15-20k SSE events/s, below what a fast server sends)."""
+    """Warm up, then run the whole load, spread over `--client-processes` processes."""
     load = _Load(base_url.rstrip("/") + "/v1/completions",
                  {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}, model, args.temperature,
                  args.output_len, args.max_concurrency)

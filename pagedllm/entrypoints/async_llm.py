@@ -1,25 +1,28 @@
 """AsyncLLM: requests as asyncio streams, the engine in its own process (vLLM v1's split).
 
-    API process (this object)                         engine core process (engine_core.py)
-    tokenize + validate -> ("add", ids, params) ----> scheduler, KV cache, model runner
-    per-request RequestStream  <-- reader thread <---- one message per step: new token ids,
-    (detokenize, stop strings, SSE)                   finish reasons, timestamps, metrics
+    API process (this object, on the event loop)      engine core process (engine_core.py)
+    tokenize + validate  -> ("add", ids, params) ---> scheduler, KV cache, model runner
+    RequestStream per request <- asyncio pipe reader <- one message per step: new token ids,
+    (detokenize, stop strings, SSE)                     finish reasons, timestamps, metrics
 
-The API process never touches the engine, so HTTP, JSON and detokenizing no longer compete
-with the engine loop for one GIL. A dedicated reader thread receives each step's message and
-hands it to each caller's event loop with one `call_soon_threadsafe` per loop; everything about
-a request (its token ids, its detokenizer, its stream) then lives on that loop. A stream keeps
-state, not a queue of outputs: a consumer that falls behind gets one output with everything
-new since it last looked (fewer, larger SSE chunks instead of a growing backlog).
+The API process never touches the engine, so HTTP, JSON and detokenizing no longer take
+turns with the engine loop on one GIL. The core's outputs are read on the event loop itself
+(an asyncio reader on the pipe), and everything about a request (its token ids, its
+detokenizer, its stream) lives on that loop. A stream keeps state, not a queue of outputs: a
+consumer that falls behind gets one output with everything new since it last looked (fewer,
+larger SSE chunks instead of a growing backlog), and text is decoded only when it is asked for.
 
-Stop strings are matched here, token by token, exactly as the engine would: on a hit the text
-is cut, the stream finishes with finish_reason "stop" and the core is told to abort.
+Stop strings are matched here, token by token, exactly as LLMEngine does: on a hit the text is
+cut, the stream finishes with finish_reason "stop" and the core is told to abort the request.
 Validation happens before anything is sent, so a bad request raises ValueError at once.
 
 If the core process dies, every open stream raises EngineShutdownError and so does every new
 request; `shutdown()` (also on SIGTERM via the server) ends open streams with finish_reason
 "abort" and waits for the core to exit. `AsyncLLM(llm=LLM(...))` or `engine_process=False`
 runs the same core loop on a thread of this process instead (tests, debugging).
+
+The core is started with multiprocessing's spawn method: a script that creates an AsyncLLM
+at import time needs the usual `if __name__ == "__main__":` guard.
 """
 from __future__ import annotations
 
@@ -63,6 +66,38 @@ class _Stats:
     time: float = 0.0
 
 
+class _BackendDecode:
+    """`tokenizer.decode` straight from the Rust backend, skipping transformers' per-call input
+    conversion (4x less time per streamed token). Used only where the two give the same text."""
+
+    def __init__(self, backend: Any):
+        self._decode = backend.decode
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _fast_decoder(tokenizer: Any) -> Any:
+    """What IncrementalDetokenizer should call `.decode` on: the backend when this tokenizer does
+    nothing more than the backend (no clean-up of tokenization spaces; checked on a sample),
+    else the tokenizer itself."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or not hasattr(backend, "decode") or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return tokenizer
+    fast = _BackendDecode(backend)
+    try:
+        n = len(tokenizer)
+        sample = [list(range(i, min(n, i + 48))) for i in range(0, n, max(1, n // 16))]
+        sample.append(sorted(getattr(tokenizer, "all_special_ids", []))[:8] + [0, 1, 2])
+        for ids in sample:
+            for skip in (True, False):
+                if fast.decode(ids, skip) != tokenizer.decode(ids, skip_special_tokens=skip):
+                    return tokenizer
+    except Exception:
+        return tokenizer
+    return fast
+
+
 class RequestStream:
     """One request's outputs as an async iterator; iteration ends after the output with
     `finished=True` (finish_reason "abort" for an aborted request).
@@ -99,9 +134,8 @@ class RequestStream:
         self._final: RequestOutput | None = None
         self.error: BaseException | None = None
         self._waiter: asyncio.Future | None = None
-        tok = owner.tokenizer
-        if tok is not None and (stream or self.stops):
-            self.detok = IncrementalDetokenizer(tok, prompt_token_ids)
+        if owner._decoder is not None and (stream or self.stops):
+            self.detok = IncrementalDetokenizer(owner._decoder, prompt_token_ids)
 
     # ---- consumer side --------------------------------------------------------------------
     def __aiter__(self) -> "RequestStream":
@@ -191,7 +225,7 @@ class RequestStream:
             return
         self.finish_reason = finish_reason
         self.stop_reason = stop_reason
-        tok = self.owner.tokenizer
+        tok = self.owner._decoder
         if tok is not None:
             if self.detok is None:                                   # not streamed: decode once
                 self.detok = IncrementalDetokenizer(tok, self.prompt_token_ids)
@@ -281,6 +315,7 @@ class AsyncLLM:
                 self.core.send(("shutdown",))
                 self.core.close(10)
                 raise
+        self._decoder = _fast_decoder(self.tokenizer) if self.tokenizer is not None else None
         info = self.core.wait_ready(startup_timeout)
         self.core_pid = self.core.pid
         self.model_path = info["model_path"] or model
@@ -301,9 +336,11 @@ class AsyncLLM:
         self._stopping = False
         self._dead: str | None = None                    # why the core is gone, once it is
         self._last_log = time.monotonic()
-        self._logged = (self.stats.engine.get("num_prompt_tokens", 0), self.stats.engine.get("num_generation_tokens", 0))
-        self._reader = threading.Thread(target=self._read, name="pagedllm-output-reader", daemon=True)
-        self._reader.start()
+        m = self.stats.engine
+        self._logged = (m.get("num_prompt_tokens", 0), m.get("num_generation_tokens", 0))
+        self._reader_loop: asyncio.AbstractEventLoop | None = None   # the loop that reads the core's outputs
+        self._read_lock = threading.Lock()               # one reader at a time (a message is two reads)
+        self._gone = False
         atexit.register(self._atexit)
 
     # ---- inputs: tokenize and validate (LLMEngine's rules and messages) --------------------
@@ -350,6 +387,11 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return not self._stopping and self._dead is None and self.core.is_alive()
 
+    @property
+    def is_dead(self) -> bool:
+        """The engine core died (or its thread stopped) without being asked to."""
+        return self._dead is not None or (not self._stopping and not self.core.is_alive())
+
     def num_waiting(self) -> int:
         """Requests sent to the engine that have no token yet (queued or prefilling)."""
         return self._num_waiting
@@ -359,6 +401,8 @@ class AsyncLLM:
         """Validate and queue one request; returns its stream at once. Raises ValueError for a bad
         prompt or parameters, QueueFullError, EngineShutdownError. Must run inside an event loop."""
         loop = asyncio.get_running_loop()
+        if self._reader_loop is not loop:
+            self._ensure_reader()
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -415,15 +459,23 @@ class AsyncLLM:
         self._on_loop_of(handle, handle._finish, "abort")
 
     def get_metrics(self) -> dict:
+        """The core's latest metrics (LLMEngine.get_metrics(); at most ~20 ms old while busy)."""
+        if self._reader_loop is None or self._reader_loop.is_closed():
+            self._ensure_reader()
         return dict(self.stats.engine)
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Abort everything in flight (each stream ends cleanly with finish_reason "abort"), stop
         the engine core and wait for it. New requests raise EngineShutdownError. Safe to call twice."""
         self.begin_shutdown()
+        loop = self._reader_loop
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if loop is None or loop.is_closed() or not loop.is_running() or on_loop:
+            self._drain(timeout)                     # nobody else reads: until "bye" or EOF
         self.core.close(timeout)
-        if threading.current_thread() is not self._reader:
-            self._reader.join(5 if timeout is None else timeout)
         if self._owns_llm and not self.core.is_alive():
             close = getattr(self.llm, "close", None)
             if close is not None:
@@ -457,7 +509,7 @@ class AsyncLLM:
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
 
-    # ---- bookkeeping shared by the loops and the reader thread ---------------------------------
+    # ---- bookkeeping shared by the loops and other threads -------------------------------------
     def _abort_in_core(self, core_id: str) -> None:
         try:
             self.core.send(("abort", [core_id]))
@@ -492,47 +544,116 @@ class AsyncLLM:
         except RuntimeError:                        # that loop is closed: nobody is listening
             handle.owner._forget(handle)
 
-    # ---- the reader thread -------------------------------------------------------------------
-    def _read(self) -> None:
+    # ---- reading the core's outputs, on the event loop ---------------------------------------
+    # Reading happens on the loop itself (an asyncio reader on the pipe, as vLLM reads its ZMQ
+    # socket): a reader thread would have to win the GIL back from the busy loop after every
+    # read syscall, up to sys.getswitchinterval() each time, and fall behind the engine.
+    def _ensure_reader(self) -> None:
+        """Someone must read: the first event loop that uses this AsyncLLM reads until it is
+        closed, then the next one takes over (outputs for requests of other loops are handed
+        over with call_soon_threadsafe). Outside any loop, with no reader: read what is there."""
         try:
-            while True:
-                msg = self.core.recv()
-                kind = msg[0]
-                if kind == "step":
-                    if msg[2] is not None:
-                        self._set_stats(msg[2])
-                    self._dispatch(msg[1])
-                elif kind == "stats":
-                    self._set_stats(msg[1])
-                elif kind == "rejected":
-                    self._fail([msg[1]], ValueError(msg[2]))
-                elif kind == "failed":
-                    self._fail(msg[1], EngineStepError(msg[2]))
-                elif kind == "bye":
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is None:
+            old = self._reader_loop
+            if old is None or old.is_closed():
+                self._drain(0)
+            return
+        if not self._read_lock.acquire(blocking=False):
+            return                                   # shutdown() is draining
+        try:
+            old = self._reader_loop
+            if old is loop or (old is not None and not old.is_closed()) or self._gone:
+                return
+            self._reader_loop = loop
+            loop.add_reader(self.core.fileno(), self._on_readable)
+        finally:
+            self._read_lock.release()
+
+    def _on_readable(self) -> None:
+        if not self._read_lock.acquire(blocking=False):
+            return                                   # shutdown() is draining
+        try:
+            while self.core.poll(0):                 # everything that is there: one pass under load
+                if not self._handle(self.core.recv()):
                     break
         except (EOFError, OSError):
-            pass
+            self._core_gone()
         except Exception:
-            logger.exception("output reader failed")
-        self._core_gone()
+            logger.exception("reading the engine core's outputs failed")
+        finally:
+            if self._gone and self._reader_loop is not None and not self._reader_loop.is_closed():
+                self._reader_loop.remove_reader(self.core.fileno())
+            self._read_lock.release()
+
+    def _drain(self, timeout: float | None) -> None:
+        """Read in this thread until the core says "bye" or its pipe ends (used by shutdown)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._gone or not self._read_lock.acquire(timeout=-1 if timeout is None else timeout):
+            return
+        try:
+            while not self._gone:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not self.core.poll(left):
+                    return
+                self._handle(self.core.recv())
+        except (EOFError, OSError):
+            self._core_gone()
+        finally:
+            if self._gone and self._reader_loop is not None and not self._reader_loop.is_closed():
+                try:
+                    self._reader_loop.call_soon_threadsafe(self._reader_loop.remove_reader, self.core.fileno())
+                except RuntimeError:
+                    pass
+            self._read_lock.release()
+
+    def _handle(self, msg: tuple) -> bool:
+        """One message from the core; False after the last one."""
+        kind = msg[0]
+        if kind == "step":
+            if msg[2] is not None:
+                self._set_stats(msg[2])
+            self._dispatch(msg[1])
+        elif kind == "stats":
+            self._set_stats(msg[1])
+        elif kind == "rejected":
+            self._fail([msg[1]], ValueError(msg[2]))
+        elif kind == "failed":
+            self._fail(msg[1], EngineStepError(msg[2]))
+        elif kind == "bye":
+            self._core_gone()
+            return False
+        return True
 
     def _dispatch(self, entries: list) -> None:
-        """One call_soon_threadsafe per event loop for the whole step."""
+        """Apply one step's outputs: at once for requests of the running loop, with one
+        call_soon_threadsafe per other loop."""
         get = self._by_core_id.get
-        per_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        mine, others = [], None
         for e in entries:
             handle = get(e[0])
-            if handle is None:                      # aborted or stopped meanwhile
+            if handle is None:                      # finished, aborted or stopped meanwhile
                 continue
-            items = per_loop.get(handle.loop)
-            if items is None:
-                items = per_loop[handle.loop] = []
-            items.append((handle, e))
-        for loop, items in per_loop.items():
+            if handle.loop is here:
+                mine.append((handle, e))
+            else:
+                if others is None:
+                    others = {}
+                others.setdefault(handle.loop, []).append((handle, e))
+        if mine:
+            _apply_step(mine)
+        for loop, items in (others or {}).items():
             try:
                 loop.call_soon_threadsafe(_apply_step, items)
-            except RuntimeError:
+            except RuntimeError:                    # that loop is closed: nobody listens; stop the work
                 for handle, _ in items:
+                    self._abort_in_core(handle.core_id)
                     self._forget(handle)
 
     def _fail(self, core_ids: list[str], error: BaseException) -> None:
@@ -542,9 +663,12 @@ class AsyncLLM:
                 self._on_loop_of(handle, handle._finish, "abort", None, error)
 
     def _core_gone(self) -> None:
-        """EOF from the core. Expected after shutdown; otherwise it died: fail everything."""
+        """"bye" or EOF from the core. Expected after shutdown; otherwise it died: fail everything."""
+        if self._gone:
+            return
+        self._gone = True
         if self.core.proc is not None:
-            self.core._exited(2)                    # so that its exit code is known
+            self.core._exited(0.5)                  # so that its exit code is known
         with self._lock:
             expected = self._stopping
             if not expected:

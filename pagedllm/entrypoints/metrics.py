@@ -1,8 +1,10 @@
 """Prometheus metrics for the server, named like vLLM's with the `pagedllm:` prefix.
 
-Gauges and counters are read at scrape time from the engine stats that the engine thread
-publishes (so scraping never touches the engine); the latency histograms are observed on the
-event loop when a request's final output arrives. Each server has its own CollectorRegistry.
+Gauges and counters are read at scrape time from the metrics dict that the engine core sends
+with its outputs (at most ~20 ms old while busy, fresh when it goes idle), so scraping never
+touches the engine; the latency histograms are observed on the event loop when a request's
+final output arrives, from the core's timestamps (arrival, first token, finish: one monotonic
+clock across processes). Each server has its own CollectorRegistry.
 """
 from __future__ import annotations
 

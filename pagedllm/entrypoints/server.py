@@ -401,7 +401,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | None = None, api_key
         except EngineShutdownError as e:
             for h in handles:
                 h.close()
-            raise APIError(503, str(e), "service_unavailable", None, "shutting_down") from None
+            raise APIError(503, str(e), "service_unavailable", None,
+                           "engine_dead" if async_llm.is_dead else "shutting_down") from None
         return _Submitted(handles, lens)
 
     async def finals(request: Request, sub: _Submitted) -> list[RequestOutput]:

@@ -22,19 +22,22 @@ def llm(tiny_models):
 
 
 @pytest.fixture(scope="module", params=["process", "thread"])
-def engine(request, llm, tiny_models):
-    """One AsyncLLM per mode for the whole module; the shutdown test runs last in each mode."""
+def engine(request, tiny_models):
+    """One AsyncLLM per mode for the whole module; the shutdown test runs last in each mode.
+    (The thread mode gets an LLM of its own: the `llm` fixture computes the references, and an
+    LLM must not be stepped by two threads.)"""
     if request.param == "process":
         a = AsyncLLM(tiny_models["qwen3"], **LLM_ARGS)
         assert a.llm is None and pid_alive(a.core_pid)
     else:
-        a = AsyncLLM(llm=llm)
+        from pagedllm import LLM
+        a = AsyncLLM(llm=LLM(tiny_models["qwen3"], **LLM_ARGS))
     yield a
     a.shutdown()
     if request.param == "process":
         assert not pid_alive(a.core_pid) and a.core.exitcode() == 0
     else:
-        assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+        assert a.llm.engine.kv.num_free_blocks == a.llm.engine.kv.num_blocks
 
 
 async def _idle(engine: AsyncLLM, timeout: float = 5.0) -> dict:

@@ -1,0 +1,117 @@
+"""The engine core process dying: open streams end with an error event, waiting requests get
+503, new requests get 503 at once, /health says 503, nothing hangs. And the other way round:
+the core never outlives the API process, even one killed with SIGKILL."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from pagedllm.entrypoints.async_llm import EngineShutdownError
+from tests.server.conftest import API_KEY, MODEL_NAME, LiveServer, metric, pid_alive, scrape
+
+LONG = {"model": MODEL_NAME, "prompt": "def f(x):", "max_tokens": 30000, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def doomed(long_context_model):
+    from pagedllm.entrypoints.async_llm import AsyncLLM
+    from pagedllm.entrypoints.server import build_app
+    async_llm = AsyncLLM(long_context_model, device="cpu", num_kv_blocks=2100, max_num_seqs=4)
+    srv = LiveServer(build_app(async_llm, MODEL_NAME, API_KEY)).start()
+    srv.async_llm = async_llm
+    yield srv
+    srv.stop()
+    async_llm.shutdown(10)
+
+
+def test_killing_the_core_fails_in_flight_and_new_requests_promptly(doomed):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    url = doomed.url
+    pid = doomed.async_llm.core_pid
+    assert pid_alive(pid)
+    non_streamed: dict = {}
+
+    def post_non_streamed():
+        r = httpx.post(url + "/v1/completions", json=LONG, headers=headers, timeout=60)
+        non_streamed.update(status=r.status_code, body=r.json())
+    waiter = threading.Thread(target=post_non_streamed, daemon=True)
+
+    with httpx.Client(base_url=url, headers=headers, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as resp:
+            lines = (line for line in resp.iter_lines() if line)
+            assert json.loads(next(lines)[6:])["choices"][0]["finish_reason"] is None
+            waiter.start()
+            deadline = time.monotonic() + 10
+            while metric(scrape(url), "pagedllm:num_requests_running") != 2:
+                assert time.monotonic() < deadline, "the non-streamed request never started"
+                time.sleep(0.02)
+            os.kill(pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            rest = list(lines)                   # the stream ends: an error event, then [DONE]
+            elapsed = time.monotonic() - t0
+    assert elapsed < 5, f"the stream took {elapsed:.1f} s to notice"
+    assert rest[-1] == "data: [DONE]"
+    err = json.loads(rest[-2][6:])["error"]
+    assert err["type"] == "service_unavailable" and "engine core process died" in err["message"]
+    waiter.join(5)
+    assert not waiter.is_alive() and non_streamed["status"] == 503
+    assert non_streamed["body"]["error"]["code"] == "engine_dead"
+
+    # new requests: 503 at once, health 503, metrics still served
+    t0 = time.monotonic()
+    client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=10)
+    with pytest.raises(openai.InternalServerError) as e:
+        client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2)
+    assert e.value.status_code == 503 and e.value.body["code"] == "engine_dead"
+    with pytest.raises(openai.InternalServerError):
+        list(client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2, stream=True))
+    assert time.monotonic() - t0 < 5
+    assert httpx.get(url + "/health").status_code == 503
+    assert httpx.get(url + "/metrics").status_code == 200
+
+    async def add():
+        doomed.async_llm.add_request("x")
+    with pytest.raises(EngineShutdownError, match="died"):
+        asyncio.run(add())
+    t0 = time.monotonic()
+    doomed.async_llm.shutdown(10)
+    assert time.monotonic() - t0 < 5 and not pid_alive(pid)
+
+
+CHILD = """
+import sys, time
+from pagedllm.entrypoints.async_llm import AsyncLLM
+if __name__ == "__main__":
+    a = AsyncLLM(sys.argv[1], device="cpu", num_kv_blocks=64)
+    print(a.core_pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_the_core_exits_when_the_api_process_is_killed(tiny_models):
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p = subprocess.Popen([sys.executable, "-c", CHILD, tiny_models["qwen3"]], cwd=root, stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        core = int(p.stdout.readline())
+        assert pid_alive(core)
+        p.kill()                                 # SIGKILL: no atexit, no shutdown(); only the pipe's EOF
+        p.wait(10)
+        deadline = time.monotonic() + 10
+        while pid_alive(core):
+            assert time.monotonic() < deadline, "the engine core outlived its API process"
+            time.sleep(0.05)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
