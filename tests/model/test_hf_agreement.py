@@ -1,6 +1,7 @@
 """Exactness against HF transformers (float32, CPU) for every family, under every
 scheduling configuration: scheduling must never change results."""
 import random
+import zlib
 
 import pytest
 import torch
@@ -65,7 +66,7 @@ def test_greedy_equals_hf_generate(tiny_models, family, config):
     kwargs = {"num_kv_blocks": 128, **CONFIGS[config]}
     llm = LLM(path, **kwargs)
     order = list(range(len(prompts)))
-    random.Random(hash(config) % 100).shuffle(order)
+    random.Random(zlib.crc32(config.encode())).shuffle(order)      # same order every run
     got = generate(llm, prompts, max_tokens, order)
     assert got == reference(path, prompts, max_tokens)
     m = llm.get_metrics()
