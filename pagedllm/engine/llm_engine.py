@@ -54,6 +54,8 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.async_scheduling = async_scheduling and hasattr(executor, "execute_async")
+        # False: outputs carry token ids only (text ""), e.g. when another process detokenizes
+        self.detokenize = tokenizer is not None
         self._inflight: tuple[SchedulerOutput, Any] | None = None   # async: launched, not yet resolved
 
     # ---- requests ----------------------------------------------------------------------
@@ -102,7 +104,7 @@ class LLMEngine:
             if params.n > 1 and params.seed is not None:
                 p = _with_seed(params, params.seed + i)
             seqs.append(Sequence(request_id, ids, p, arrival_time))
-        detoks = [IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer is not None else None for _ in seqs]
+        detoks = [IncrementalDetokenizer(self.tokenizer, ids) if self.detokenize else None for _ in seqs]
         req = Request(request_id, text, ids, seqs, detoks, [0] * len(seqs), stream)
         self.requests[request_id] = req
         for seq in seqs:

@@ -209,7 +209,7 @@ def core_process_main(conn_in, conn_out, llm_kwargs: dict, parent_pid: int, log_
         from pagedllm.entrypoints.llm import LLM
         llm = LLM(**llm_kwargs)
         # Detokenization happens in the API process: the engine only hands out token ids.
-        llm.engine.tokenizer = None
+        llm.engine.detokenize = False
     except BaseException as e:                           # noqa: BLE001  (reported to the parent)
         if not isinstance(e, ValueError):
             logger.exception("engine core start-up failed")

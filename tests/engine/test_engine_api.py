@@ -160,3 +160,11 @@ def test_trace_events_are_json_lines():
     events = [json.loads(line) for line in sink.getvalue().splitlines()]
     assert {e["event"] for e in events} >= {"ALLOCATE", "RELEASE"}
     assert set(events[0]) == {"event", "block_id", "seq_id", "ref_cnt", "num_free"}
+
+
+def test_detokenize_off_gives_token_ids_only():
+    engine = make_engine()
+    engine.detokenize = False              # another process turns ids into text (the server's API side)
+    engine.add_request("a", "hello", SamplingParams(max_tokens=5, ignore_eos=True))
+    out = drain(engine)["a"].outputs[0]
+    assert out.text == "" and len(out.token_ids) == 5
