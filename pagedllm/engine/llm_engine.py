@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from pagedllm.engine.config import SchedulerConfig
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.kv_cache_manager import KVCacheManager
 from pagedllm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.engine.sampling_params import SamplingParams
@@ -46,6 +47,8 @@ class LLMEngine:
         self.vocab_size = vocab_size
         tracer = Tracer(trace_sink) if config.trace_blocks else None
         self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching, tracer)
+        self.inputs = InputProcessor(tokenizer, vocab_size, config.max_model_len, config.block_size,
+                                     config.num_kv_blocks)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, eos_token_ids)
         self.requests: dict[str, Request] = {}
@@ -60,31 +63,10 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------
     def tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
-        """str | list[int] | {"prompt_token_ids": [...]} | {"prompt": str} -> (text, token ids)."""
-        if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
-            if unknown:
-                raise ValueError(f"prompt dict has unknown keys {sorted(unknown)}; "
-                                 "use 'prompt' or 'prompt_token_ids'")
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
-            prompt = prompt.get("prompt")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt is a string but the engine has no tokenizer; pass token ids")
-            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=False)) if prompt else []
-        if isinstance(prompt, (list, tuple)):
-            return None, self._check_ids(prompt)
-        raise ValueError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+        return self.inputs.tokenize(prompt)
 
-    def _check_ids(self, ids: Any) -> list[int]:
-        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError("prompt_token_ids must be a list of integers")
-        bad = [t for t in ids if t < 0 or (self.vocab_size is not None and t >= self.vocab_size)]
-        if bad:
-            raise ValueError(f"prompt_token_ids: token id {bad[0]} is outside the vocabulary "
-                             f"[0, {self.vocab_size})")
-        return list(ids)
+    def validate_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        self.inputs.validate_length(num_prompt_tokens, max_tokens)
 
     def add_request(self, request_id: str | None, prompt: Any, params: SamplingParams | None = None,
                     arrival_time: float | None = None, stream: bool = True) -> str:
@@ -111,18 +93,6 @@ class LLMEngine:
             self._seq_to_req[seq.seq_id] = req
             self.scheduler.add(seq)
         return request_id
-
-    def validate_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        cfg = self.config
-        if num_prompt_tokens == 0:
-            raise ValueError("prompt is empty: at least one token is needed")
-        if num_prompt_tokens >= cfg.max_model_len:
-            raise ValueError(f"prompt has {num_prompt_tokens} tokens; max_model_len is {cfg.max_model_len}, "
-                             "so at most max_model_len - 1 fit")
-        need = self.kv.blocks_needed(min(num_prompt_tokens + max_tokens, cfg.max_model_len))
-        if need > self.kv.num_blocks:
-            raise ValueError(f"request needs {need} KV blocks (prompt {num_prompt_tokens} + max_tokens "
-                             f"{max_tokens}) but the KV cache has only {self.kv.num_blocks}")
 
     def abort_request(self, request_id: str) -> bool:
         """Finish a request at once, wherever it is; its blocks are free when this returns."""

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.entrypoints.engine_core import EngineCoreClient
@@ -323,6 +324,8 @@ class AsyncLLM:
         self.block_size = info["block_size"]
         self.num_kv_blocks = info["num_kv_blocks"]
         self.vocab_size = info["vocab_size"]
+        self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, self.block_size,
+                                     self.num_kv_blocks)
         self.max_queue_len = max_queue_len
         self.log_stats = log_stats
         self.stats = _Stats(info["metrics"], time.monotonic())
@@ -343,44 +346,12 @@ class AsyncLLM:
         self._gone = False
         atexit.register(self._atexit)
 
-    # ---- inputs: tokenize and validate (LLMEngine's rules and messages) --------------------
+    # ---- inputs: tokenize and validate (the engine's own rules and messages) ----------------
     def tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
-        """str | list[int] | {"prompt_token_ids": [...]} | {"prompt": str} -> (text, token ids)."""
-        if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
-            if unknown:
-                raise ValueError(f"prompt dict has unknown keys {sorted(unknown)}; "
-                                 "use 'prompt' or 'prompt_token_ids'")
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
-            prompt = prompt.get("prompt")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt is a string but the engine has no tokenizer; pass token ids")
-            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=False)) if prompt else []
-        if isinstance(prompt, (list, tuple)):
-            return None, self._check_ids(prompt)
-        raise ValueError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
-
-    def _check_ids(self, ids: Any) -> list[int]:
-        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError("prompt_token_ids must be a list of integers")
-        vocab = self.vocab_size
-        bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
-        if bad:
-            raise ValueError(f"prompt_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        return list(ids)
+        return self.inputs.tokenize(prompt)
 
     def validate_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        if num_prompt_tokens == 0:
-            raise ValueError("prompt is empty: at least one token is needed")
-        if num_prompt_tokens >= self.max_model_len:
-            raise ValueError(f"prompt has {num_prompt_tokens} tokens; max_model_len is {self.max_model_len}, "
-                             "so at most max_model_len - 1 fit")
-        need = -(-min(num_prompt_tokens + max_tokens, self.max_model_len) // self.block_size)
-        if need > self.num_kv_blocks:
-            raise ValueError(f"request needs {need} KV blocks (prompt {num_prompt_tokens} + max_tokens "
-                             f"{max_tokens}) but the KV cache has only {self.num_kv_blocks}")
+        self.inputs.validate_length(num_prompt_tokens, max_tokens)
 
     # ---- caller side ---------------------------------------------------------------------
     @property
