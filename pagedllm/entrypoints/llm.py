@@ -157,6 +157,10 @@ class LLM:
     def get_metrics(self) -> dict:
         return self.engine.get_metrics()
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix held by free blocks (as vLLM's LLM.reset_prefix_cache)."""
+        self.engine.kv.reset_prefix_cache()
+
     def get_tokenizer(self):
         return self.tokenizer
 

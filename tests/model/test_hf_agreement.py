@@ -85,3 +85,13 @@ def test_prefix_hit_tokens_reported_for_second_request(tiny_models):
     out = llm.generate([shared + [2, 3]], SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)[0]
     assert llm.get_metrics()["prefix_cache_hit_tokens"] - before == 24
     assert out.num_cached_tokens == 24
+
+
+def test_reset_prefix_cache_forgets_free_blocks(tiny_models):
+    llm = LLM(tiny_models["qwen3"], num_kv_blocks=64, block_size=8)
+    shared = list(range(10, 40))
+    llm.generate([shared + [1]], SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)
+    llm.reset_prefix_cache()
+    out = llm.generate([shared + [2]], SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0
+    llm.engine.kv.pool.check_invariants()
