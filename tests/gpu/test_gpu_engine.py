@@ -16,12 +16,13 @@ def greedy(llm, prompts, max_tokens):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("enforce_eager", [False, True])
-def test_fp32_gpu_greedy_equals_cpu(tiny_models, family, enforce_eager):
+@pytest.mark.parametrize("mode", ["graphs", "eager", "graphs+async"])
+def test_fp32_gpu_greedy_equals_cpu(tiny_models, family, mode):
     prompts, max_tokens = workload(3, n=10)
     cpu = LLM(tiny_models[family], device="cpu", num_kv_blocks=256, block_size=16)
     gpu = LLM(tiny_models[family], device="cuda", dtype="float32", num_kv_blocks=256, block_size=16,
-              max_num_seqs=16, max_num_batched_tokens=64, enforce_eager=enforce_eager)
+              max_num_seqs=16, max_num_batched_tokens=64, enforce_eager=mode == "eager",
+              async_scheduling=mode.endswith("async"))
     assert greedy(gpu, prompts, max_tokens) == greedy(cpu, prompts, max_tokens)
     m = gpu.get_metrics()
     assert m["num_free_kv_blocks"] == m["num_kv_blocks"]
