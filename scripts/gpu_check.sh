@@ -22,7 +22,7 @@ if [ "$MODE" != "tests" ]; then
       2>&1 | grep -v -i warn | tail -3
 fi
 if [ "$MODE" != "bench" ]; then
-  timeout ${T_TESTS:-150} python3 -m pytest -q -m gpu -x tests/ops tests/gpu -p no:cacheprovider 2>&1 | tail -25 > "$OUT/gpu_tests.log"
+  timeout ${T_TESTS:-200} python3 -m pytest -q -m gpu -x tests/ops tests/gpu -p no:cacheprovider 2>&1 | tail -25 > "$OUT/gpu_tests.log"
   tail -5 "$OUT/gpu_tests.log"
 fi
 if [ "$MODE" = "full" ]; then
