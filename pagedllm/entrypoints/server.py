@@ -25,7 +25,7 @@ import re
 import signal
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -531,12 +531,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | None = None, api_key
         now = int(time.time())
         sub = submit(prompts, params, rid, stream, "prompt")
 
-        def chunk(choices: list, usage: Any = False) -> dict:
-            c = {"id": rid, "object": "text_completion", "created": now, "model": served_model_name,
-                 "choices": choices}
-            if usage is not False:
-                c["usage"] = usage
-            return c
+        chunk = _chunk_builder(rid, "text_completion", now, served_model_name)
 
         if stream:
             head, tail = _sse_template(chunk([{"index": 0, "text": _HOLE, "logprobs": None, "finish_reason": None,
@@ -576,12 +571,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | None = None, api_key
         now = int(time.time())
         sub = submit([{"prompt": text, "prompt_token_ids": ids}], params, rid, stream, "messages")
 
-        def chunk(choices: list, usage: Any = False) -> dict:
-            c = {"id": rid, "object": "chat.completion.chunk", "created": now, "model": served_model_name,
-                 "choices": choices}
-            if usage is not False:
-                c["usage"] = usage
-            return c
+        chunk = _chunk_builder(rid, "chat.completion.chunk", now, served_model_name)
 
         if stream:
             u = None if include_usage else False
@@ -610,6 +600,16 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | None = None, api_key
     if api_key:
         app.add_middleware(_AuthMiddleware, api_key=api_key)
     return app
+
+
+def _chunk_builder(rid: str, obj: str, created: int, model: str) -> Callable[..., dict]:
+    """chunk(choices, usage=False) -> one response object; usage False leaves the key out."""
+    def chunk(choices: list, usage: Any = False) -> dict:
+        c = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
+        if usage is not False:
+            c["usage"] = usage
+        return c
+    return chunk
 
 
 class _SSEResponse(StreamingResponse):
