@@ -33,7 +33,7 @@ def decode_inputs(batch: int, context: int, block_size: int):
         slot_mapping=bt[:, -1].astype(np.int64) * block_size + (context - 1) % block_size, block_tables=bt,
         cu_seqlens_q=np.arange(batch + 1, dtype=np.int32), seq_lens=np.full(batch, context, dtype=np.int32),
         logits_indices=np.arange(batch, dtype=np.int64), max_seqlen_q=1, max_seqlen_k=context, decode_only=True,
-        no_history=False, blocks_to_copy=[], sample_seq_ids=list(range(batch)),
+        no_history=False, blocks_to_copy=[], seq_ids=list(range(batch)), sample_seq_ids=list(range(batch)),
         temperature=np.full(batch, 0.6, np.float32), top_k=np.full(batch, 151936, np.int64),
         top_p=np.ones(batch, np.float32), min_p=np.zeros(batch, np.float32), seeds=[None] * batch,
         finished_seq_ids=[])
@@ -111,6 +111,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--results-dir", default="benchmarks/results")
+    p.add_argument("--no-save", action="store_true")
     args = p.parse_args()
     inp = decode_inputs(args.batch, args.context, args.block_size)
     n = 200
@@ -123,9 +125,13 @@ def main() -> None:
         pickle.loads(data)
     unpickle_us = 1e6 * (time.perf_counter() - t) / n
     rows = [measure(k, inp, args.steps) for k in ("shm", "broadcast", "object_list")]
-    print(json.dumps({"batch": args.batch, "context": args.context, "block_size": args.block_size,
-                      "message_bytes": len(data), "pickle_us": pickle_us, "unpickle_us": unpickle_us,
-                      "channels": rows}, indent=1))
+    row = {"benchmark": "tp_channel", "batch": args.batch, "context": args.context, "block_size": args.block_size,
+           "message_bytes": len(data), "pickle_us": pickle_us, "unpickle_us": unpickle_us, "channels": rows}
+    print(json.dumps(row, indent=1))
+    if not args.no_save:
+        from pagedllm.bench.common import append_result, environment
+        row.update(environment(), loadavg=os.getloadavg())
+        print("appended to", append_result(row, args.results_dir, "tp-channel-cpu"))
 
 
 if __name__ == "__main__":
