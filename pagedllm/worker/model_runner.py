@@ -94,7 +94,7 @@ class ModelRunner:
         self._allocate_kv_cache()
         self._generators: dict[int, torch.Generator] = {}
         self._last_sampled: torch.Tensor | None = None    # async scheduling: the previous step's ids
-        self._last_rows: dict[int, int] = {}
+        self._last_sample_seq_ids: list[int] = []          # ... and whose they are, row by row
         self._host_ids = [torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=device.type == "cuda")
                           for _ in range(2)]
         self.graphs = None
@@ -146,8 +146,8 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         used = total - free
-        peak = torch.cuda.memory_stats(self.device)["allocated_bytes.all.peak"]
-        current = torch.cuda.memory_stats(self.device)["allocated_bytes.all.current"]
+        stats = torch.cuda.memory_stats(self.device)
+        peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
         self.peak_activation_bytes = peak - current
         budget = total * utilization - used - peak + current
         blocks = int(budget // self.block_bytes)
@@ -210,8 +210,7 @@ class ModelRunner:
         if logits is None or not self.is_driver:   # nothing to sample, or not rank 0 of a TP group
             return None
         sampled = self.sample(logits, inp)
-        self._last_sampled = sampled
-        self._last_rows = {seq_id: i for i, seq_id in enumerate(inp.sample_seq_ids)}
+        self._last_sampled, self._last_sample_seq_ids = sampled, inp.sample_seq_ids
         return sampled
 
     def _placeholder_sources(self, inp: StepInputs):
@@ -221,7 +220,8 @@ class ModelRunner:
         if rows.size == 0:
             return None
         seq_index = np.searchsorted(inp.cu_seqlens_q, rows, side="right") - 1
-        src = np.fromiter((self._last_rows[inp.seq_ids[j]] for j in seq_index), dtype=np.int64, count=rows.size)
+        last_row = {seq_id: i for i, seq_id in enumerate(self._last_sample_seq_ids)}
+        src = np.fromiter((last_row[inp.seq_ids[j]] for j in seq_index), dtype=np.int64, count=rows.size)
         return self._to_device(rows), self._to_device(src)
 
     def fill_placeholders(self, input_ids: torch.Tensor, fix) -> None:
@@ -259,7 +259,7 @@ class ModelRunner:
         t = SamplingTensors(
             temperature=self._to_device(temperature), top_k=self._to_device(inp.top_k),
             top_p=self._to_device(inp.top_p), min_p=self._to_device(inp.min_p), generators=gens,
-            all_greedy=bool((temperature == 0).all()),
+            all_greedy=bool((temperature == 0).all()), any_greedy=bool((temperature == 0).any()),
             need_top_k_p=bool((inp.top_k < self.vocab_size).any() or (inp.top_p < 1).any()),
             need_min_p=bool((inp.min_p > 0).any()))
         return sample(logits, t)

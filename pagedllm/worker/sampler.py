@@ -19,6 +19,7 @@ class SamplingTensors:
     min_p: torch.Tensor            # [B] fp32
     generators: list               # per row: torch.Generator or None
     all_greedy: bool
+    any_greedy: bool
     need_top_k_p: bool
     need_min_p: bool
 
@@ -37,9 +38,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
 def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """logits: [B, V] -> token ids [B] (int64, on the logits' device)."""
     logits = logits.float()
-    greedy = logits.argmax(dim=-1)
     if t.all_greedy:
-        return greedy
+        return logits.argmax(dim=-1)
     temp = torch.where(t.temperature > 0, t.temperature, torch.ones_like(t.temperature))
     scaled = logits / temp[:, None]
     if t.need_top_k_p:
@@ -52,4 +52,6 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         if gen is not None:
             noise[row].exponential_(generator=gen)
     sampled = (probs / noise).argmax(dim=-1)
-    return torch.where(t.temperature > 0, sampled, greedy)
+    if not t.any_greedy:
+        return sampled
+    return torch.where(t.temperature > 0, sampled, logits.argmax(dim=-1))

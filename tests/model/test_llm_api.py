@@ -124,3 +124,11 @@ def test_async_scheduling_keeps_seeded_sampling_and_stops(tiny_models):
     assert tokens(async_.generate([[9, 9]], p, use_tqdm=False)[0]) == tokens(a[1])[:tokens(a[1]).index(stop_tok) + 1]
     m = async_.get_metrics()
     assert m["num_free_kv_blocks"] == m["num_kv_blocks"]
+
+
+def test_greedy_row_in_a_sampled_batch_stays_greedy(llm):
+    g = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    alone = tokens(llm.generate([[5, 6, 7]], g, use_tqdm=False)[0])
+    mixed = llm.generate([[9, 9], [5, 6, 7]], [SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True), g],
+                         use_tqdm=False)
+    assert tokens(mixed[1]) == alone
