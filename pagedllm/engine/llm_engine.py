@@ -6,6 +6,7 @@ returning one sampled token id per scheduled sequence that samples, in scheduled
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -84,7 +85,7 @@ class LLMEngine:
         for i in range(params.n):
             p = params
             if params.n > 1 and params.seed is not None:
-                p = _with_seed(params, params.seed + i)
+                p = dataclasses.replace(params, seed=params.seed + i)     # re-validated, stop list rebuilt
             seqs.append(Sequence(request_id, ids, p, arrival_time))
         detoks = [IncrementalDetokenizer(self.tokenizer, ids) if self.detokenize else None for _ in seqs]
         req = Request(request_id, text, ids, seqs, detoks, [0] * len(seqs), stream)
@@ -221,9 +222,3 @@ class LLMEngine:
             "num_prefix_cache_evictions": kv.pool.num_evictions,
         }
 
-
-def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    import dataclasses
-    kwargs = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
-    kwargs["seed"] = seed
-    return SamplingParams(**kwargs)
