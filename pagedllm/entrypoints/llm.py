@@ -118,14 +118,18 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
-        # validate everything before anything is queued: a bad prompt leaves the engine untouched
+        # tokenize and validate everything before anything is queued: a bad prompt leaves the
+        # engine untouched; the requests then carry their token ids (no second tokenization)
+        tokenized = []
         for prompt, p in zip(prompts, params):
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
-            _, ids = self.engine.tokenize(prompt)
-            self.engine.validate_length(len(ids), p.max_tokens)
+            text, token_ids = self.engine.tokenize(prompt)
+            self.engine.validate_length(len(token_ids), p.max_tokens)
+            tokenized.append({"prompt": text, "prompt_token_ids": token_ids} if text is not None
+                             else {"prompt_token_ids": token_ids})
         ids = []
-        for prompt, p in zip(prompts, params):
+        for prompt, p in zip(tokenized, params):
             ids.append(f"gen-{self._counter}")
             self._counter += 1
             self.engine.add_request(ids[-1], prompt, p, stream=False)
