@@ -66,7 +66,9 @@ if HAS_TRITON:
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PREC)
         return acc, l_i, m_new
 
-    @triton.jit
+    # stride_bt (the block-table width) changes from step to step: left unspecialized, so it
+    # does not compile a variant per value class (==1, %16, other) in the middle of serving.
+    @triton.jit(do_not_specialize=["stride_bt"])
     def _paged_attn_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr,
         seq_lens_ptr, part_out_ptr, part_lse_ptr,
@@ -195,7 +197,8 @@ def _pick_config(decode: bool, g_pad: int, head_dim: int, dtype: torch.dtype) ->
 
 def default_num_splits(batch: int, num_kv_heads: int, max_seqlen_k: int,
                        device: torch.device) -> int:
-    """Flash-decoding split count: about 4 programs per SM, >= 512 keys a split.
+    """Flash-decoding split count: about 4 programs per SM, >= 512 keys a split, rounded down
+    to a power of two.
 
     (H200, batch 8 x 8192, 8 KV heads: 8 splits 3.86 TB/s, 9 splits 3.28, 16 splits 3.66.)
     """
@@ -203,7 +206,8 @@ def default_num_splits(batch: int, num_kv_heads: int, max_seqlen_k: int,
     sms = num_sms(device)
     if programs >= 2 * sms:
         return 1
-    return max(1, min(4 * sms // programs, max_seqlen_k // 512, 64))
+    n = max(1, min(4 * sms // programs, max_seqlen_k // 512, 64))
+    return 1 << (n.bit_length() - 1)     # a power of two: NUM_SPLITS is compiled in, few variants
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -33,11 +33,16 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(max_bs, self.max_blocks, dtype=torch.int32, device=dev)
         self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
         self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
-        # one pinned staging area, so a step's inputs go up in one copy per array
-        self.host = {name: torch.zeros(t.shape, dtype=t.dtype).pin_memory()
-                     for name, t in (("input_ids", self.input_ids), ("positions", self.positions),
-                                     ("slot_mapping", self.slot_mapping), ("seq_lens", self.seq_lens),
-                                     ("block_tables", self.block_tables))}
+        # Pinned staging, so a step's inputs go up in one copy per array. Two sets, used in
+        # turn: with async scheduling step N+1 is written on the host while step N's copies
+        # may still wait in the stream behind step N-1 (writing into the same set would change
+        # step N's inputs, placeholders included, under it). The event guards the reuse.
+        self.host = [{name: torch.zeros(t.shape, dtype=t.dtype).pin_memory()
+                      for name, t in (("input_ids", self.input_ids), ("positions", self.positions),
+                                      ("slot_mapping", self.slot_mapping), ("seq_lens", self.seq_lens),
+                                      ("block_tables", self.block_tables))} for _ in range(2)]
+        self.copied = [torch.cuda.Event(), torch.cuda.Event()]   # per set: after its copies
+        self.turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -75,8 +80,11 @@ class DecodeGraphs:
     def run(self, inp, fix=None) -> torch.Tensor:
         bs = inp.num_seqs
         padded = self.sizes[bisect.bisect_left(self.sizes, bs)]
-        h = self.host
+        self.turn ^= 1
+        h = self.host[self.turn]
+        self.copied[self.turn].synchronize()           # normally long done: it is two steps old
         h["input_ids"][:bs].numpy()[:] = inp.input_ids
+        h["input_ids"][bs:padded].fill_(0)      # stale rows may hold an old step's PLACEHOLDER (-1)
         h["positions"][:bs].numpy()[:] = inp.positions
         h["slot_mapping"][:padded].fill_(-1)
         h["slot_mapping"][:bs].numpy()[:] = inp.slot_mapping
@@ -90,6 +98,7 @@ class DecodeGraphs:
         self.slot_mapping[:padded].copy_(h["slot_mapping"][:padded], non_blocking=True)
         self.seq_lens[:padded].copy_(h["seq_lens"][:padded], non_blocking=True)
         self.block_tables[:bs].copy_(h["block_tables"][:bs], non_blocking=True)
+        self.copied[self.turn].record()
         self.runner.fill_placeholders(self.input_ids, fix)      # async scheduling: ids from the device
         self.graphs[padded].replay()
         return self.logits[padded][:bs]

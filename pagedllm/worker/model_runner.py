@@ -92,6 +92,8 @@ class ModelRunner:
         self.is_driver = tp_rank() == 0    # with TP, rank 0 alone samples
         self.num_kv_blocks = agree_min(self.num_kv_blocks)   # TP: the same block ids on every rank
         self._allocate_kv_cache()
+        if device.type == "cuda":
+            self._warm_up_kernels()
         self._generators: dict[int, torch.Generator] = {}
         self._last_sampled: torch.Tensor | None = None    # async scheduling: the previous step's ids
         self._last_sample_seq_ids: list[int] = []          # ... and whose they are, row by row
@@ -166,6 +168,30 @@ class ModelRunner:
         logger.info("KV cache: %d blocks x %d tokens = %.3f GiB; weights %.3f GiB; peak activations %.3f GiB",
                     self.num_kv_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / GiB,
                     self.weights_bytes / GiB, peak / GiB)
+
+    @torch.inference_mode()
+    def _warm_up_kernels(self) -> None:
+        """Compile the attention kernel's prefill-with-history variant at start-up (a step
+        mixing one decode row with a chunk over a cached prefix), so the first real prefill
+        does not wait for Triton. The profiling run covered the other kernels; the CUDA graphs
+        cover decode. Writes nothing to the KV cache (all slots -1)."""
+        hist, chunk = self.block_size, 8
+        lens_q = np.array([1, chunk])
+        seq_lens = (hist + lens_q).astype(np.int32)
+        cu = np.array([0, 1, 1 + chunk], dtype=np.int32)
+        positions = np.concatenate([np.arange(hist, n) for n in seq_lens]).astype(np.int64)
+        nb = -(-int(seq_lens.max()) // self.block_size)
+        table = (np.arange(nb) % self.num_kv_blocks).astype(np.int32)
+        meta = self._metadata_from(
+            slot_mapping=np.full(len(positions), -1), cu=cu, seq_lens=seq_lens,
+            block_tables=np.stack([table, table]),
+            max_q=chunk, max_k=int(seq_lens.max()), decode_only=False, no_history=False)
+        set_attention_metadata(meta)
+        ids = torch.zeros(len(positions), dtype=torch.int64, device=self.device)
+        hidden = self.model(ids, self._to_device(positions))
+        self.model.compute_logits(hidden[cu[1:] - 1])
+        set_attention_metadata(None)
+        torch.cuda.synchronize(self.device)
 
     # ---- one step ----------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> list[int]:
