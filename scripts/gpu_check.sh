@@ -3,7 +3,8 @@
 # GPU tests, the HF side-by-side and the kernel benchmark, each under its own time limit (about
 # 7 minutes in all on an H200, inside the device tool's 10-minute command limit).
 # Writes logs and JSON under $OUT (default ./gpu_out; at most 8 files come back from the device tool:
-# the benchmark rows all go to one $OUT/<gpu>.json). Usage: bash scripts/gpu_check.sh [full|bench|tests]
+# the benchmark rows all go to one $OUT/<gpu>.json). Usage: bash scripts/gpu_check.sh [full|bench|tests|check]
+# (check = bench + tests, without the HF side-by-side and the kernel benchmark)
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 MODE=${1:-full}
@@ -23,8 +24,9 @@ if [ "$MODE" != "tests" ]; then
       2>&1 | grep -v -i warn | tail -3
 fi
 if [ "$MODE" != "bench" ]; then
-  timeout ${T_TESTS:-200} python3 -m pytest -q -m gpu -x tests/ops tests/gpu -p no:cacheprovider 2>&1 | tail -25 > "$OUT/gpu_tests.log"
-  tail -5 "$OUT/gpu_tests.log"
+  timeout ${T_TESTS:-200} python3 -m pytest -q -m gpu -x tests/ops tests/gpu -p no:cacheprovider \
+      > "$OUT/gpu_tests.log" 2>&1
+  grep -E "Error|error:|FAILED|passed|failed" "$OUT/gpu_tests.log" | head -20
 fi
 if [ "$MODE" = "full" ]; then
   timeout ${T_HF:-150} python3 benchmarks/throughput.py --model $MODEL --num-seqs 64 --compare-hf \
