@@ -11,6 +11,11 @@ MODE=${1:-full}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-} PAGEDLLM_COMMIT=${PAGEDLLM_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name())' | tee "$OUT/env.txt"
 MODEL=/tmp/qwen3-0.6b
+# the fused sampling kernel first: if it fails here, the rest runs on the torch sampler
+if ! timeout 120 python3 -m pytest -q -m gpu -x tests/ops/test_sampling.py -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1; then
+  export PAGEDLLM_SAMPLER=torch; echo "sampler kernel tests FAILED: PAGEDLLM_SAMPLER=torch" | tee -a "$OUT/env.txt"
+fi
+tail -1 "$OUT/gpu_tests.log"
 if [ "$MODE" != "tests" ]; then
   [ -d $MODEL ] || python3 tools/make_random_model.py --shape qwen3-0.6b --out $MODEL 2>&1 | tail -3
   timeout ${T_BENCH:-120} python3 benchmarks/throughput.py --model $MODEL --num-seqs "${NUM_SEQS:-256}" \
@@ -25,12 +30,18 @@ if [ "$MODE" != "tests" ]; then
 fi
 if [ "$MODE" != "bench" ]; then
   timeout ${T_TESTS:-200} python3 -m pytest -q -m gpu -x tests/ops tests/gpu -p no:cacheprovider \
-      > "$OUT/gpu_tests.log" 2>&1
+      >> "$OUT/gpu_tests.log" 2>&1
   grep -E "Error|error:|FAILED|passed|failed" "$OUT/gpu_tests.log" | head -20
 fi
 if [ "$MODE" = "full" ]; then
   timeout ${T_HF:-150} python3 benchmarks/throughput.py --model $MODEL --num-seqs 64 --compare-hf \
-      --results-dir "$OUT" 2>&1 | grep -v -i warn | tail -8
-  [ -f benchmarks/kernels.py ] && timeout 60 python3 benchmarks/kernels.py --out "$OUT/kernels.json" 2>&1 | tail -12
+      --async-scheduling --label "async scheduling" --results-dir "$OUT" 2>&1 | grep -v -i warn | tail -8
+  [ "${KERNELS:-1}" = 1 ] && timeout 60 python3 benchmarks/kernels.py --out "$OUT/kernels.json" 2>&1 | tail -12
+fi
+# SERVING=1: then the serving benchmarks (scripts/serving_gpu_check.sh), results under $OUT/results
+# (packed into one serving.tar.gz: the device tool brings back at most 8 files)
+if [ "${SERVING:-0}" = 1 ]; then
+  OUT="$OUT/serving" MODEL=$MODEL T_ENGINE=120 T_BENCH=120 timeout 300 bash scripts/serving_gpu_check.sh 2>&1 | tail -12
+  tar -C "$OUT" -czf "$OUT/serving.tar.gz" serving && rm -rf "$OUT/serving"
 fi
 ls "$OUT"

@@ -5,6 +5,12 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
+
+# Kernels run through Triton's interpreter without a GPU. It must be chosen before anything
+# imports triton (transformers may), so it is set here, before any test module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 FAMILIES = ["qwen3", "qwen2", "llama"]
 VOCAB = 384

@@ -94,7 +94,11 @@ class ModelRunner:
         self._allocate_kv_cache()
         if device.type == "cuda":
             self._warm_up_kernels()
-        self._generators: dict[int, torch.Generator] = {}
+        self._generators: dict[int, torch.Generator] = {}     # CPU: seeded requests' noise
+        # CUDA: Philox noise keyed per row (fused Gumbel-max kernel); PAGEDLLM_SAMPLER=torch
+        # falls back to torch's generators
+        self.philox_sampling = (device.type == "cuda" and os.environ.get("PAGEDLLM_SAMPLER", "") != "torch")
+        self._seed_rng = np.random.default_rng(seed)
         self._last_sampled: torch.Tensor | None = None    # async scheduling: the previous step's ids
         self._last_sample_seq_ids: list[int] = []          # ... and whose they are, row by row
         self._host_ids = [torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=device.type == "cuda")
@@ -269,7 +273,18 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden[self._to_device(inp.logits_indices)])
 
-    def sample(self, logits: torch.Tensor, inp: StepInputs) -> torch.Tensor:
+    def _row_seeds(self, inp: StepInputs) -> torch.Tensor:
+        """Philox row seeds: a seeded request's seed mixed with its token's position; fresh
+        random ones for the others."""
+        base = self._seed_rng.integers(0, 2**63 - 1, size=len(inp.seeds), dtype=np.int64)
+        seeded = np.array([s is not None for s in inp.seeds], dtype=bool)
+        if seeded.any():
+            from pagedllm.ops.sampling import row_seeds
+            own = np.array([s for s in inp.seeds if s is not None], dtype=np.int64)
+            base[seeded] = row_seeds(own, inp.positions[inp.logits_indices][seeded])
+        return self._to_device(base)
+
+    def _torch_generators(self, inp: StepInputs) -> list:
         gens = []
         for seq_id, seed in zip(inp.sample_seq_ids, inp.seeds):
             if seed is None:
@@ -281,13 +296,20 @@ class ModelRunner:
                 g.manual_seed(seed)
                 self._generators[seq_id] = g
             gens.append(g)
+        return gens
+
+    def sample(self, logits: torch.Tensor, inp: StepInputs) -> torch.Tensor:
         temperature = inp.temperature
+        all_greedy = bool((temperature == 0).all())
+        philox = self.philox_sampling and not all_greedy
+        gens = [] if philox or all_greedy else self._torch_generators(inp)
         t = SamplingTensors(
             temperature=self._to_device(temperature), top_k=self._to_device(inp.top_k),
             top_p=self._to_device(inp.top_p), min_p=self._to_device(inp.min_p), generators=gens,
-            all_greedy=bool((temperature == 0).all()), any_greedy=bool((temperature == 0).any()),
+            all_greedy=all_greedy, any_greedy=bool((temperature == 0).any()),
             need_top_k_p=bool((inp.top_k < self.vocab_size).any() or (inp.top_p < 1).any()),
-            need_min_p=bool((inp.min_p > 0).any()))
+            need_min_p=bool((inp.min_p > 0).any()),
+            seeds=self._row_seeds(inp) if philox else None)
         return sample(logits, t)
 
 

@@ -132,3 +132,23 @@ def test_greedy_row_in_a_sampled_batch_stays_greedy(llm):
     mixed = llm.generate([[9, 9], [5, 6, 7]], [SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True), g],
                          use_tqdm=False)
     assert tokens(mixed[1]) == alone
+
+
+def test_philox_sampling_path_seeded_reproducible_fused_or_not(tiny_models):
+    """The CUDA sampling path (Philox row seeds; fused Gumbel-max kernel, or the torch path fed
+    the same noise when a row needs top-p), run here on CPU through Triton's interpreter."""
+    llm = LLM(tiny_models["qwen3"], num_kv_blocks=128, block_size=8)
+    llm.runner.philox_sampling = True
+    p = SamplingParams(temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = tokens(llm.generate([[5, 6, 7]], p, use_tqdm=False)[0])            # fused kernel
+    others = [SamplingParams(temperature=0.9, top_p=0.8, max_tokens=5, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
+    batch = llm.generate([[9, 9], [5, 6, 7], [3, 4, 5, 6]], [others[0], p, others[1]], use_tqdm=False)
+    assert tokens(batch[1]) == alone                       # torch path with the same noise, then fused
+    greedy = tokens(llm.generate([[3, 4, 5, 6]], others[1], use_tqdm=False)[0])
+    assert tokens(batch[2]) == greedy                      # a greedy row stays greedy
+    again = tokens(llm.generate([[5, 6, 7]], p, use_tqdm=False)[0])
+    assert again == alone
+    other_seed = SamplingParams(temperature=1.0, seed=99, max_tokens=12, ignore_eos=True)
+    assert tokens(llm.generate([[5, 6, 7]], other_seed, use_tqdm=False)[0]) != alone
+    assert len(set(alone)) > 1                             # it samples, not a constant
