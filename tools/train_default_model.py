@@ -28,8 +28,8 @@ What it does (all seeded, see ``--seed``):
    ``generation_config.json`` and ``train_log.json``.
 
 The shipped model (pagedllm/default_model, see its README.md) was trained with
-``--sweep 12:0.1,16:0.15,20:0.2 --eval-every 50 --minutes 5``; its chosen run
-equals the defaults (16 epochs, dropout 0.15) with ``--minutes 5``.
+``--minutes 5 --align-windows line --pretokenizer v2`` (scripts/retrain_default_model.sh);
+the epoch cap (16, the default) stopped it, not the clock.
 
 With ``--sweep`` the script prepares the data once and then trains several
 configurations in parallel child processes (on the same GPU), and copies the
@@ -455,7 +455,9 @@ def train_one(args) -> dict:
     n_windows = len(train_ids) - args.seq_len - 1
     starts_pool = None
     if args.align_windows == "line":
-        # Windows start where a file or an unindented line starts, like a prompt does.
+        # Windows start where a file or a line starts, like a prompt does (with the v1
+        # pre-tokenizer a newline token carries the next line's indentation, so there only
+        # unindented lines start right after one).
         from tokenizers import Tokenizer
 
         tk = Tokenizer.from_file(str(cache / "tokenizer.json"))

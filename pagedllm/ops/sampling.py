@@ -122,7 +122,8 @@ if HAS_TRITON:
         # [i, a, b] = u_{2a+b}, so the flat index 4i + 2a + b is column col0 + 4i + (2a + b)
         return tl.reshape(tl.join(tl.join(u0, u2), tl.join(u1, u3)), [BLOCK])
 
-    @triton.jit
+    # the int arguments change with the batch size: unspecialized, one compiled variant
+    @triton.jit(do_not_specialize=["vocab", "num_tiles", "tiles_per_chunk", "num_chunks"])
     def _gumbel_partial_kernel(logits_ptr, temp_ptr, seed_ptr, pval_ptr, pidx_ptr,
                                stride_l, vocab, num_tiles, tiles_per_chunk, num_chunks,
                                BLOCK: tl.constexpr):
@@ -161,7 +162,7 @@ if HAS_TRITON:
         tl.store(pval_ptr + out, m)
         tl.store(pidx_ptr + out, idx)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_chunks"])
     def _argmax_reduce_kernel(pval_ptr, pidx_ptr, out_ptr, num_chunks, BLOCK_C: tl.constexpr):
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK_C)

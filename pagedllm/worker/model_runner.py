@@ -92,12 +92,12 @@ class ModelRunner:
         self.is_driver = tp_rank() == 0    # with TP, rank 0 alone samples
         self.num_kv_blocks = agree_min(self.num_kv_blocks)   # TP: the same block ids on every rank
         self._allocate_kv_cache()
-        if device.type == "cuda":
-            self._warm_up_kernels()
-        self._generators: dict[int, torch.Generator] = {}     # CPU: seeded requests' noise
         # CUDA: Philox noise keyed per row (fused Gumbel-max kernel); PAGEDLLM_SAMPLER=torch
         # falls back to torch's generators
         self.philox_sampling = (device.type == "cuda" and os.environ.get("PAGEDLLM_SAMPLER", "") != "torch")
+        if device.type == "cuda":
+            self._warm_up_kernels()
+        self._generators: dict[int, torch.Generator] = {}     # CPU: seeded requests' noise
         self._seed_rng = np.random.default_rng(seed)
         self._last_sampled: torch.Tensor | None = None    # async scheduling: the previous step's ids
         self._last_sample_seq_ids: list[int] = []          # ... and whose they are, row by row
@@ -175,9 +175,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warm_up_kernels(self) -> None:
-        """Compile the attention kernel's prefill-with-history variant at start-up (a step
-        mixing one decode row with a chunk over a cached prefix), so the first real prefill
-        does not wait for Triton. The profiling run covered the other kernels; the CUDA graphs
+        """Compile the attention kernel's prefill-with-history variant and the sampling kernel
+        at start-up (a step mixing one decode row with a chunk over a cached prefix), so the
+        first real requests do not wait for Triton. The profiling run covered the other kernels; the CUDA graphs
         cover decode. Writes nothing to the KV cache (all slots -1)."""
         hist, chunk = self.block_size, 8
         lens_q = np.array([1, chunk])
@@ -193,8 +193,12 @@ class ModelRunner:
         set_attention_metadata(meta)
         ids = torch.zeros(len(positions), dtype=torch.int64, device=self.device)
         hidden = self.model(ids, self._to_device(positions))
-        self.model.compute_logits(hidden[cu[1:] - 1])
+        logits = self.model.compute_logits(hidden[cu[1:] - 1])
         set_attention_metadata(None)
+        if self.philox_sampling and self.is_driver and logits is not None:   # the sampling kernel too
+            from pagedllm.ops.sampling import gumbel_sample
+            gumbel_sample(logits, torch.tensor([1.0, 0.0], device=self.device),
+                          torch.tensor([1, 2], dtype=torch.int64, device=self.device))
         torch.cuda.synchronize(self.device)
 
     # ---- one step ----------------------------------------------------------------------

@@ -21,20 +21,22 @@ def llm(tiny_models):
     return LLM(tiny_models["qwen3"], **LLM_ARGS)
 
 
-@pytest.fixture(scope="module", params=["process", "thread"])
+@pytest.fixture(scope="module", params=["process", "thread", "process-async-scheduling"])
 def engine(request, tiny_models):
     """One AsyncLLM per mode for the whole module; the shutdown test runs last in each mode.
+    (process-async-scheduling: the core's engine launches step N+1 before step N's tokens are
+    back, as `pagedllm serve --async-scheduling` runs it.)
     (The thread mode gets an LLM of its own: the `llm` fixture computes the references, and an
     LLM must not be stepped by two threads.)"""
-    if request.param == "process":
-        a = AsyncLLM(tiny_models["qwen3"], **LLM_ARGS)
+    if request.param.startswith("process"):
+        a = AsyncLLM(tiny_models["qwen3"], **LLM_ARGS, async_scheduling=request.param.endswith("async-scheduling"))
         assert a.llm is None and pid_alive(a.core_pid)
     else:
         from pagedllm import LLM
         a = AsyncLLM(llm=LLM(tiny_models["qwen3"], **LLM_ARGS))
     yield a
     a.shutdown()
-    if request.param == "process":
+    if request.param.startswith("process"):
         assert not pid_alive(a.core_pid) and a.core.exitcode() == 0
     else:
         assert a.llm.engine.kv.num_free_blocks == a.llm.engine.kv.num_blocks
