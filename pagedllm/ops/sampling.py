@@ -34,11 +34,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedllm.ops._triton import HAS_TRITON, next_pow2, num_sms, require_triton, tl, triton
+from pagedllm.ops._triton import HAS_TRITON, num_sms, require_triton, tl, triton
 
 BLOCK = 1024                    # columns per tile (8 per thread at 4 warps), multiple of 4
 NOISE_BLOCK = 1024              # columns per program of the noise kernel
 PROGRAMS_PER_SM = 8             # fused-kernel chunking target, see _num_chunks
+MAX_CHUNKS = 256                # chunks per row at most: the reduce kernel's fixed width, so
+                                # it compiles once, not once per power of two of the batch
 
 _INT32_MAX = 2**31 - 1
 
@@ -194,7 +196,7 @@ def _num_chunks(b: int, num_tiles: int, device: torch.device) -> int:
     one tile per program). Untuned: the `num_chunks` argument overrides it.
     """
     target = PROGRAMS_PER_SM * num_sms(device)
-    return max(1, min(num_tiles, target // max(b, 1)))
+    return max(1, min(num_tiles, target // max(b, 1), MAX_CHUNKS))
 
 
 def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
@@ -222,14 +224,14 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
     num_tiles = triton.cdiv(v, BLOCK)
     c = num_chunks if num_chunks is not None else _num_chunks(b, num_tiles, logits.device)
     assert c >= 1
-    per_chunk = triton.cdiv(num_tiles, min(c, num_tiles))
+    per_chunk = triton.cdiv(num_tiles, min(c, num_tiles, MAX_CHUNKS))
     c = triton.cdiv(num_tiles, per_chunk)                    # no empty chunks
     pval = torch.empty(b, c, dtype=torch.float32, device=logits.device)
     pidx = torch.empty(b, c, dtype=torch.int32, device=logits.device)
     _gumbel_partial_kernel[(b, c)](
         logits, temperature, seeds, pval, pidx, logits.stride(0), v, num_tiles, per_chunk, c,
         BLOCK=BLOCK, num_warps=4)
-    _argmax_reduce_kernel[(b,)](pval, pidx, out, c, BLOCK_C=next_pow2(c), num_warps=1)
+    _argmax_reduce_kernel[(b,)](pval, pidx, out, c, BLOCK_C=MAX_CHUNKS, num_warps=1)
     return out
 
 
