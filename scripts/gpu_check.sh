@@ -19,9 +19,9 @@ tail -1 "$OUT/gpu_tests.log"
 if [ "$MODE" != "tests" ]; then
   [ -d $MODEL ] || python3 tools/make_random_model.py --shape qwen3-0.6b --out $MODEL 2>&1 | tail -3
   timeout ${T_BENCH:-120} python3 benchmarks/throughput.py --model $MODEL --num-seqs "${NUM_SEQS:-256}" \
-      --results-dir "$OUT" ${BENCH_ARGS:-} 2>&1 | grep -v -i warn | tail -15
+      --no-async-scheduling --label "sync scheduling" --results-dir "$OUT" ${BENCH_ARGS:-} 2>&1 | grep -v -i warn | tail -15
   timeout ${T_BENCH:-120} python3 benchmarks/throughput.py --model $MODEL --num-seqs "${NUM_SEQS:-256}" \
-      --async-scheduling --label "async scheduling" --results-dir "$OUT" \
+      --label "async scheduling (the default)" --results-dir "$OUT" \
       ${BENCH_ARGS:-} 2>&1 | grep -v -i warn | tail -15
   # where the GPU time goes: torch.profiler over 5 decode steps at large batch (own run: timing perturbed)
   [ "${PROFILE:-1}" = 1 ] && timeout ${T_BENCH:-120} python3 benchmarks/throughput.py --model $MODEL \
@@ -35,7 +35,7 @@ if [ "$MODE" != "bench" ]; then
 fi
 if [ "$MODE" = "full" ]; then
   timeout ${T_HF:-150} python3 benchmarks/throughput.py --model $MODEL --num-seqs 64 --compare-hf \
-      --async-scheduling --label "async scheduling" --results-dir "$OUT" 2>&1 | grep -v -i warn | tail -8
+      --label "async scheduling (the default)" --results-dir "$OUT" 2>&1 | grep -v -i warn | tail -8
   [ "${KERNELS:-1}" = 1 ] && timeout 60 python3 benchmarks/kernels.py --out "$OUT/kernels.json" 2>&1 | tail -12
 fi
 # SERVING=1: then the serving benchmarks (scripts/serving_gpu_check.sh), results under $OUT/results

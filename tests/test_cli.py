@@ -81,6 +81,8 @@ def test_engine_args_map_to_llm_arguments():
     # every LLM argument has a flag, and nothing else is produced
     assert set(cli._ENGINE_DESTS) == set(LLM_ARGUMENTS) | {"model"}
     assert cli.engine_kwargs(p.parse_args(["--model", "m"])) == {"model": "m"}   # LLM's defaults apply
+    for flag, value in (("--async-scheduling", True), ("--no-async-scheduling", False)):
+        assert cli.engine_kwargs(p.parse_args(["--model", "m", flag]))["async_scheduling"] is value
 
 
 def test_sampling_defaults_come_from_generation_config(tmp_path):

@@ -35,7 +35,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--async-scheduling", action="store_true", help="overlap scheduling with the GPU step")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlap scheduling with the GPU step (default: the LLM's, on with one GPU)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--compare-hf", action="store_true", help="also run HF transformers' continuous batching")
     p.add_argument("--skip-pagedllm", action="store_true")

@@ -115,8 +115,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="random seed of the engine; makes sampling reproducible (default: 0)")
     g.add_argument("--trace-blocks", action="store_true", default=None,
                    help="write the KV block lifecycle as JSON lines to stderr")
-    g.add_argument("--async-scheduling", action="store_true", default=None,
-                   help="schedule the next step while the GPU runs this one (single GPU)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule the next step while the GPU runs this one (default: on with one "
+                        "GPU, off on CPU and with tensor parallelism)")
     return parser
 
 

@@ -60,13 +60,15 @@ class LLM:
                  num_kv_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
                  tensor_parallel_size: int = 1, seed: int = 0, trace_blocks: bool = False,
-                 async_scheduling: bool = False, **kwargs: Any):
+                 async_scheduling: bool | None = None, **kwargs: Any):
         if kwargs:
             raise ValueError(f"unknown LLM argument(s): {', '.join(sorted(kwargs))}")
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        if async_scheduling not in (None, True, False):
+            raise ValueError(f"async_scheduling must be True, False or None (auto), got {async_scheduling!r}")
         model = os.fspath(model)
         hf_config = _load_hf_config(model)
         from pagedllm.model.registry import resolve
@@ -99,6 +101,8 @@ class LLM:
                                  trace_blocks=trace_blocks)
         self.hf_config = hf_config
         self.model_path = model
+        if async_scheduling is None:      # auto: on where the host can run ahead of a device
+            async_scheduling = dev.type == "cuda" and tensor_parallel_size == 1
         self.engine = LLMEngine(config, self.runner, self.tokenizer, _eos_ids(model, hf_config, self.tokenizer),
                                 vocab_size=hf_config.vocab_size, async_scheduling=async_scheduling)
         self._counter = 0

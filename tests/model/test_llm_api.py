@@ -152,3 +152,10 @@ def test_philox_sampling_path_seeded_reproducible_fused_or_not(tiny_models):
     other_seed = SamplingParams(temperature=1.0, seed=99, max_tokens=12, ignore_eos=True)
     assert tokens(llm.generate([[5, 6, 7]], other_seed, use_tqdm=False)[0]) != alone
     assert len(set(alone)) > 1                             # it samples, not a constant
+
+
+def test_async_scheduling_default_is_auto_and_validated(tiny_models):
+    cpu = LLM(tiny_models["qwen3"], device="cpu", num_kv_blocks=32, block_size=8)
+    assert cpu.engine.async_scheduling is False            # auto: off on CPU (nothing to overlap)
+    with pytest.raises(ValueError, match="async_scheduling"):
+        LLM(tiny_models["qwen3"], device="cpu", num_kv_blocks=32, block_size=8, async_scheduling="yes")
