@@ -175,10 +175,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warm_up_kernels(self) -> None:
-        """Compile the attention kernel's prefill-with-history variant and the sampling kernel
-        at start-up (a step mixing one decode row with a chunk over a cached prefix), so the
-        first real requests do not wait for Triton. The profiling run covered the other kernels; the CUDA graphs
-        cover decode. Writes nothing to the KV cache (all slots -1)."""
+        """Compile the attention kernel's prefill-with-history variant (a step mixing one
+        decode row with a chunk over a cached prefix) and the sampling kernel at start-up, so
+        the first real requests do not wait for Triton. The profiling run covered the other
+        kernels, the CUDA graphs cover decode. Writes nothing to the KV cache (all slots -1)."""
         hist, chunk = self.block_size, 8
         lens_q = np.array([1, chunk])
         seq_lens = (hist + lens_q).astype(np.int32)
