@@ -26,6 +26,7 @@ The result row is appended to benchmarks/results/cpu.json (a JSON list).
     python benchmarks/cpu_generate.py                 # the bundled default model
     python benchmarks/cpu_generate.py --model DIR --no-save
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,8 +67,12 @@ def held_out_files(model: str, stdlib: str) -> tuple[list[str], str]:
         files, _ = mod.gather_files(stdlib, args.get("keep_generated", False))
         _, val = mod.split_files(files, frac, seed)
         return sorted(r for r, _ in val), f"tools/train_default_model.py split (seed {seed}, fraction {frac})"
-    rels = sorted(os.path.relpath(os.path.join(d, f), stdlib) for d, _, fs in os.walk(stdlib) for f in fs
-                  if f.endswith(".py") and "site-packages" not in d and "/test" not in d)
+    rels = sorted(
+        os.path.relpath(os.path.join(d, f), stdlib)
+        for d, _, fs in os.walk(stdlib)
+        for f in fs
+        if f.endswith(".py") and "site-packages" not in d and "/test" not in d
+    )
     return rels[::20], "every 20th stdlib file (sorted)"
 
 
@@ -90,7 +95,7 @@ def make_prompts(model: str, n: int, chars: int, stride: int = 2000) -> tuple[li
             start = 0 if j == 0 else text.find("\n", j * stride - 1) + 1
             if start <= 0 and j > 0 or len(text) - start < chars:
                 continue
-            prompts.append(text[start:start + chars])
+            prompts.append(text[start : start + chars])
             used.append(f"{rel}@{start}")
             if len(prompts) == n:
                 return prompts, used, source
@@ -100,6 +105,7 @@ def make_prompts(model: str, n: int, chars: int, stride: int = 2000) -> tuple[li
 # ---- engines -----------------------------------------------------------------------------
 def run_pagedllm(llm, prompt_ids, max_tokens):
     from pagedllm import SamplingParams
+
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
@@ -109,16 +115,24 @@ def run_pagedllm(llm, prompt_ids, max_tokens):
 
 def run_hf(model, prompt_ids, max_tokens, pad_id):
     import torch
+
     width = max(len(ids) for ids in prompt_ids)
     input_ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
-    for i, ids in enumerate(prompt_ids):                     # left padding
-        input_ids[i, width - len(ids):] = torch.tensor(ids)
-        mask[i, width - len(ids):] = 1
+    for i, ids in enumerate(prompt_ids):  # left padding
+        input_ids[i, width - len(ids) :] = torch.tensor(ids)
+        mask[i, width - len(ids) :] = 1
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_tokens,
-                             min_new_tokens=0, do_sample=False, eos_token_id=None, pad_token_id=pad_id)
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=mask,
+            max_new_tokens=max_tokens,
+            min_new_tokens=0,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=pad_id,
+        )
     dt = time.perf_counter() - t0
     return dt, out[:, width:].tolist()
 
@@ -126,12 +140,13 @@ def run_hf(model, prompt_ids, max_tokens, pad_id):
 def load_hf(model_dir):
     import torch
     from transformers import AutoModelForCausalLM
+
     try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    except TypeError:                                         # transformers < 4.56
+    except TypeError:  # transformers < 4.56
         model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
     model.eval()
-    gc = model.generation_config                              # greedy, no early stop
+    gc = model.generation_config  # greedy, no early stop
     gc.do_sample, gc.temperature, gc.top_p, gc.top_k = False, None, None, None
     gc.eos_token_id = None
     return model
@@ -140,8 +155,13 @@ def load_hf(model_dir):
 def git_commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=REPO, timeout=10).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=10,
+        ).stdout.strip()
         return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -149,8 +169,10 @@ def git_commit() -> str:
 
 def main(argv=None) -> int:
     import pagedllm
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--model", default=pagedllm.default_model_path())
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--prompt-chars", type=int, default=160)
@@ -166,7 +188,9 @@ def main(argv=None) -> int:
     import torch
     import transformers
     from transformers import AutoTokenizer
+
     from pagedllm import LLM
+
     torch.set_num_threads(args.threads)
 
     prompts, files, source = make_prompts(args.model, args.num_prompts, args.prompt_chars)
@@ -174,15 +198,18 @@ def main(argv=None) -> int:
     prompt_ids = [tok.encode(t, add_special_tokens=False) for t in prompts]
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     lens = [len(x) for x in prompt_ids]
-    print(f"{len(prompts)} prompts from {source}: {min(lens)}-{max(lens)} tokens (mean {sum(lens)/len(lens):.1f}), "
-          f"{args.max_tokens} new tokens each, {args.threads} threads", flush=True)
+    print(
+        f"{len(prompts)} prompts from {source}: {min(lens)}-{max(lens)} tokens (mean {sum(lens) / len(lens):.1f}), "
+        f"{args.max_tokens} new tokens each, {args.threads} threads",
+        flush=True,
+    )
 
     block_size = 16
     blocks = sum(-(-(n + args.max_tokens) // block_size) for n in lens) + 16
     llm = LLM(args.model, device="cpu", dtype="float32", num_kv_blocks=blocks, block_size=block_size)
     hf = load_hf(args.model)
 
-    warm = prompt_ids[:8]                                    # warm-up: same shapes' code paths
+    warm = prompt_ids[:8]  # warm-up: same shapes' code paths
     run_pagedllm(llm, warm, 8)
     run_hf(hf, warm, 8, pad_id)
 
@@ -198,20 +225,29 @@ def main(argv=None) -> int:
     assert all(len(o) == args.max_tokens for o in out_p + out_h), "an engine stopped early"
     load_after = os.getloadavg()[0]
     if max(load_before, load_after) > args.threads + 0.5:
-        print(f"warning: 1-minute load average {load_before:.1f} -> {load_after:.1f} on {os.cpu_count()} CPUs: "
-              "other processes compete for the cores, the numbers are unreliable", flush=True)
+        print(
+            f"warning: 1-minute load average {load_before:.1f} -> {load_after:.1f} on {os.cpu_count()} CPUs: "
+            "other processes compete for the cores, the numbers are unreliable",
+            flush=True,
+        )
 
     total = args.num_prompts * args.max_tokens
     tps = {k: total / min(v) for k, v in times.items()}
     ratio = tps["pagedllm"] / tps["hf"]
-    identical = sum(a == b for a, b in zip(out_p, out_h))
-    first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(out_p, out_h)]
-    print(f"pagedllm: {tps['pagedllm']:.1f} output tok/s   HF transformers: {tps['hf']:.1f} output tok/s   "
-          f"ratio {ratio:.2f}x")
+    identical = sum(a == b for a, b in zip(out_p, out_h, strict=False))
+    first_diff = [
+        next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+        for a, b in zip(out_p, out_h, strict=False)
+    ]
+    print(
+        f"pagedllm: {tps['pagedllm']:.1f} output tok/s   HF transformers: {tps['hf']:.1f} output tok/s   "
+        f"ratio {ratio:.2f}x"
+    )
     print(f"identical outputs (all {args.max_tokens} tokens): {identical}/{args.num_prompts}")
 
     if args.profile:
         import cProfile
+
         prof = cProfile.Profile()
         prof.enable()
         run_pagedllm(llm, prompt_ids, args.max_tokens)
@@ -222,19 +258,34 @@ def main(argv=None) -> int:
     row = {
         "benchmark": "cpu_generate",
         "model": os.path.abspath(args.model),
-        "num_prompts": args.num_prompts, "prompt_chars": args.prompt_chars, "max_tokens": args.max_tokens,
+        "num_prompts": args.num_prompts,
+        "prompt_chars": args.prompt_chars,
+        "max_tokens": args.max_tokens,
         "prompt_tokens_min_mean_max": [min(lens), round(sum(lens) / len(lens), 1), max(lens)],
-        "prompt_source": source, "prompt_files": files,
-        "dtype": "float32", "threads": args.threads, "repeats": args.repeats,
-        "pagedllm": {"output_tok_per_s": round(tps["pagedllm"], 2), "seconds": [round(t, 3) for t in times["pagedllm"]]},
-        "hf": {"output_tok_per_s": round(tps["hf"], 2), "seconds": [round(t, 3) for t in times["hf"]],
-               "settings": "model.generate, batch of all prompts, left padding, dynamic cache, greedy"},
+        "prompt_source": source,
+        "prompt_files": files,
+        "dtype": "float32",
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "pagedllm": {
+            "output_tok_per_s": round(tps["pagedllm"], 2),
+            "seconds": [round(t, 3) for t in times["pagedllm"]],
+        },
+        "hf": {
+            "output_tok_per_s": round(tps["hf"], 2),
+            "seconds": [round(t, 3) for t in times["hf"]],
+            "settings": "model.generate, batch of all prompts, left padding, dynamic cache, greedy",
+        },
         "ratio": round(ratio, 3),
         "identical_outputs": identical,
         "first_divergence_positions": [d for d in first_diff if d is not None],
-        "commit": git_commit(), "torch": torch.__version__, "transformers": transformers.__version__,
-        "python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(), "load_avg_1min_before_after": [round(load_before, 2), round(load_after, 2)],
+        "commit": git_commit(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "load_avg_1min_before_after": [round(load_before, 2), round(load_after, 2)],
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "label": args.label,
     }

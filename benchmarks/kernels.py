@@ -9,6 +9,7 @@ block_size 16, bf16. Block tables are random permutations (no locality between b
 
 --sweep also times a grid of tile configurations and split counts and reports the best.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,7 +30,10 @@ from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
 from pagedllm.ops.attention_ref import paged_attention_ref  # noqa: E402
 from pagedllm.ops.paged_attention import (  # noqa: E402
-    _pick_config, default_num_splits, paged_attention)
+    _pick_config,
+    default_num_splits,
+    paged_attention,
+)
 
 HQ, HKV, D, BS, DTYPE = 16, 8, 128, 16, torch.bfloat16
 DEVICE = "cuda"
@@ -46,13 +50,12 @@ def make_inputs(q_lens, seq_lens, seed=0):
     bt = torch.zeros(len(seq_lens), max(nb), dtype=torch.int32, device=dev)
     used = 0
     for b, n in enumerate(nb):
-        bt[b, :n] = perm[used:used + n]
+        bt[b, :n] = perm[used : used + n]
         used += n
     cu = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32, device=dev)
     q = torch.randn(int(sum(q_lens)), HQ, D, device=dev, dtype=DTYPE)
     sl = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
-    return dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=bt, cu_seqlens_q=cu,
-                seq_lens=sl, scale=D ** -0.5)
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=bt, cu_seqlens_q=cu, seq_lens=sl, scale=D**-0.5)
 
 
 def time_ms(fn, graph=False):
@@ -76,16 +79,25 @@ def bench_decode(batch, ctx, sweep):
     out = torch.empty_like(inp["q"])
 
     def run(num_splits=None, cfg=None):
-        return lambda: paged_attention(**inp, max_seqlen_q=1, max_seqlen_k=ctx,
-                                       num_splits=num_splits, out=out, _config=cfg)
+        return lambda: paged_attention(
+            **inp, max_seqlen_q=1, max_seqlen_k=ctx, num_splits=num_splits, out=out, _config=cfg
+        )
 
     splits = default_num_splits(batch, HKV, ctx, inp["q"].device)
     ms = time_ms(run())
     ms_graph = time_ms(run(), graph=True)
     err = check(inp, out, 1)
-    res = dict(batch=batch, ctx=ctx, num_splits=splits, ms=ms, ms_graph=ms_graph,
-               kv_TBps=kv_bytes / ms / 1e9, kv_TBps_graph=kv_bytes / ms_graph / 1e9,
-               max_abs_err=err, config=_pick_config(True, 2, D, DTYPE))
+    res = dict(
+        batch=batch,
+        ctx=ctx,
+        num_splits=splits,
+        ms=ms,
+        ms_graph=ms_graph,
+        kv_TBps=kv_bytes / ms / 1e9,
+        kv_TBps_graph=kv_bytes / ms_graph / 1e9,
+        max_abs_err=err,
+        config=_pick_config(True, 2, D, DTYPE),
+    )
     if sweep:
         rows = []
         if splits == 1:
@@ -117,14 +129,29 @@ def bench_prefill(n_seqs, new, hist, sweep):
 
     ms = time_ms(run())
     err = check(inp, out, new)
-    res = dict(n_seqs=n_seqs, new_tokens=new, history=hist, ms=ms, TFLOPs=flops / ms / 1e9,
-               max_abs_err=err, config=_pick_config(False, 2, D, DTYPE))
+    res = dict(
+        n_seqs=n_seqs,
+        new_tokens=new,
+        history=hist,
+        ms=ms,
+        TFLOPs=flops / ms / 1e9,
+        max_abs_err=err,
+        config=_pick_config(False, 2, D, DTYPE),
+    )
     if sweep:
         rows = []
-        for bm, bn, nw, st in [(64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2),
-                               (64, 32, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2),
-                               (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3),
-                               (256, 64, 8, 3)]:
+        for bm, bn, nw, st in [
+            (64, 64, 4, 2),
+            (64, 64, 4, 3),
+            (64, 128, 4, 2),
+            (64, 32, 4, 2),
+            (64, 64, 8, 2),
+            (128, 64, 8, 2),
+            (128, 64, 8, 3),
+            (128, 128, 8, 3),
+            (128, 64, 4, 3),
+            (256, 64, 8, 3),
+        ]:
             cfg = dict(BLOCK_Q=bm // 2, BLOCK_N=bn, num_warps=nw, num_stages=st)
             try:
                 t = time_ms(run(cfg))
@@ -138,7 +165,7 @@ def bench_prefill(n_seqs, new, hist, sweep):
 
 
 def copy_bandwidth():
-    x = torch.empty(2 * 1024 ** 3 // 2, dtype=torch.bfloat16, device="cuda")
+    x = torch.empty(2 * 1024**3 // 2, dtype=torch.bfloat16, device="cuda")
     y = torch.empty_like(x)
     ms = do_bench(lambda: y.copy_(x), warmup=10, rep=50)
     return 2 * x.numel() * x.element_size() / ms / 1e9
@@ -152,15 +179,21 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs CUDA")
     t0 = time.time()
-    res = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-               triton=triton.__version__, python=platform.python_version(),
-               shape=dict(hq=HQ, hkv=HKV, head_dim=D, block_size=BS, dtype=str(DTYPE)))
-    cases = [("copy_TBps_read_plus_write", copy_bandwidth),
-             ("decode_256x1024", lambda: bench_decode(256, 1024, args.sweep)),
-             ("decode_8x8192", lambda: bench_decode(8, 8192, args.sweep)),
-             ("prefill_4x1024", lambda: bench_prefill(4, 1024, 0, args.sweep)),
-             ("prefill_4x1024_hist1024", lambda: bench_prefill(4, 1024, 1024, args.sweep)),
-             ("prefill_1x4096", lambda: bench_prefill(1, 4096, 0, False))]
+    res = dict(
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        python=platform.python_version(),
+        shape=dict(hq=HQ, hkv=HKV, head_dim=D, block_size=BS, dtype=str(DTYPE)),
+    )
+    cases = [
+        ("copy_TBps_read_plus_write", copy_bandwidth),
+        ("decode_256x1024", lambda: bench_decode(256, 1024, args.sweep)),
+        ("decode_8x8192", lambda: bench_decode(8, 8192, args.sweep)),
+        ("prefill_4x1024", lambda: bench_prefill(4, 1024, 0, args.sweep)),
+        ("prefill_4x1024_hist1024", lambda: bench_prefill(4, 1024, 1024, args.sweep)),
+        ("prefill_1x4096", lambda: bench_prefill(1, 4096, 0, False)),
+    ]
     for name, fn in cases:
         res[name] = fn()
         print(json.dumps({name: res[name]}), file=sys.stderr, flush=True)  # progress

@@ -6,6 +6,7 @@ Every rank runs this script. On rank 0 `LLM(...)` returns and the script generat
 prints; on the other ranks `LLM(...)` serves rank 0's steps and never returns: the process
 exits (status 0) when rank 0 closes the LLM, here at the end of the `with` block.
 """
+
 import argparse
 import json
 
@@ -27,20 +28,37 @@ def main() -> None:
     args = p.parse_args()
 
     import os
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    with LLM(args.model, tensor_parallel_size=world, device=args.device, dtype=args.dtype,
-             block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-             max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager) as llm:
+    with LLM(
+        args.model,
+        tensor_parallel_size=world,
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enforce_eager=args.enforce_eager,
+    ) as llm:
         # only rank 0 gets here
-        prompts = json.loads(args.prompt_ids) if args.prompt_ids else \
-            (args.prompt or ["The quick brown fox", "def fibonacci(n):"])
+        prompts = (
+            json.loads(args.prompt_ids)
+            if args.prompt_ids
+            else (args.prompt or ["The quick brown fox", "def fibonacci(n):"])
+        )
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
         for out in llm.generate(prompts, params, use_tqdm=False):
-            print(json.dumps({"prompt": out.prompt, "token_ids": out.outputs[0].token_ids,
-                              "text": out.outputs[0].text}), flush=True)
+            print(
+                json.dumps({"prompt": out.prompt, "token_ids": out.outputs[0].token_ids, "text": out.outputs[0].text}),
+                flush=True,
+            )
         m = llm.get_metrics()
-        print(json.dumps({"num_preemptions": m["num_preemptions"],
-                          "prefix_cache_hit_tokens": m["prefix_cache_hit_tokens"]}), flush=True)
+        print(
+            json.dumps(
+                {"num_preemptions": m["num_preemptions"], "prefix_cache_hit_tokens": m["prefix_cache_hit_tokens"]}
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """pagedllm: vLLM's design (PagedAttention, prefix caching, continuous batching) in readable Python."""
+
 from __future__ import annotations
 
 import os
@@ -18,6 +19,7 @@ def __getattr__(name: str):
     # LLM pulls in torch; import it only when asked, so `import pagedllm.engine` stays torch-free.
     if name == "LLM":
         from pagedllm.entrypoints.llm import LLM
+
         return LLM
     raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")
 

@@ -1,4 +1,5 @@
 """`python -m pagedllm ...` is the `pagedllm` command."""
+
 import sys
 
 from pagedllm.entrypoints.cli import main

@@ -1,4 +1,5 @@
 """The throughput benchmark's workload and step timer (CUDA events faked so it runs on CPU)."""
+
 import time
 
 import pytest
@@ -40,7 +41,7 @@ def test_step_timer_splits_time_by_step_kind(tiny_models, monkeypatch, tmp_path,
     kinds = timer.summary()["time_by_step_kind"]
     assert kinds["prefill_or_mixed"]["steps"] >= 1 and kinds["decode_batch_1_16"]["steps"] == 5
     assert all(k["wall_s"] >= 0 and k["gpu_s"] >= 0 for k in kinds.values())
-    assert "aten::" in profile.read_text()                  # the profiled window's op table
+    assert "aten::" in profile.read_text()  # the profiled window's op table
 
 
 def test_step_timer_times_rank_0_under_tensor_parallelism(tiny_models, monkeypatch):

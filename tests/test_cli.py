@@ -3,6 +3,7 @@
 Most tests call `main([...])` in-process (capsys); a few spawn `python -m pagedllm` to check
 what a user sees: the exit code, a clean stdout and a one-line error without a traceback.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,9 @@ PROMPTS = ["def fibonacci(", "import os\n", "The quick brown"]
 
 
 def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pagedllm", *args], input=stdin, capture_output=True,
-                          text=True, timeout=120, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "pagedllm", *args], input=stdin, capture_output=True, text=True, timeout=120, cwd=REPO
+    )
 
 
 def one_error_line(stderr: str) -> str:
@@ -42,6 +44,7 @@ def model(tiny_models):
 def reference(model):
     """Greedy completions of PROMPTS through the Python API (non-streamed)."""
     from pagedllm import LLM, SamplingParams
+
     llm = LLM(model, device="cpu", num_kv_blocks=64)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
     llm.close()
@@ -56,15 +59,33 @@ def test_help_lists_commands_and_flags(capsys):
         assert word in out
     assert cli.main(["generate", "--help"]) == 0
     out = capsys.readouterr().out
-    for flag in ("--max-tokens", "--temperature", "--top-p", "--top-k", "--min-p", "--json", "--input",
-                 "--model", "--block-size", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
-                 "--enable-prefix-caching", "--no-enable-prefix-caching", "--gpu-memory-utilization",
-                 "--enforce-eager", "--tensor-parallel-size", "--num-kv-blocks", "--kv-cache-memory-bytes"):
+    for flag in (
+        "--max-tokens",
+        "--temperature",
+        "--top-p",
+        "--top-k",
+        "--min-p",
+        "--json",
+        "--input",
+        "--model",
+        "--block-size",
+        "--max-num-seqs",
+        "--max-num-batched-tokens",
+        "--max-model-len",
+        "--enable-prefix-caching",
+        "--no-enable-prefix-caching",
+        "--gpu-memory-utilization",
+        "--enforce-eager",
+        "--tensor-parallel-size",
+        "--num-kv-blocks",
+        "--kv-cache-memory-bytes",
+    ):
         assert flag in out, flag
 
 
 def test_version_subprocess():
     import pagedllm
+
     r = run_cli("--version")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == f"pagedllm {pagedllm.__version__}"
@@ -72,15 +93,37 @@ def test_version_subprocess():
 
 def test_engine_args_map_to_llm_arguments():
     from pagedllm.entrypoints.llm import LLM_ARGUMENTS
+
     p = cli.add_engine_args(argparse.ArgumentParser())
-    args = p.parse_args(["--model", "m", "--no-enable-prefix-caching", "-tp", "2", "--kv-cache-memory-bytes",
-                         "512MiB", "--block-size", "32", "--enforce-eager", "--dtype", "float32"])
+    args = p.parse_args(
+        [
+            "--model",
+            "m",
+            "--no-enable-prefix-caching",
+            "-tp",
+            "2",
+            "--kv-cache-memory-bytes",
+            "512MiB",
+            "--block-size",
+            "32",
+            "--enforce-eager",
+            "--dtype",
+            "float32",
+        ]
+    )
     kw = cli.engine_kwargs(args)
-    assert kw == {"model": "m", "enable_prefix_caching": False, "tensor_parallel_size": 2,
-                  "kv_cache_memory_bytes": 512 << 20, "block_size": 32, "enforce_eager": True, "dtype": "float32"}
+    assert kw == {
+        "model": "m",
+        "enable_prefix_caching": False,
+        "tensor_parallel_size": 2,
+        "kv_cache_memory_bytes": 512 << 20,
+        "block_size": 32,
+        "enforce_eager": True,
+        "dtype": "float32",
+    }
     # every LLM argument has a flag, and nothing else is produced
     assert set(cli._ENGINE_DESTS) == set(LLM_ARGUMENTS) | {"model"}
-    assert cli.engine_kwargs(p.parse_args(["--model", "m"])) == {"model": "m"}   # LLM's defaults apply
+    assert cli.engine_kwargs(p.parse_args(["--model", "m"])) == {"model": "m"}  # LLM's defaults apply
     for flag, value in (("--async-scheduling", True), ("--no-async-scheduling", False)):
         assert cli.engine_kwargs(p.parse_args(["--model", "m", flag]))["async_scheduling"] is value
 
@@ -89,8 +132,7 @@ def test_sampling_defaults_come_from_generation_config(tmp_path):
     p = argparse.ArgumentParser()
     cli.add_generate_args(p)
     assert cli.sampling_params_from_args(p.parse_args([]), str(tmp_path)).temperature == 1.0
-    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "top_p": 0.95,
-                                                                 "do_sample": True}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "top_p": 0.95, "do_sample": True}))
     sp = cli.sampling_params_from_args(p.parse_args([]), str(tmp_path))
     assert (sp.temperature, sp.top_p, sp.max_tokens) == (0.7, 0.95, cli.DEFAULT_MAX_TOKENS)
     sp = cli.sampling_params_from_args(p.parse_args(["--temperature", "0", "--top-k", "5"]), str(tmp_path))
@@ -108,16 +150,29 @@ def test_generate_one_prompt_streams(model, reference, capsys, monkeypatch):
     assert rc == 0, err
     assert out == prompt + reference[prompt].text + "\n"
     assert writes[0] == prompt and writes[-1] == "\n"
-    assert len(writes) > 3                       # the completion arrived in several pieces
-    assert "KV cache" in err                     # INFO logs go to stderr, not stdout
+    assert len(writes) > 3  # the completion arrived in several pieces
+    assert "KV cache" in err  # INFO logs go to stderr, not stdout
 
 
 def test_generate_batch_from_file_json_in_order(model, reference, tmp_path, capsys):
     path = tmp_path / "prompts.txt"
     # blank lines are skipped; a JSON line with "prompt" carries a prompt that holds a newline
     path.write_text(PROMPTS[0] + "\n\n" + json.dumps({"prompt": PROMPTS[1]}) + "\n" + PROMPTS[2] + "\n")
-    rc = cli.main(["generate", "--input", str(path), "--json", "--model", model, *ENGINE,
-                   "--temperature", "0", "--max-tokens", "12"])
+    rc = cli.main(
+        [
+            "generate",
+            "--input",
+            str(path),
+            "--json",
+            "--model",
+            model,
+            *ENGINE,
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "12",
+        ]
+    )
     out, err = capsys.readouterr()
     assert rc == 0, err
     rows = [json.loads(line) for line in out.splitlines()]
@@ -138,8 +193,19 @@ def test_generate_batch_from_stdin_plain(model, reference, capsys, monkeypatch):
 
 def test_generate_stdin_json_subprocess(model, reference):
     """End to end: stdout holds only the JSON lines; logs and the progress bar are on stderr."""
-    r = run_cli("generate", "-", "--json", "--model", model, *ENGINE, "--temperature", "0",
-                "--max-tokens", "12", stdin=PROMPTS[2] + "\n" + PROMPTS[0] + "\n")
+    r = run_cli(
+        "generate",
+        "-",
+        "--json",
+        "--model",
+        model,
+        *ENGINE,
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "12",
+        stdin=PROMPTS[2] + "\n" + PROMPTS[0] + "\n",
+    )
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in r.stdout.splitlines()]
     assert [x["prompt"] for x in rows] == [PROMPTS[2], PROMPTS[0]]
@@ -155,16 +221,19 @@ def test_missing_model_dir_subprocess(tmp_path):
     assert r.stdout == ""
 
 
-@pytest.mark.parametrize("flags, needle", [
-    (["--max-tokens", "-3"], "--max-tokens"),
-    (["--max-tokens", "ten"], "--max-tokens"),
-    (["--temperature", "-1"], "--temperature"),
-    (["--top-p", "1.5"], "--top-p"),
-    (["--block-size", "0"], "--block-size"),
-    (["--device", "tpu"], "--device"),
-    (["--gpu-memory-utilization", "2"], "--gpu-memory-utilization"),
-    (["--no-such-flag"], "--no-such-flag"),
-])
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--max-tokens", "-3"], "--max-tokens"),
+        (["--max-tokens", "ten"], "--max-tokens"),
+        (["--temperature", "-1"], "--temperature"),
+        (["--top-p", "1.5"], "--top-p"),
+        (["--block-size", "0"], "--block-size"),
+        (["--device", "tpu"], "--device"),
+        (["--gpu-memory-utilization", "2"], "--gpu-memory-utilization"),
+        (["--no-such-flag"], "--no-such-flag"),
+    ],
+)
 def test_bad_flag_values_are_usage_errors(flags, needle, capsys):
     assert cli.main(["generate", "hi", *flags]) == 2
     out, err = capsys.readouterr()
@@ -201,8 +270,11 @@ def test_debug_shows_the_exception(tmp_path):
 
 
 def test_missing_optional_subcommand_module(capsys, monkeypatch):
-    monkeypatch.setitem(cli._OPTIONAL, ("serve",),
-                        ("pagedllm.entrypoints.no_such_server", "serve", "add_server_args", "run_server", True))
+    monkeypatch.setitem(
+        cli._OPTIONAL,
+        ("serve",),
+        ("pagedllm.entrypoints.no_such_server", "serve", "add_server_args", "run_server", True),
+    )
     assert cli.main(["serve", "--port", "8000"]) == 1
     assert "not available" in one_error_line(capsys.readouterr().err)
-    assert cli.main(["bench"]) == 2                # a group without its subcommand prints its help
+    assert cli.main(["bench"]) == 2  # a group without its subcommand prints its help

@@ -68,8 +68,7 @@ def def_parses(completion: str) -> tuple[bool, str]:
         return False, src
 
 
-def sample(model, tok, prompt: str, max_new_tokens: int, seed: int | None, device, temperature=0.7,
-           top_p=1.0) -> str:
+def sample(model, tok, prompt: str, max_new_tokens: int, seed: int | None, device, temperature=0.7, top_p=1.0) -> str:
     enc = tok(prompt, return_tensors="pt").to(device)
     kwargs = dict(max_new_tokens=max_new_tokens, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     if seed is None:
@@ -79,7 +78,7 @@ def sample(model, tok, prompt: str, max_new_tokens: int, seed: int | None, devic
         kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
     with torch.no_grad():
         out = model.generate(**enc, **kwargs)
-    return tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    return tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
 def main() -> None:
@@ -119,8 +118,9 @@ def main() -> None:
     for i in range(args.n):
         c = sample(model, tok, "def ", args.def_tokens, args.seed + i, device, args.temperature, args.top_p)
         ok, src = def_parses(c)
-        defs.append({"seed": args.seed + i, "completion": c, "parsed_source": src, "parses": ok,
-                     "had_blank_line": "\n\n" in c})
+        defs.append(
+            {"seed": args.seed + i, "completion": c, "parsed_source": src, "parses": ok, "had_blank_line": "\n\n" in c}
+        )
         if not args.quiet:
             print(f"[def {i:2d}] {'OK ' if ok else 'BAD'} {src[:100]!r}")
     n_def = sum(r["parses"] for r in defs)
@@ -155,8 +155,10 @@ def main() -> None:
 
     res["transformers_version"] = transformers.__version__
     print(f"import: {n_import}/{args.n} name a module find_spec finds (Python {platform.python_version()})")
-    print(f"def:    {n_def}/{args.n} parse with ast.parse after cutting at the first blank line "
-          f"({res['def_with_blank_line']} had a blank line)")
+    print(
+        f"def:    {n_def}/{args.n} parse with ast.parse after cutting at the first blank line "
+        f"({res['def_with_blank_line']} had a blank line)"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

@@ -9,6 +9,7 @@ device and written straight to safetensors shards (no HF model is instantiated, 
 shape takes seconds on a GPU). The tokenizer files are copied from the bundled default model
 (or --tokenizer): its ids are all below the config's vocab_size, which is what matters.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,27 +20,71 @@ import sys
 import time
 
 SHAPES = {
-    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
-                       max_position_embeddings=40960),
-    "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
-                     max_position_embeddings=40960),
-    "tiny": dict(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
-                 max_position_embeddings=40960),
+    "qwen3-0.6b": dict(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+        max_position_embeddings=40960,
+    ),
+    "qwen3-8b": dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=False,
+        max_position_embeddings=40960,
+    ),
+    "tiny": dict(
+        vocab_size=151936,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+        max_position_embeddings=40960,
+    ),
 }
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+)
 
 
 def hf_config(shape: dict, eos_token_id: int | None, bos_token_id: int | None) -> dict:
     return {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **shape,
-        "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "rope_scaling": None,
-        "attention_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
-        "use_sliding_window": False, "sliding_window": None, "max_window_layers": shape["num_hidden_layers"],
-        "torch_dtype": "bfloat16", "bos_token_id": bos_token_id, "eos_token_id": eos_token_id,
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        **shape,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": shape["num_hidden_layers"],
+        "torch_dtype": "bfloat16",
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
     }
 
 
@@ -50,12 +95,19 @@ def tensor_shapes(c: dict) -> list[tuple[str, tuple[int, ...]]]:
     out = [("model.embed_tokens.weight", (c["vocab_size"], h))]
     for n in range(c["num_hidden_layers"]):
         p = f"model.layers.{n}."
-        out += [(p + "input_layernorm.weight", (h,)), (p + "self_attn.q_proj.weight", (q, h)),
-                (p + "self_attn.k_proj.weight", (kv, h)), (p + "self_attn.v_proj.weight", (kv, h)),
-                (p + "self_attn.o_proj.weight", (h, q)), (p + "self_attn.q_norm.weight", (hd,)),
-                (p + "self_attn.k_norm.weight", (hd,)), (p + "post_attention_layernorm.weight", (h,)),
-                (p + "mlp.gate_proj.weight", (i, h)), (p + "mlp.up_proj.weight", (i, h)),
-                (p + "mlp.down_proj.weight", (h, i))]
+        out += [
+            (p + "input_layernorm.weight", (h,)),
+            (p + "self_attn.q_proj.weight", (q, h)),
+            (p + "self_attn.k_proj.weight", (kv, h)),
+            (p + "self_attn.v_proj.weight", (kv, h)),
+            (p + "self_attn.o_proj.weight", (h, q)),
+            (p + "self_attn.q_norm.weight", (hd,)),
+            (p + "self_attn.k_norm.weight", (hd,)),
+            (p + "post_attention_layernorm.weight", (h,)),
+            (p + "mlp.gate_proj.weight", (i, h)),
+            (p + "mlp.up_proj.weight", (i, h)),
+            (p + "mlp.down_proj.weight", (h, i)),
+        ]
     out.append(("model.norm.weight", (h,)))
     if not c["tie_word_embeddings"]:
         out.append(("lm_head.weight", (c["vocab_size"], h)))
@@ -86,13 +138,17 @@ def _numel(shape: tuple[int, ...]) -> int:
 def write_weights(out: str, config: dict, device: str, seed: int, max_shard_bytes: int) -> int:
     import torch
     from safetensors.torch import save_file
+
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     shards = plan_shards(tensor_shapes(config), max_shard_bytes)
-    names = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    )
     weight_map, total = {}, 0
-    for fname, shard in zip(names, shards):
+    for fname, shard in zip(names, shards, strict=False):
         tensors = {}
         for name, shape in shard:
             if name.endswith("norm.weight"):
@@ -117,6 +173,7 @@ def copy_tokenizer(src: str, out: str) -> tuple[int | None, int | None]:
     for f in copied:
         shutil.copy(os.path.join(src, f), os.path.join(out, f))
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(out)
     return tok.eos_token_id, tok.bos_token_id
 
@@ -131,9 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-shard-gib", type=float, default=4.0, help="safetensors shard size")
     args = p.parse_args(argv)
     import torch
+
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if args.tokenizer is None:
         from pagedllm import default_model_path
+
         args.tokenizer = default_model_path()
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
@@ -144,8 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(args.out, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": bos, "eos_token_id": eos}, f, indent=2)
     total = write_weights(args.out, config, device, args.seed, int(args.max_shard_gib * 2**30))
-    print(f"wrote {args.shape} ({total / 2**30:.2f} GiB bf16) to {args.out} in {time.time() - t0:.1f} s "
-          f"(weights generated on {device})", file=sys.stderr)
+    print(
+        f"wrote {args.shape} ({total / 2**30:.2f} GiB bf16) to {args.out} in {time.time() - t0:.1f} s "
+        f"(weights generated on {device})",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -111,9 +111,7 @@ def gather_files(stdlib: str, keep_generated: bool) -> tuple[list[tuple[str, str
         for d in dirnames:
             if d in EXCLUDED_DIR_NAMES:
                 key = "package_dirs" if d.endswith("-packages") else "test_dirs"
-                skipped[key] += sum(
-                    1 for _, _, fs in os.walk(Path(dirpath) / d) for f in fs if f.endswith(".py")
-                )
+                skipped[key] += sum(1 for _, _, fs in os.walk(Path(dirpath) / d) for f in fs if f.endswith(".py"))
             else:
                 kept.append(d)
         dirnames[:] = sorted(kept)
@@ -132,8 +130,7 @@ def gather_files(stdlib: str, keep_generated: bool) -> tuple[list[tuple[str, str
                     skipped["undecodable"] += 1
                     continue
             if not keep_generated and (
-                is_generated(rel)
-                or (rel.startswith("encodings/") and "Python Character Mapping Codec" in text[:600])
+                is_generated(rel) or (rel.startswith("encodings/") and "Python Character Mapping Codec" in text[:600])
             ):
                 skipped["generated"] += 1
                 continue
@@ -247,13 +244,13 @@ def prepare_data(args, cache: Path) -> dict:
     files, skipped = gather_files(stdlib, args.keep_generated)
     train, val = split_files(files, args.val_fraction, args.seed)
     log(
-        f"data: {len(files)} files from {stdlib} ({sum(len(t) for _, t in files)/1e6:.2f} M chars), "
+        f"data: {len(files)} files from {stdlib} ({sum(len(t) for _, t in files) / 1e6:.2f} M chars), "
         f"train {len(train)} / val {len(val)} files; skipped {skipped}",
         args.tag,
     )
     t1 = time.time()
     tok = train_tokenizer([t for _, t in train], args.vocab_size, args.tokenizer_max_chars, args.pretokenizer)
-    log(f"tokenizer: vocab {tok.get_vocab_size()} trained in {time.time()-t1:.1f}s", args.tag)
+    log(f"tokenizer: vocab {tok.get_vocab_size()} trained in {time.time() - t1:.1f}s", args.tag)
     cache.mkdir(parents=True, exist_ok=True)
     write_tokenizer_files(tok, cache, args.model_max_length)
     t2 = time.time()
@@ -264,8 +261,8 @@ def prepare_data(args, cache: Path) -> dict:
     train_chars = sum(len(t) for _, t in train)
     train_bytes = sum(len(t.encode("utf-8")) for _, t in train)
     log(
-        f"tokenized in {time.time()-t2:.1f}s: train {len(train_ids)} tokens, val {len(val_ids)} tokens, "
-        f"{train_bytes/len(train_ids):.2f} bytes/token",
+        f"tokenized in {time.time() - t2:.1f}s: train {len(train_ids)} tokens, val {len(val_ids)} tokens, "
+        f"{train_bytes / len(train_ids):.2f} bytes/token",
         args.tag,
     )
     meta = {
@@ -426,7 +423,7 @@ def train_one(args) -> dict:
     fwd = torch.compile(model) if args.compile else model
 
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
+    for p in model.parameters():
         (decay if p.dim() >= 2 else no_decay).append(p)
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
@@ -444,7 +441,7 @@ def train_one(args) -> dict:
     budget_s = args.minutes * 60.0
     eval_every = args.eval_every or max(25, int(epoch_steps * 2))
     log(
-        f"model: {n_params/1e6:.3f} M params ({n_embed/1e6:.3f} M in the tied embedding), device {device} "
+        f"model: {n_params / 1e6:.3f} M params ({n_embed / 1e6:.3f} M in the tied embedding), device {device} "
         f"({gpu_name}), {tokens_per_step} tokens/step, {epoch_steps:.1f} steps/epoch, "
         f"max_steps {max_steps if max_steps < 10**12 else 'inf'}, budget {args.minutes} min, "
         f"dropout {args.dropout}, eval every {eval_every} steps",
@@ -461,8 +458,12 @@ def train_one(args) -> dict:
         from tokenizers import Tokenizer
 
         tk = Tokenizer.from_file(str(cache / "tokenizer.json"))
-        nl = [i for i in range(tk.get_vocab_size()) if i == tk.token_to_id(EOT)
-              or (lambda t: t.endswith("\n") and t.strip() == "")(tk.decode([i], skip_special_tokens=False))]
+        nl = [
+            i
+            for i in range(tk.get_vocab_size())
+            if i == tk.token_to_id(EOT)
+            or (lambda t: t.endswith("\n") and t.strip() == "")(tk.decode([i], skip_special_tokens=False))
+        ]
         prev = np.isin(np.load(cache / "train_ids.npy")[: n_windows - 1], np.array(nl, dtype=np.int32))
         starts_pool = np.concatenate([[0], np.nonzero(prev)[0] + 1]).astype(np.int64)
         log(f"aligned windows: {len(starts_pool)} start positions ({len(nl)} newline/eot token ids)", args.tag)
@@ -479,8 +480,7 @@ def train_one(args) -> dict:
 
     def do_eval(step_now):
         v, n_tok = evaluate(model, val_ids, args.seq_len, args.eval_batch_size, device, amp)
-        evals.append({"step": step_now, "val_loss": v, "elapsed_s": time.time() - t_loop,
-                      "tokens_seen": tokens_seen})
+        evals.append({"step": step_now, "val_loss": v, "elapsed_s": time.time() - t_loop, "tokens_seen": tokens_seen})
         if v < best["val_loss"]:
             best["val_loss"] = v
             best["step"] = step_now
@@ -521,13 +521,14 @@ def train_one(args) -> dict:
         if step % args.log_every == 0 or step == 1:
             lv = loss.item()
             recent.append(lv)
-            recent = recent[-args.running_mean:]
-            history.append({"step": step, "loss": lv, "lr": lr, "grad_norm": float(gnorm),
-                            "elapsed_s": time.time() - t_loop})
+            recent = recent[-args.running_mean :]
+            history.append(
+                {"step": step, "loss": lv, "lr": lr, "grad_norm": float(gnorm), "elapsed_s": time.time() - t_loop}
+            )
             log(
                 f"step {step} loss {lv:.4f} lr {lr:.2e} gnorm {float(gnorm):.2f} "
-                f"progress {progress:.3f} {tokens_seen/(time.time()-t_loop)/1e3:.0f}k tok/s "
-                f"epoch {tokens_seen/len(train_ids):.1f}",
+                f"progress {progress:.3f} {tokens_seen / (time.time() - t_loop) / 1e3:.0f}k tok/s "
+                f"epoch {tokens_seen / len(train_ids):.1f}",
                 args.tag,
             )
         if step % eval_every == 0:
@@ -543,12 +544,12 @@ def train_one(args) -> dict:
     # Keep the best-validation weights.
     model.load_state_dict(best["state"])
     # Eval-mode (no dropout) train loss on the same number of tokens as the validation set.
-    train_loss_eval, _ = evaluate(model, train_ids, args.seq_len, args.eval_batch_size, device, amp,
-                                  max_tokens=len(val_ids))
+    train_loss_eval, _ = evaluate(
+        model, train_ids, args.seq_len, args.eval_batch_size, device, amp, max_tokens=len(val_ids)
+    )
     model = model.to(torch.bfloat16)
     val_bf16, n_val_eval = evaluate(model, val_ids, args.seq_len, args.eval_batch_size, device, amp)
-    train_bf16, _ = evaluate(model, train_ids, args.seq_len, args.eval_batch_size, device, amp,
-                             max_tokens=len(val_ids))
+    train_bf16, _ = evaluate(model, train_ids, args.seq_len, args.eval_batch_size, device, amp, max_tokens=len(val_ids))
     model.config.attention_dropout = 0.0
     model.save_pretrained(out, safe_serialization=True)
     # Compatibility keys for readers of transformers-4-style configs.
@@ -617,7 +618,7 @@ def train_one(args) -> dict:
         pass
     (out / "train_log.json").write_text(json.dumps(result, indent=2) + "\n")
     log(
-        f"done: {step} steps ({stop_reason}), {tokens_seen/1e6:.1f} M tokens, {train_seconds:.0f}s; "
+        f"done: {step} steps ({stop_reason}), {tokens_seen / 1e6:.1f} M tokens, {train_seconds:.0f}s; "
         f"best val {best['val_loss']:.4f} @ step {best['step']}, final-step val {final_val:.4f}, "
         f"saved bf16 val {val_bf16:.4f} (ppl {math.exp(val_bf16):.2f}), train(eval mode) {train_bf16:.4f}, "
         f"running train {train_loss_running:.4f}",
@@ -635,7 +636,7 @@ def run_sweep(args, argv: list[str]) -> None:
     work = Path(args.sweep_dir) if args.sweep_dir else out.parent / (out.name + "_sweep")
     work.mkdir(parents=True, exist_ok=True)
     cache = work / "data"
-    meta = prepare_data(args, cache)
+    prepare_data(args, cache)
     configs = []
     for item in args.sweep.split(","):
         ep, dr = item.split(":")
@@ -655,8 +656,21 @@ def run_sweep(args, argv: list[str]) -> None:
     procs = []
     for i, (ep, dr) in enumerate(configs):
         run_dir = work / f"run{i}"
-        cmd = [sys.executable, os.path.abspath(__file__), *base, "--out", str(run_dir), "--data-cache",
-               str(cache), "--max-epochs", str(ep), "--dropout", str(dr), "--tag", f"[run{i} ep{ep:g} do{dr:g}] "]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            *base,
+            "--out",
+            str(run_dir),
+            "--data-cache",
+            str(cache),
+            "--max-epochs",
+            str(ep),
+            "--dropout",
+            str(dr),
+            "--tag",
+            f"[run{i} ep{ep:g} do{dr:g}] ",
+        ]
         log(f"sweep: launching {' '.join(cmd)}")
         env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // len(configs))))
         procs.append(subprocess.Popen(cmd, env=env))
@@ -701,8 +715,11 @@ def run_sweep(args, argv: list[str]) -> None:
         }
         for i, r in results
     ]
-    best["sweep"] = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-                     "selection": "lowest saved_val_loss_bf16", "runs": summary}
+    best["sweep"] = {
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "selection": "lowest saved_val_loss_bf16",
+        "runs": summary,
+    }
     (out / "train_log.json").write_text(json.dumps(best, indent=2) + "\n")
     for s in summary:
         log(f"sweep: {s}")
@@ -713,22 +730,35 @@ def run_sweep(args, argv: list[str]) -> None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--out", required=True, help="output directory (model + tokenizer + train_log.json)")
     p.add_argument("--minutes", type=float, default=7.0, help="wall-clock budget of the training loop")
     p.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: no limit)")
-    p.add_argument("--max-epochs", type=float, default=16.0, help="stop after this many passes over the "
-                   "training tokens (0: no limit)")
+    p.add_argument(
+        "--max-epochs",
+        type=float,
+        default=16.0,
+        help="stop after this many passes over the training tokens (0: no limit)",
+    )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--stdlib", default="", help="stdlib folder (default: sysconfig's, of this Python)")
     p.add_argument("--keep-generated", action="store_true", help="keep pydoc_data/ and encodings charmap tables")
     p.add_argument("--val-fraction", type=float, default=0.05)
     p.add_argument("--vocab-size", type=int, default=8192)
-    p.add_argument("--tokenizer-max-chars", type=int, default=0, help="train the tokenizer on the first N "
-                   "chars of training files only (0: all)")
-    p.add_argument("--pretokenizer", choices=sorted(PRETOKENIZE_PATTERNS), default="v1",
-                   help="split pattern before byte-level BPE (see PRETOKENIZE_PATTERNS)")
+    p.add_argument(
+        "--tokenizer-max-chars",
+        type=int,
+        default=0,
+        help="train the tokenizer on the first N chars of training files only (0: all)",
+    )
+    p.add_argument(
+        "--pretokenizer",
+        choices=sorted(PRETOKENIZE_PATTERNS),
+        default="v1",
+        help="split pattern before byte-level BPE (see PRETOKENIZE_PATTERNS)",
+    )
     p.add_argument("--model-max-length", type=int, default=2048)
     p.add_argument("--hidden", type=int, default=320)
     p.add_argument("--intermediate", type=int, default=960)
@@ -741,10 +771,14 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--eval-batch-size", type=int, default=32)
-    p.add_argument("--align-windows", choices=["none", "line"], default="none",
-                   help="where training windows start: anywhere (none), or only at the start of a file or of "
-                   "a line (line; with --pretokenizer v1 only unindented lines, since a newline and the next "
-                   "line's indentation share a token), which matches prompts such as 'import ' or 'def '")
+    p.add_argument(
+        "--align-windows",
+        choices=["none", "line"],
+        default="none",
+        help="where training windows start: anywhere (none), or only at the start of a file or of "
+        "a line (line; with --pretokenizer v1 only unindented lines, since a newline and the next "
+        "line's indentation share a token), which matches prompts such as 'import ' or 'def '",
+    )
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--min-lr-ratio", type=float, default=0.1)
     p.add_argument("--warmup-steps", type=int, default=100)
@@ -758,11 +792,16 @@ def parse_args(argv=None):
     p.add_argument("--cpu", action="store_true", help="train on CPU even if CUDA is there")
     p.add_argument("--cpu-bf16", action="store_true", help="bf16 autocast on CPU too")
     p.add_argument("--data-cache", default="", help="folder for/with the tokenizer and token streams")
-    p.add_argument("--sweep", default="", help="comma-separated EPOCHS:DROPOUT configs to train in parallel; "
-                   "the lowest validation loss is copied to --out")
+    p.add_argument(
+        "--sweep",
+        default="",
+        help="comma-separated EPOCHS:DROPOUT configs to train in parallel; "
+        "the lowest validation loss is copied to --out",
+    )
     p.add_argument("--sweep-dir", default="", help="work folder of --sweep (default: OUT_sweep)")
-    p.add_argument("--sweep-grace", type=float, default=150.0, help="seconds past --minutes before a sweep "
-                   "run is killed")
+    p.add_argument(
+        "--sweep-grace", type=float, default=150.0, help="seconds past --minutes before a sweep run is killed"
+    )
     p.add_argument("--tag", default="", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 

@@ -1,4 +1,5 @@
 """What every benchmark row records: commit, GPU, library versions, date."""
+
 from __future__ import annotations
 
 import datetime
@@ -10,10 +11,20 @@ import subprocess
 
 def git_commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
-                             cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip()
+        out = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+            timeout=10,
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+            timeout=10,
+        ).stdout.strip()
         return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -21,17 +32,23 @@ def git_commit() -> str:
 
 def environment() -> dict:
     import torch
-    env = {"commit": os.environ.get("PAGEDLLM_COMMIT") or git_commit(), "torch": torch.__version__,
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-           "cpu_count": os.cpu_count()}
+
+    env = {
+        "commit": os.environ.get("PAGEDLLM_COMMIT") or git_commit(),
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "cpu_count": os.cpu_count(),
+    }
     try:
         import triton
+
         env["triton"] = triton.__version__
     except ImportError:
         env["triton"] = None
     try:
         import transformers
+
         env["transformers"] = transformers.__version__
     except ImportError:
         pass

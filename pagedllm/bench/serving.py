@@ -16,6 +16,7 @@ would saturate near the 15k events/s of 120 req/s x 128 tokens. `--launch` start
 `pagedllm serve` itself and stops it afterwards; otherwise `--base-url` names a running
 server. Each run appends a JSON row to benchmarks/results/<gpu>.json (or --result-name).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,37 +49,70 @@ class RequestResult:
 
 def add_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = p.add_argument_group("target")
-    g.add_argument("--base-url", default=None,
-                   help="server to load, e.g. http://127.0.0.1:8000 (default: that, or the --launch'ed one)")
-    g.add_argument("--launch", action="store_true",
-                   help="start `pagedllm serve --model MODEL SERVER_ARGS` on a free port, stop it at the end")
-    g.add_argument("--model", default=None,
-                   help="model directory: served with --launch, and its tokenizer draws the random prompts "
-                        "(default: the bundled model's tokenizer)")
+    g.add_argument(
+        "--base-url",
+        default=None,
+        help="server to load, e.g. http://127.0.0.1:8000 (default: that, or the --launch'ed one)",
+    )
+    g.add_argument(
+        "--launch",
+        action="store_true",
+        help="start `pagedllm serve --model MODEL SERVER_ARGS` on a free port, stop it at the end",
+    )
+    g.add_argument(
+        "--model",
+        default=None,
+        help="model directory: served with --launch, and its tokenizer draws the random prompts "
+        "(default: the bundled model's tokenizer)",
+    )
     g.add_argument("--tokenizer", default=None, help="tokenizer directory for the random prompts (default: --model)")
-    g.add_argument("--server-args", default="", metavar="ARGS",
-                   help="extra flags for the launched server, e.g. \"--device cuda --max-num-seqs 512\"")
-    g.add_argument("--launch-timeout", type=float, default=900.0, metavar="SECONDS",
-                   help="how long the launched server may take to become healthy")
+    g.add_argument(
+        "--server-args",
+        default="",
+        metavar="ARGS",
+        help='extra flags for the launched server, e.g. "--device cuda --max-num-seqs 512"',
+    )
+    g.add_argument(
+        "--launch-timeout",
+        type=float,
+        default=900.0,
+        metavar="SECONDS",
+        help="how long the launched server may take to become healthy",
+    )
     g.add_argument("--api-key", default=None, help="bearer key (default: $PAGEDLLM_API_KEY)")
-    g.add_argument("--served-model-name", default=None,
-                   help="the 'model' field to send (default: the first model the server lists)")
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the 'model' field to send (default: the first model the server lists)",
+    )
     w = p.add_argument_group("workload")
     w.add_argument("--num-prompts", type=int, default=500, help="number of requests")
     w.add_argument("--input-len", type=int, default=512, help="prompt tokens per request (random token ids)")
     w.add_argument("--output-len", type=int, default=128, help="output tokens per request (ignore_eos)")
-    w.add_argument("--request-rate", type=float, default=math.inf,
-                   help="Poisson arrival rate in requests/s; inf sends everything at once")
+    w.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="Poisson arrival rate in requests/s; inf sends everything at once",
+    )
     w.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     w.add_argument("--temperature", type=float, default=0.0)
-    w.add_argument("--seed", type=int, default=0,
-                   help="seed of the prompts and of the arrival times; a second run with the same seed against "
-                        "the same server hits its prefix cache, so change it or restart the server")
-    w.add_argument("--warmup-requests", type=int, default=2,
-                   help="short requests sent (and not timed) before the run")
-    w.add_argument("--client-processes", type=int, default=0, metavar="N",
-                   help="load-generator processes (request i goes to process i %% N, all start together); "
-                        "0: min(4, CPUs / 4, prompts / 64), at least 1")
+    w.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the prompts and of the arrival times; a second run with the same seed against "
+        "the same server hits its prefix cache, so change it or restart the server",
+    )
+    w.add_argument("--warmup-requests", type=int, default=2, help="short requests sent (and not timed) before the run")
+    w.add_argument(
+        "--client-processes",
+        type=int,
+        default=0,
+        metavar="N",
+        help="load-generator processes (request i goes to process i %% N, all start together); "
+        "0: min(4, CPUs / 4, prompts / 64), at least 1",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--results-dir", default="benchmarks/results")
     o.add_argument("--result-name", default=None, help="results file name without .json (default: the GPU)")
@@ -90,6 +124,7 @@ def add_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 # ---- the workload ----------------------------------------------------------------------------
 def random_prompts(tokenizer_dir: str, num: int, length: int, seed: int) -> list[list[int]]:
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     special = set(tok.all_special_ids)
     vocab = [i for i in range(len(tok)) if i not in special]
@@ -111,7 +146,7 @@ def arrival_offsets(num: int, rate: float, seed: int) -> list[float]:
 
 async def one_request(client, url: str, headers: dict, payload: dict) -> RequestResult:
     res = RequestResult(prompt_len=len(payload["prompt"]))
-    start = time.monotonic()                    # one clock for every client process of the host
+    start = time.monotonic()  # one clock for every client process of the host
     res.start = start
     last = start
     try:
@@ -142,7 +177,7 @@ async def one_request(client, url: str, headers: dict, payload: dict) -> Request
         res.ok = res.ttft > 0
         if not res.ok:
             res.error = "no tokens streamed"
-    except Exception as e:                      # noqa: BLE001  (counted as a failed request)
+    except Exception as e:  # noqa: BLE001  (counted as a failed request)
         res.error = f"{type(e).__name__}: {e}"
     return res
 
@@ -150,6 +185,7 @@ async def one_request(client, url: str, headers: dict, payload: dict) -> Request
 @dataclass
 class _Load:
     """What a client process needs (picklable)."""
+
     url: str
     headers: dict
     model: str
@@ -158,12 +194,20 @@ class _Load:
     max_concurrency: int | None
 
     def payload(self, prompt: list[int], max_tokens: int) -> dict:
-        return {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": self.temperature,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        return {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": self.temperature,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
 
 
 def _client():
     import httpx
+
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     return httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits, http2=False)
 
@@ -172,6 +216,7 @@ async def _drive(load: _Load, items: list[tuple[list[int], float]], t0: float) -
     """Send each prompt at t0 + its offset (time.monotonic()); returns the results and the end time."""
     sem = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
     async with _client() as client:
+
         async def scheduled(prompt: list[int], at: float) -> RequestResult:
             delay = t0 + at - time.monotonic()
             if delay > 0:
@@ -180,6 +225,7 @@ async def _drive(load: _Load, items: list[tuple[list[int], float]], t0: float) -
                 return await one_request(client, load.url, load.headers, load.payload(prompt, load.output_len))
             async with sem:
                 return await one_request(client, load.url, load.headers, load.payload(prompt, load.output_len))
+
         results = await asyncio.gather(*(scheduled(p, at) for p, at in items))
     return list(results), time.monotonic()
 
@@ -200,9 +246,14 @@ def client_process_count(requested: int, num_prompts: int) -> int:
 
 def run_load(base_url: str, model: str, prompts: list[list[int]], args) -> tuple[list[RequestResult], float]:
     """Warm up, then run the whole load, spread over `--client-processes` processes."""
-    load = _Load(base_url.rstrip("/") + "/v1/completions",
-                 {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}, model, args.temperature,
-                 args.output_len, args.max_concurrency)
+    load = _Load(
+        base_url.rstrip("/") + "/v1/completions",
+        {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {},
+        model,
+        args.temperature,
+        args.output_len,
+        args.max_concurrency,
+    )
 
     async def warmup() -> None:
         async with _client() as client:
@@ -210,23 +261,29 @@ def run_load(base_url: str, model: str, prompts: list[list[int]], args) -> tuple
                 r = await one_request(client, load.url, load.headers, load.payload(prompts[i % len(prompts)][:16], 4))
                 if not r.ok:
                     raise RuntimeError(f"warm-up request failed: {r.error}")
+
     asyncio.run(warmup())
     offsets = arrival_offsets(len(prompts), args.request_rate, args.seed)
     n = client_process_count(getattr(args, "client_processes", 1), len(prompts))
     if n == 1:
         t0 = time.monotonic()
-        results, end = asyncio.run(_drive(load, list(zip(prompts, offsets)), t0))
+        results, end = asyncio.run(_drive(load, list(zip(prompts, offsets, strict=False)), t0))
         return results, end - t0
     import multiprocessing
+
     ctx = multiprocessing.get_context("spawn")
     if load.max_concurrency:
-        load.max_concurrency = -(-load.max_concurrency // n)     # the cap is shared out evenly
+        load.max_concurrency = -(-load.max_concurrency // n)  # the cap is shared out evenly
     conns, procs = [], []
     try:
-        for i in range(n):                      # request i goes to process i % n: each gets the same mix
+        for i in range(n):  # request i goes to process i % n: each gets the same mix
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_client_process, args=(child, load, list(zip(prompts[i::n], offsets[i::n]))),
-                            name=f"bench-client-{i}", daemon=True)
+            p = ctx.Process(
+                target=_client_process,
+                args=(child, load, list(zip(prompts[i::n], offsets[i::n], strict=False))),
+                name=f"bench-client-{i}",
+                daemon=True,
+            )
             p.start()
             child.close()
             conns.append(parent)
@@ -245,7 +302,7 @@ def run_load(base_url: str, model: str, prompts: list[list[int]], args) -> tuple
             p.join(10)
             if p.is_alive():
                 p.kill()
-    results: list[RequestResult] = [None] * len(prompts)      # type: ignore[list-item]
+    results: list[RequestResult] = [None] * len(prompts)  # type: ignore[list-item]
     for i, (part, _) in enumerate(parts):
         results[i::n] = part
     return results, max(end for _, end in parts) - t0
@@ -269,11 +326,16 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
     tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) * 1000 for r in ok if r.output_tokens > 1]
     itl = [x * 1000 for r in ok for x in r.itl]
     e2e = [r.latency * 1000 for r in ok]
-    s: dict = {"completed": len(ok), "failed": len(results) - len(ok), "duration_s": round(duration, 3),
-               "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
-               "request_throughput": round(len(ok) / duration, 3) if duration else 0.0,
-               "output_throughput": round(out_tokens / duration, 1) if duration else 0.0,
-               "total_token_throughput": round((in_tokens + out_tokens) / duration, 1) if duration else 0.0}
+    s: dict = {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": round(duration, 3),
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": round(len(ok) / duration, 3) if duration else 0.0,
+        "output_throughput": round(out_tokens / duration, 1) if duration else 0.0,
+        "total_token_throughput": round((in_tokens + out_tokens) / duration, 1) if duration else 0.0,
+    }
     for name, xs in (("ttft_ms", ttft), ("tpot_ms", tpot), ("itl_ms", itl), ("e2el_ms", e2e)):
         s[f"mean_{name}"] = round(statistics.fmean(xs), 3) if xs else 0.0
         s[f"median_{name}"] = round(statistics.median(xs), 3) if xs else 0.0
@@ -289,6 +351,7 @@ def format_table(s: dict) -> str:
 
     def row(label, value):
         lines.append(f"{label:<36}{value:>14}")
+
     row("Successful requests:", s["completed"])
     row("Failed requests:", s["failed"])
     row("Benchmark duration (s):", f"{s['duration_s']:.2f}")
@@ -297,8 +360,12 @@ def format_table(s: dict) -> str:
     row("Request throughput (req/s):", f"{s['request_throughput']:.2f}")
     row("Output token throughput (tok/s):", f"{s['output_throughput']:.1f}")
     row("Total token throughput (tok/s):", f"{s['total_token_throughput']:.1f}")
-    for title, key in (("Time to First Token", "ttft_ms"), ("Time per Output Token (excl. 1st token)", "tpot_ms"),
-                       ("Inter-token Latency", "itl_ms"), ("End-to-end Latency", "e2el_ms")):
+    for title, key in (
+        ("Time to First Token", "ttft_ms"),
+        ("Time per Output Token (excl. 1st token)", "tpot_ms"),
+        ("Inter-token Latency", "itl_ms"),
+        ("End-to-end Latency", "e2el_ms"),
+    ):
         lines.append("{s:{c}^50}".format(s=f" {title} ", c="-"))
         short = key.split("_")[0].upper()
         for stat in ("mean", "median", "p99"):
@@ -318,9 +385,21 @@ def _free_port() -> int:
 
 def launch_server(model: str, server_args: str, timeout: float, api_key: str | None):
     import httpx
+
     port = _free_port()
-    cmd = [sys.executable, "-m", "pagedllm", "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
-           *shlex.split(server_args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pagedllm",
+        "serve",
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *shlex.split(server_args),
+    ]
     print("launching: " + " ".join(shlex.quote(c) for c in cmd), file=sys.stderr, flush=True)
     env = dict(os.environ)
     if api_key:
@@ -354,6 +433,7 @@ def stop_server(proc) -> None:
 
 def server_model_name(base_url: str, api_key: str | None) -> str:
     import httpx
+
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     data = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30).json()
     return data["data"][0]["id"]
@@ -361,6 +441,7 @@ def server_model_name(base_url: str, api_key: str | None) -> str:
 
 def main(args: argparse.Namespace) -> int:
     from pagedllm import default_model_path
+
     if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
         raise ValueError("--num-prompts, --input-len and --output-len must be >= 1")
     if not args.request_rate > 0:
@@ -382,14 +463,22 @@ def main(args: argparse.Namespace) -> int:
             stop_server(proc)
     summary = summarize(results, duration)
     print(format_table(summary))
-    config = {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-              "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
-              "max_concurrency": args.max_concurrency, "temperature": args.temperature, "seed": args.seed,
-              "model": os.path.basename(os.path.normpath(args.model)) if args.model else model,
-              "launched": bool(args.launch), "server_args": args.server_args if args.launch else None,
-              "client_processes": client_process_count(args.client_processes, args.num_prompts)}
+    config = {
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
+        "max_concurrency": args.max_concurrency,
+        "temperature": args.temperature,
+        "seed": args.seed,
+        "model": os.path.basename(os.path.normpath(args.model)) if args.model else model,
+        "launched": bool(args.launch),
+        "server_args": args.server_args if args.launch else None,
+        "client_processes": client_process_count(args.client_processes, args.num_prompts),
+    }
     if not args.no_save:
         from pagedllm.bench.common import append_result, environment
+
         row = {"benchmark": "serving", "config": config, "results": summary, "label": args.label, **environment()}
         path = append_result(row, args.results_dir, args.result_name)
         print(f"appended to {path}", file=sys.stderr)

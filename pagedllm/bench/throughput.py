@@ -4,6 +4,7 @@ random.seed(0); 256 requests of randint(100, 1024) random token ids, each with
 SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, 1024)):
 133,966 output tokens in all. One warm-up request, then `generate` over all of them is timed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,10 +19,12 @@ TOTAL_OUTPUT_TOKENS = 133_966
 
 def workload(num_seqs: int = 256):
     from pagedllm import SamplingParams
+
     random.seed(0)
     prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(100, 1024))
-              for _ in range(256)]
+    params = [
+        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(100, 1024)) for _ in range(256)
+    ]
     assert sum(p.max_tokens for p in params) == TOTAL_OUTPUT_TOKENS
     return prompts[:num_seqs], params[:num_seqs]
 
@@ -35,17 +38,25 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="overlap scheduling with the GPU step (default: the LLM's, on with one GPU)")
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="overlap scheduling with the GPU step (default: the LLM's, on with one GPU)",
+    )
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--compare-hf", action="store_true", help="also run HF transformers' continuous batching")
     p.add_argument("--skip-pagedllm", action="store_true")
     p.add_argument("--results-dir", default="benchmarks/results")
     p.add_argument("--out", help="also write this run's rows as JSON to this file")
     p.add_argument("--label", default="", help="free text stored with the row")
-    p.add_argument("--profile-steps", default=None, metavar="START:END",
-                   help="torch.profiler over engine steps START..END of the timed run; the top ops "
-                        "by device time go to the results directory as a text table")
+    p.add_argument(
+        "--profile-steps",
+        default=None,
+        metavar="START:END",
+        help="torch.profiler over engine steps START..END of the timed run; the top ops "
+        "by device time go to the results directory as a text table",
+    )
 
 
 class StepTimer:
@@ -54,10 +65,11 @@ class StepTimer:
 
     def __init__(self, llm):
         import torch
+
         self.torch = torch
         self.rows = []
         engine = llm.engine
-        runner = getattr(llm.runner, "driver", None) or llm.runner     # TP: rank 0's ModelRunner
+        runner = getattr(llm.runner, "driver", None) or llm.runner  # TP: rank 0's ModelRunner
         self._step, self._launch = engine.step, runner.launch
         engine.step = self.step
         runner.launch = self.launch
@@ -78,8 +90,9 @@ class StepTimer:
     def step(self):
         window = getattr(self, "window", None)
         if window and len(self.rows) == window[0] and self.prof is None:
-            self.prof = self.torch.profiler.profile(activities=[self.torch.profiler.ProfilerActivity.CPU,
-                                                                self.torch.profiler.ProfilerActivity.CUDA])
+            self.prof = self.torch.profiler.profile(
+                activities=[self.torch.profiler.ProfilerActivity.CPU, self.torch.profiler.ProfilerActivity.CUDA]
+            )
             self.prof.__enter__()
         if window and len(self.rows) == window[1] and self.prof is not None:
             self.prof.__exit__(None, None, None)
@@ -106,24 +119,42 @@ class StepTimer:
         if dec:
             step = sum(r["step_s"] for r in dec) * 1e3 / len(dec)
             gpu = sum(r["gpu_s"] for r in dec) * 1e3 / len(dec)
-            out = {"decode_steps_measured": len(dec), "batch_mean": sum(r["batch"] for r in dec) / len(dec),
-                   "step_ms": step, "gpu_ms": gpu, "host_exposed_ms": step - gpu}
+            out = {
+                "decode_steps_measured": len(dec),
+                "batch_mean": sum(r["batch"] for r in dec) / len(dec),
+                "step_ms": step,
+                "gpu_ms": gpu,
+                "host_exposed_ms": step - gpu,
+            }
         buckets = {"prefill_or_mixed": lambda r: not r["decode"]}
         for lo, hi in ((1, 16), (17, 64), (65, 128), (129, 200), (201, 100000)):
             buckets[f"decode_batch_{lo}_{hi}"] = lambda r, lo=lo, hi=hi: r["decode"] and lo <= r["batch"] <= hi
         out["time_by_step_kind"] = {
-            name: {"steps": len(rs), "wall_s": round(sum(r["step_s"] for r in rs), 3),
-                   "gpu_s": round(sum(r["gpu_s"] for r in rs), 3)}
-            for name, pick in buckets.items() if (rs := [r for r in self.rows if pick(r)])}
+            name: {
+                "steps": len(rs),
+                "wall_s": round(sum(r["step_s"] for r in rs), 3),
+                "gpu_s": round(sum(r["gpu_s"] for r in rs), 3),
+            }
+            for name, pick in buckets.items()
+            if (rs := [r for r in self.rows if pick(r)])
+        }
         return out
 
 
 def run_pagedllm(args, prompts, params) -> dict:
     from pagedllm import LLM, SamplingParams
-    llm = LLM(args.model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
-              block_size=args.block_size, enforce_eager=args.enforce_eager,
-              tensor_parallel_size=args.tensor_parallel_size, async_scheduling=args.async_scheduling)
+
+    llm = LLM(
+        args.model,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        block_size=args.block_size,
+        enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
+        async_scheduling=args.async_scheduling,
+    )
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
     timer = StepTimer(llm) if llm.runner.device.type == "cuda" else None
     if timer is not None and args.profile_steps:
@@ -133,11 +164,18 @@ def run_pagedllm(args, prompts, params) -> dict:
     seconds = time.perf_counter() - t
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     assert tokens == sum(p.max_tokens for p in params), (tokens, sum(p.max_tokens for p in params))
-    row = {"engine": "pagedllm", "output_tokens": tokens, "seconds": round(seconds, 3),
-           "tokens_per_s": round(tokens / seconds, 1), "num_seqs": len(prompts),
-           "num_kv_blocks": llm.runner.num_kv_blocks, "metrics": llm.get_metrics(),
-           "enforce_eager": args.enforce_eager, "tensor_parallel_size": args.tensor_parallel_size,
-           "async_scheduling": llm.engine.async_scheduling}
+    row = {
+        "engine": "pagedllm",
+        "output_tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 1),
+        "num_seqs": len(prompts),
+        "num_kv_blocks": llm.runner.num_kv_blocks,
+        "metrics": llm.get_metrics(),
+        "enforce_eager": args.enforce_eager,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "async_scheduling": llm.engine.async_scheduling,
+    }
     if timer is not None:
         row["per_step"] = timer.summary()
     llm.close()
@@ -148,21 +186,28 @@ def run_hf(args, prompts, params) -> dict:
     """HF transformers continuous batching, its best measured configuration (see the issue)."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
+
     try:
         from transformers import ContinuousBatchingConfig
     except ImportError:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16,
-                                                 attn_implementation="paged|sdpa").cuda().eval()
-    gen = GenerationConfig(do_sample=True, temperature=0.6, top_p=1.0, top_k=0, max_new_tokens=1024,
-                           eos_token_id=-1, pad_token_id=0)
+    model = (
+        AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16, attn_implementation="paged|sdpa")
+        .cuda()
+        .eval()
+    )
+    gen = GenerationConfig(
+        do_sample=True, temperature=0.6, top_p=1.0, top_k=0, max_new_tokens=1024, eos_token_id=-1, pad_token_id=0
+    )
     cb = ContinuousBatchingConfig(use_cuda_graph=True, max_batch_tokens=8192, max_memory_percent=0.9)
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
     manager.start()
 
     def run_all(ps, ms):
-        ids = [manager.add_request(p, request_id=f"r{i}-{time.monotonic_ns()}", max_new_tokens=m)
-               for i, (p, m) in enumerate(zip(ps, ms))]
+        ids = [
+            manager.add_request(p, request_id=f"r{i}-{time.monotonic_ns()}", max_new_tokens=m)
+            for i, (p, m) in enumerate(zip(ps, ms, strict=False))
+        ]
         want, got = set(ids), 0
         while want:
             r = manager.get_result(timeout=600)
@@ -173,19 +218,25 @@ def run_hf(args, prompts, params) -> dict:
                 got += len(r.generated_tokens)
         return got
 
-    run_all([prompts[0][:8]], [8])                               # warm-up
+    run_all([prompts[0][:8]], [8])  # warm-up
     t = time.perf_counter()
     tokens = run_all(prompts, [p.max_tokens for p in params])
     seconds = time.perf_counter() - t
     manager.stop(block=True)
-    return {"engine": "hf-transformers-cb", "output_tokens": tokens, "seconds": round(seconds, 3),
-            "tokens_per_s": round(tokens / seconds, 1), "num_seqs": len(prompts),
-            "config": "paged|sdpa, ContinuousBatchingConfig(use_cuda_graph=True, max_batch_tokens=8192, "
-                      "max_memory_percent=0.9)"}
+    return {
+        "engine": "hf-transformers-cb",
+        "output_tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 1),
+        "num_seqs": len(prompts),
+        "config": "paged|sdpa, ContinuousBatchingConfig(use_cuda_graph=True, max_batch_tokens=8192, "
+        "max_memory_percent=0.9)",
+    }
 
 
 def main(args) -> int:
     from pagedllm.bench.common import append_result, environment
+
     prompts, params = workload(args.num_seqs)
     env = environment()
     rows = []
@@ -194,18 +245,30 @@ def main(args) -> int:
     if args.compare_hf:
         try:
             rows.append(run_hf(args, prompts, params))
-        except Exception as e:                                    # report, do not lose the pagedllm row
+        except Exception as e:  # report, do not lose the pagedllm row
             rows.append({"engine": "hf-transformers-cb", "error": f"{type(e).__name__}: {e}"})
     ours = next((r for r in rows if r["engine"] == "pagedllm"), None)
     hf = next((r for r in rows if r["engine"] == "hf-transformers-cb" and "tokens_per_s" in r), None)
     for r in rows:
-        r.update({"benchmark": "throughput", "model": os.path.basename(os.path.normpath(args.model)),
-                  "label": args.label, **env})
+        r.update(
+            {
+                "benchmark": "throughput",
+                "model": os.path.basename(os.path.normpath(args.model)),
+                "label": args.label,
+                **env,
+            }
+        )
         if ours and hf:
             r["ratio_vs_hf"] = round(ours["tokens_per_s"] / hf["tokens_per_s"], 2)
         path = append_result(r, args.results_dir)
-        print(f"{r['engine']}: " + (f"{r['output_tokens']} tokens in {r['seconds']:.2f} s = "
-                                    f"{r['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in r else r["error"]))
+        print(
+            f"{r['engine']}: "
+            + (
+                f"{r['output_tokens']} tokens in {r['seconds']:.2f} s = {r['tokens_per_s']:.0f} tok/s"
+                if "tokens_per_s" in r
+                else r["error"]
+            )
+        )
         if "per_step" in r:
             print(f"  per decode step at batch >= 200: {json.dumps(r['per_step'])}")
     if ours and hf:

@@ -8,6 +8,7 @@ Invariants (checked by `check_invariants`, exercised by the property tests):
   computed the same content at the same time; any of them serves a hit).
 - Allocation takes from the head of the free queue; freed blocks go to the tail.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -34,7 +35,7 @@ class Block:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: int | None = None
-        self.token_ids: tuple[int, ...] | None = None   # kept to verify a hash hit
+        self.token_ids: tuple[int, ...] | None = None  # kept to verify a hash hit
         self.prev: Block | None = None
         self.next: Block | None = None
 
@@ -90,7 +91,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
-        self.cached: dict[int, dict[int, Block]] = {}     # hash -> {block_id: block}
+        self.cached: dict[int, dict[int, Block]] = {}  # hash -> {block_id: block}
         self.tracer = tracer
         self.num_evictions = 0
 

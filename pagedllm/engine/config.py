@@ -1,4 +1,5 @@
 """Engine configuration for the control plane (sizes and policies, no devices)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int = 4096
     enable_prefix_caching: bool = True
-    trace_blocks: bool = False       # JSON-lines block lifecycle trace on stderr (or a list)
+    trace_blocks: bool = False  # JSON-lines block lifecycle trace on stderr (or a list)
 
     def __post_init__(self) -> None:
         for name in ("num_kv_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):

@@ -4,9 +4,10 @@ Like vLLM: decode a short window of tokens before and after the read offset; the
 new tokens add is the difference. A window whose text ends in U+FFFD is an incomplete UTF-8
 sequence, so nothing is emitted until the next token completes it.
 """
+
 from __future__ import annotations
 
-_WINDOW = 6   # tokens of left context, enough for byte-level BPE merges to settle
+_WINDOW = 6  # tokens of left context, enough for byte-level BPE merges to settle
 
 
 class IncrementalDetokenizer:
@@ -22,16 +23,16 @@ class IncrementalDetokenizer:
 
     def decode_all(self, output_token_ids: list[int]) -> str:
         """Non-streaming: the whole output's text in one decode (same left context as step())."""
-        context = self.token_ids[:self.read_offset]
-        self.text = self._decode(context + list(output_token_ids))[len(self._decode(context)):]
+        context = self.token_ids[: self.read_offset]
+        self.text = self._decode(context + list(output_token_ids))[len(self._decode(context)) :]
         return self.text
 
     def flush(self) -> str:
         """At the end of the output, emit what step() still holds back (an incomplete character
         decodes as U+FFFD), so a stream's text ends the same as decode_all's."""
-        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-        full_text = self._decode(self.token_ids[self.prefix_offset:])
-        delta = full_text[len(prefix_text):]
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.token_ids[self.prefix_offset :])
+        delta = full_text[len(prefix_text) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         self.text += delta
         return delta
@@ -39,14 +40,14 @@ class IncrementalDetokenizer:
     def step(self, new_token_ids: list[int]) -> str:
         """Append tokens; return the text they complete (possibly empty)."""
         self.token_ids.extend(new_token_ids)
-        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-        full_text = self._decode(self.token_ids[self.prefix_offset:])
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.token_ids[self.prefix_offset :])
         if full_text.endswith("\ufffd") or len(full_text) < len(prefix_text):
             return ""
-        delta = full_text[len(prefix_text):]
+        delta = full_text[len(prefix_text) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-        if self.prefix_offset > 8 * _WINDOW:          # forget tokens that can no longer matter
-            self.token_ids = self.token_ids[self.prefix_offset:]
+        if self.prefix_offset > 8 * _WINDOW:  # forget tokens that can no longer matter
+            self.token_ids = self.token_ids[self.prefix_offset :]
             self.read_offset -= self.prefix_offset
             self.prefix_offset = 0
         self.text += delta

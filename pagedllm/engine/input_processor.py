@@ -1,53 +1,98 @@
-"""Prompt -> token ids, and the admission checks every request passes (one set of rules and
-messages, used by LLMEngine and by the server's API process alike)."""
+"""The edge: (prompt, SamplingParams) -> a checked EngineCoreRequest, once per request.
+
+Every door (LLM.generate, the CLI, AsyncLLM and the server) passes its requests through
+`InputProcessor.process`; what comes out is known good, so the layers below (the engine core,
+the scheduler) only assert their preconditions. Every refusal is an InvalidRequestError whose
+`param` names the field (`prompt`, `max_tokens`, `sampling_params`) and whose `code` is
+`context_length_exceeded` when the request is too long for the model or the KV cache.
+"""
+
 from __future__ import annotations
 
+import time
 from typing import Any
+
+from pagedllm.engine.errors import InvalidRequestError
+from pagedllm.engine.messages import EngineCoreRequest
+from pagedllm.engine.sampling_params import SamplingParams
+
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any, vocab_size: int | None, max_model_len: int, block_size: int,
-                 num_kv_blocks: int):
+    def __init__(self, tokenizer: Any, vocab_size: int | None, max_model_len: int, block_size: int, num_kv_blocks: int):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len, self.block_size, self.num_kv_blocks = max_model_len, block_size, num_kv_blocks
+
+    def process(
+        self, request_id: str, prompt: Any, params: SamplingParams, arrival_time: float | None = None
+    ) -> EngineCoreRequest:
+        """Tokenize and check one request; raises InvalidRequestError and changes nothing on failure."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(
+                f"sampling_params must be a SamplingParams, got {type(params).__name__}", "sampling_params"
+            )
+        text, ids = self.tokenize(prompt)
+        self.validate_length(len(ids), params.max_tokens)
+        return EngineCoreRequest(
+            request_id=str(request_id),
+            prompt=text,
+            prompt_token_ids=ids,
+            params=params,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+        )
 
     def tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
         """str | list[int] | {"prompt_token_ids": [...]} | {"prompt": str} -> (text, token ids)."""
         if isinstance(prompt, dict):
             unknown = set(prompt) - {"prompt", "prompt_token_ids"}
             if unknown:
-                raise ValueError(f"prompt dict has unknown keys {sorted(unknown)}; "
-                                 "use 'prompt' or 'prompt_token_ids'")
+                raise InvalidRequestError(
+                    f"prompt dict has unknown keys {sorted(unknown)}; use 'prompt' or 'prompt_token_ids'", "prompt"
+                )
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), self.check_ids(prompt["prompt_token_ids"])
             prompt = prompt.get("prompt")
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("prompt is a string but the engine has no tokenizer; pass token ids")
+                raise InvalidRequestError(
+                    "prompt is a string but the engine has no tokenizer; pass token ids", "prompt"
+                )
             return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=False)) if prompt else []
         if isinstance(prompt, (list, tuple)):
             return None, self.check_ids(prompt)
-        raise ValueError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+        raise InvalidRequestError(
+            f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}", "prompt"
+        )
 
     def check_ids(self, ids: Any) -> list[int]:
         if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError("prompt_token_ids must be a list of integers")
+            raise InvalidRequestError("prompt_token_ids must be a list of integers", "prompt")
         bad = [t for t in ids if t < 0 or (self.vocab_size is not None and t >= self.vocab_size)]
         if bad:
-            raise ValueError(f"prompt_token_ids: token id {bad[0]} is outside the vocabulary "
-                             f"[0, {self.vocab_size})")
+            raise InvalidRequestError(
+                f"prompt_token_ids: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "prompt"
+            )
         return list(ids)
 
     def validate_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Empty prompts, prompts of max_model_len tokens or more, and requests that could never
         fit in the whole KV pool are refused."""
         if num_prompt_tokens == 0:
-            raise ValueError("prompt is empty: at least one token is needed")
+            raise InvalidRequestError("prompt is empty: at least one token is needed", "prompt")
         if num_prompt_tokens >= self.max_model_len:
-            raise ValueError(f"prompt has {num_prompt_tokens} tokens; max_model_len is {self.max_model_len}, "
-                             "so at most max_model_len - 1 fit")
+            raise InvalidRequestError(
+                f"prompt has {num_prompt_tokens} tokens; max_model_len is {self.max_model_len}, "
+                "so at most max_model_len - 1 fit",
+                "prompt",
+                CONTEXT_LENGTH_EXCEEDED,
+            )
         need = -(-min(num_prompt_tokens + max_tokens, self.max_model_len) // self.block_size)
         if need > self.num_kv_blocks:
-            raise ValueError(f"request needs {need} KV blocks (prompt {num_prompt_tokens} + max_tokens "
-                             f"{max_tokens}) but the KV cache has only {self.num_kv_blocks}")
+            raise InvalidRequestError(
+                f"request needs {need} KV blocks (prompt {num_prompt_tokens} + max_tokens "
+                f"{max_tokens}) but the KV cache has only {self.num_kv_blocks}",
+                "max_tokens",
+                CONTEXT_LENGTH_EXCEEDED,
+            )

@@ -7,6 +7,7 @@ The three paths of a block, as the seeds name them:
 Prefix hits are taken block by block in order and stop at the first miss; the last token
 of a sequence is never served from the cache (its logits are needed).
 """
+
 from __future__ import annotations
 
 from pagedllm.engine.block_pool import Block, BlockPool, hash_block
@@ -15,8 +16,14 @@ from pagedllm.engine.trace import Tracer
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 tracer: Tracer | None = None, hash_fn=hash_block):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        tracer: Tracer | None = None,
+        hash_fn=hash_block,
+    ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
@@ -25,7 +32,7 @@ class KVCacheManager:
         self.hash_fn = hash_fn
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
-        self.blocks_to_copy: list[tuple[int, int]] = []   # copy-on-write, drained by the scheduler
+        self.blocks_to_copy: list[tuple[int, int]] = []  # copy-on-write, drained by the scheduler
 
     # ---- views -------------------------------------------------------------------------
     @property
@@ -44,7 +51,7 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def _block_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
-        return tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+        return tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
 
     def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
         """Chained hashes of the first num_full_blocks blocks (computed once, then kept)."""
@@ -59,7 +66,7 @@ class KVCacheManager:
         """Longest cached prefix of a sequence not yet holding any block (in whole blocks)."""
         if not self.enable_prefix_caching or seq.block_table:
             return []
-        max_blocks = (seq.num_tokens - 1) // self.block_size     # keep the last token to compute
+        max_blocks = (seq.num_tokens - 1) // self.block_size  # keep the last token to compute
         hits: list[Block] = []
         for i, h in enumerate(self._block_hashes(seq, max_blocks)):
             block = self.pool.lookup(h, self._block_tokens(seq, i))
@@ -68,16 +75,16 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int,
-                       computed_blocks: list[Block] | None = None) -> bool:
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[Block] | None = None) -> bool:
         """Give seq room for num_new_tokens more tokens after its computed ones (and after the
         prefix hit `computed_blocks`, which this call takes). False, with nothing changed,
         when the pool cannot provide the blocks."""
-        if not computed_blocks:       # fast path: the tokens fit in blocks the sequence already holds
+        if not computed_blocks:  # fast path: the tokens fit in blocks the sequence already holds
             total = seq.num_computed_tokens + num_new_tokens
             if total <= len(seq.block_table) * self.block_size and (
-                    seq.num_computed_tokens % self.block_size == 0
-                    or self.pool.blocks[seq.block_table[seq.num_computed_tokens // self.block_size]].ref_cnt == 1):
+                seq.num_computed_tokens % self.block_size == 0
+                or self.pool.blocks[seq.block_table[seq.num_computed_tokens // self.block_size]].ref_cnt == 1
+            ):
                 return True
         computed_blocks = computed_blocks or []
         num_cached = len(computed_blocks) * self.block_size

@@ -4,11 +4,11 @@ The engine owns the scheduler and the KV-cache manager (the single truth for blo
 prefix hashes) and drives an executor, anything with `execute(SchedulerOutput) -> list[int]`
 returning one sampled token id per scheduled sequence that samples, in scheduled order.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -34,24 +34,33 @@ class Request:
     prompt_token_ids: list[int]
     seqs: list[Sequence]
     detoks: list[IncrementalDetokenizer | None]
-    emitted: list[int] = field(default_factory=list)   # chars of text already streamed, per seq
-    stream: bool = True        # False: one output when finished, text decoded once unless stop strings need it
+    emitted: list[int] = field(default_factory=list)  # chars of text already streamed, per seq
+    stream: bool = True  # False: one output when finished, text decoded once unless stop strings need it
 
 
 class LLMEngine:
-    def __init__(self, config: SchedulerConfig, executor: Executor, tokenizer: Any = None,
-                 eos_token_ids: set[int] | frozenset[int] = frozenset(), vocab_size: int | None = None,
-                 trace_sink=None, async_scheduling: bool = False):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        executor: Executor,
+        tokenizer: Any = None,
+        eos_token_ids: set[int] | frozenset[int] = frozenset(),
+        vocab_size: int | None = None,
+        trace_sink=None,
+        async_scheduling: bool = False,
+    ):
         self.config = config
         self.executor = executor
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         tracer = Tracer(trace_sink) if config.trace_blocks else None
         self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching, tracer)
-        self.inputs = InputProcessor(tokenizer, vocab_size, config.max_model_len, config.block_size,
-                                     config.num_kv_blocks)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_model_len, eos_token_ids)
+        self.inputs = InputProcessor(
+            tokenizer, vocab_size, config.max_model_len, config.block_size, config.num_kv_blocks
+        )
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len, eos_token_ids
+        )
         self.requests: dict[str, Request] = {}
         self._seq_to_req: dict[int, Request] = {}
         self._ids = itertools.count()
@@ -60,7 +69,7 @@ class LLMEngine:
         self.async_scheduling = async_scheduling and hasattr(executor, "execute_async")
         # False: outputs carry token ids only (text ""), e.g. when another process detokenizes
         self.detokenize = tokenizer is not None
-        self._inflight: tuple[SchedulerOutput, Any] | None = None   # async: launched, not yet resolved
+        self._inflight: tuple[SchedulerOutput, Any] | None = None  # async: launched, not yet resolved
 
     # ---- requests ----------------------------------------------------------------------
     def tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
@@ -69,8 +78,14 @@ class LLMEngine:
     def validate_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
         self.inputs.validate_length(num_prompt_tokens, max_tokens)
 
-    def add_request(self, request_id: str | None, prompt: Any, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, stream: bool = True) -> str:
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: Any,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        stream: bool = True,
+    ) -> str:
         """Queue a request. With stream=True, step() returns an output for it whenever it gets a
         token (cumulative text plus delta); with stream=False only once, when it finishes."""
         params = params or SamplingParams()
@@ -85,7 +100,7 @@ class LLMEngine:
         for i in range(params.n):
             p = params
             if params.n > 1 and params.seed is not None:
-                p = dataclasses.replace(params, seed=params.seed + i)     # re-validated, stop list rebuilt
+                p = dataclasses.replace(params, seed=params.seed + i)  # re-validated, stop list rebuilt
             seqs.append(Sequence(request_id, ids, p, arrival_time))
         detoks = [IncrementalDetokenizer(self.tokenizer, ids) if self.detokenize else None for _ in seqs]
         req = Request(request_id, text, ids, seqs, detoks, [0] * len(seqs), stream)
@@ -144,17 +159,18 @@ class LLMEngine:
         for seq in touched:
             req = self._seq_to_req.get(seq.seq_id)
             if req is None:
-                continue                                   # aborted while its step ran
+                continue  # aborted while its step ran
             if seq.num_resolved_output_tokens == 1:
                 self.num_prompt_tokens += seq.num_prompt_tokens
             if req.stream or seq.sampling_params.stop_list:
                 self._detokenize(req, seq)
             elif seq.status.finished and req.detoks[0] is not None:
-                req.detoks[req.seqs.index(seq)].decode_all(seq.output_token_ids)   # decode once, at the end
+                req.detoks[req.seqs.index(seq)].decode_all(seq.output_token_ids)  # decode once, at the end
             if req.stream or seq.status.finished:
                 reqs[req.request_id] = req
-        outputs = [self._make_output(req) for req in reqs.values()
-                   if req.stream or all(s.status.finished for s in req.seqs)]
+        outputs = [
+            self._make_output(req) for req in reqs.values() if req.stream or all(s.status.finished for s in req.seqs)
+        ]
         for out in outputs:
             if out.finished:
                 req = self.requests.pop(out.request_id)
@@ -174,33 +190,44 @@ class LLMEngine:
             window_start = max(0, before - max(map(len, stops)) + 1)
             hit = min(((pos, s) for s in stops if (pos := detok.text.find(s, window_start)) >= 0), default=None)
             if hit is not None:
-                detok.text = detok.text[:hit[0]]
+                detok.text = detok.text[: hit[0]]
                 seq.stop_reason = hit[1]
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
         if seq.status.finished and not isinstance(seq.stop_reason, str):
-            detok.flush()                  # EOS, stop token or length: nothing more will complete it
+            detok.flush()  # EOS, stop token or length: nothing more will complete it
 
     def _make_output(self, req: Request) -> RequestOutput:
         completions = []
-        for i, (seq, detok) in enumerate(zip(req.seqs, req.detoks)):
+        for i, (seq, detok) in enumerate(zip(req.seqs, req.detoks, strict=False)):
             text = detok.text if detok is not None else ""
             end = len(text)
             stops = seq.sampling_params.stop_list
-            if stops and not seq.status.finished:     # hold back what may be the start of a stop string
+            if stops and not seq.status.finished:  # hold back what may be the start of a stop string
                 end = max(req.emitted[i], end - max(map(len, stops)) + 1)
-            delta = text[req.emitted[i]:end]
+            delta = text[req.emitted[i] : end]
             req.emitted[i] = end
             n_out = seq.num_resolved_output_tokens
-            completions.append(CompletionOutput(
-                index=i, text=text, token_ids=seq.output_token_ids[:n_out], finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason, delta_text=delta,
-                delta_token_ids=[seq.last_resolved_token] if n_out else []))
+            completions.append(
+                CompletionOutput(
+                    index=i,
+                    text=text,
+                    token_ids=seq.output_token_ids[:n_out],
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    delta_text=delta,
+                    delta_token_ids=[seq.last_resolved_token] if n_out else [],
+                )
+            )
         first = req.seqs[0]
         return RequestOutput(
-            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            outputs=completions, finished=all(s.status.finished for s in req.seqs),
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=completions,
+            finished=all(s.status.finished for s in req.seqs),
             num_cached_tokens=first.num_cached_tokens,
-            metrics=RequestMetrics(first.arrival_time, first.first_token_time, first.finish_time))
+            metrics=RequestMetrics(first.arrival_time, first.first_token_time, first.finish_time),
+        )
 
     # ---- metrics -----------------------------------------------------------------------
     def get_metrics(self) -> dict[str, float | int]:
@@ -217,8 +244,8 @@ class LLMEngine:
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generation_tokens": self.num_generation_tokens,
             "num_requests_running": len({s.request_id for s in self.scheduler.running}),
-            "num_requests_waiting": len({s.request_id for s in self.scheduler.waiting}
-                                        - {s.request_id for s in self.scheduler.running}),
+            "num_requests_waiting": len(
+                {s.request_id for s in self.scheduler.waiting} - {s.request_id for s in self.scheduler.running}
+            ),
             "num_prefix_cache_evictions": kv.pool.num_evictions,
         }
-

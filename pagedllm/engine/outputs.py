@@ -1,4 +1,5 @@
 """RequestOutput / CompletionOutput, shaped as vLLM's."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,8 +10,8 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None       # "stop" | "length" | "abort" | None while running
-    stop_reason: int | str | None = None   # the stop string or stop token id that ended it
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     # streaming: what this step added
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)

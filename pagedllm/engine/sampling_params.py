@@ -1,14 +1,25 @@
-"""SamplingParams: vLLM's names and defaults, validated on construction."""
+"""SamplingParams: vLLM's names and defaults, validated on construction.
+
+Every rule a sampling field must obey is written here once; a violation raises
+InvalidRequestError naming the field (`param`), whichever door the request came through.
+"""
+
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.engine.errors import InvalidRequestError
+
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a seed is a signed 64-bit integer (the device's generator key)
 
 
 @dataclass
 class SamplingParams:
-    temperature: float = 1.0          # 0 means greedy
+    temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
-    top_k: int = -1                   # 0 or -1 means off
+    top_k: int = -1  # 0 or -1 means off
     min_p: float = 0.0
     max_tokens: int = 16
     min_tokens: int = 0
@@ -22,14 +33,20 @@ class SamplingParams:
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, what: str) -> None:
             if not ok:
-                raise ValueError(f"SamplingParams.{name} {what}, got {getattr(self, name)!r}")
+                raise InvalidRequestError(f"{name} {what}, got {getattr(self, name)!r}", param=name)
 
         for name in ("temperature", "top_p", "min_p"):
-            need(isinstance(getattr(self, name), (int, float)) and not isinstance(getattr(self, name), bool),
-                 name, "must be a number")
+            need(
+                isinstance(getattr(self, name), (int, float)) and not isinstance(getattr(self, name), bool),
+                name,
+                "must be a number",
+            )
         for name in ("top_k", "max_tokens", "min_tokens", "n"):
-            need(isinstance(getattr(self, name), int) and not isinstance(getattr(self, name), bool),
-                 name, "must be an integer")
+            need(
+                isinstance(getattr(self, name), int) and not isinstance(getattr(self, name), bool),
+                name,
+                "must be an integer",
+            )
         need(self.temperature >= 0, "temperature", "must be >= 0")
         need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         need(self.top_k == -1 or self.top_k >= 0, "top_k", "must be -1, 0 (off) or a positive integer")
@@ -38,23 +55,40 @@ class SamplingParams:
         need(0 <= self.min_tokens, "min_tokens", "must be >= 0")
         need(self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens")
         need(self.n >= 1, "n", "must be >= 1")
-        need(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
-             "seed", "must be an integer or None")
+        need(
+            self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
+            "seed",
+            "must be an integer or None",
+        )
+        need(self.seed is None or SEED_MIN <= self.seed <= SEED_MAX, "seed", "must fit in a signed 64-bit integer")
         if self.stop is None:
             self.stop_list = []
         elif isinstance(self.stop, str):
             self.stop_list = [self.stop]
         else:
-            need(isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) for s in self.stop),
-                 "stop", "must be a string or a list of strings")
+            need(
+                isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) for s in self.stop),
+                "stop",
+                "must be a string or a list of strings",
+            )
             self.stop_list = list(self.stop)
         need(all(self.stop_list), "stop", "must not contain empty strings")
         if self.stop_token_ids is not None:
-            need(isinstance(self.stop_token_ids, (list, tuple))
-                 and all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids),
-                 "stop_token_ids", "must be a list of integers")
+            need(
+                isinstance(self.stop_token_ids, (list, tuple))
+                and all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids),
+                "stop_token_ids",
+                "must be a list of integers",
+            )
             self.stop_token_ids = list(self.stop_token_ids)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+
+def sampling_params_with_defaults(defaults: Mapping[str, Any], **given: Any) -> SamplingParams:
+    """The one way a door builds a request's SamplingParams: the fields the caller gave (None =
+    not given) win, the model's defaults (`generation_defaults`: its generation_config.json) fill
+    the fields it left unset, and SamplingParams' own defaults the rest."""
+    return SamplingParams(**{**defaults, **{k: v for k, v in given.items() if v is not None}})

@@ -7,6 +7,7 @@ while budget, sequence slots and blocks allow. When blocks run out, the most rec
 admitted running sequence is preempted by recompute: its blocks are freed and it goes back
 to the front of the waiting queue; on resume it re-hits its own cached prefix.
 """
+
 from __future__ import annotations
 
 import time
@@ -16,8 +17,7 @@ from dataclasses import dataclass, field
 from pagedllm.engine.kv_cache_manager import KVCacheManager
 from pagedllm.engine.sequence import Sequence, SequenceStatus
 
-
-PLACEHOLDER = -1   # a sampled token whose id has not reached the host yet (async scheduling)
+PLACEHOLDER = -1  # a sampled token whose id has not reached the host yet (async scheduling)
 
 
 @dataclass
@@ -39,7 +39,7 @@ class ScheduledSequence:
 class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    finished_seq_ids: list[int] = field(default_factory=list)   # since the last step: drop their state
+    finished_seq_ids: list[int] = field(default_factory=list)  # since the last step: drop their state
     num_preempted: int = 0
 
     @property
@@ -55,8 +55,14 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: set[int] | frozenset[int] = frozenset()):
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: set[int] | frozenset[int] = frozenset(),
+    ):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
@@ -82,7 +88,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             if seq.num_pending and self.reached_length(seq):
-                i += 1                            # async: finishes when its last token arrives
+                i += 1  # async: finishes when its last token arrives
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.kv.allocate_slots(seq, num_new):
@@ -96,7 +102,7 @@ class Scheduler:
                 budget -= num_new
                 i += 1
                 continue
-            break   # seq itself was preempted: everything after it already was
+            break  # seq itself was preempted: everything after it already was
         if out.num_preempted == 0:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
@@ -156,7 +162,7 @@ class Scheduler:
             token = next(it)
             idx = sched.placeholder_index
             if idx >= seq.num_tokens:
-                continue                          # finished (abort, stop) after this step launched
+                continue  # finished (abort, stop) after this step launched
             seq.token_ids[idx] = token
             seq.num_pending -= 1
             if seq.first_token_time is None:
@@ -186,8 +192,7 @@ class Scheduler:
 
     def reached_length(self, seq: Sequence) -> bool:
         """Its last (possibly pending) token is the last allowed: nothing more to schedule."""
-        return (seq.num_output_tokens >= seq.sampling_params.max_tokens
-                or seq.num_tokens >= self.max_model_len)
+        return seq.num_output_tokens >= seq.sampling_params.max_tokens or seq.num_tokens >= self.max_model_len
 
     def finish(self, seq: Sequence, status: SequenceStatus, now: float | None = None) -> None:
         """End a sequence wherever it is and free its blocks now."""
@@ -198,8 +203,8 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         self.kv.free(seq)
-        if seq.num_pending:                       # tokens of a step launched meanwhile: never sampled
-            del seq.token_ids[-seq.num_pending:]
+        if seq.num_pending:  # tokens of a step launched meanwhile: never sampled
+            del seq.token_ids[-seq.num_pending :]
             seq.num_pending = 0
         self._finished_seq_ids.append(seq.seq_id)
         seq.status = status

@@ -1,4 +1,5 @@
 """A Sequence is one stream of tokens the engine generates; its KV lives in block_table."""
+
 from __future__ import annotations
 
 import enum
@@ -11,7 +12,7 @@ from pagedllm.engine.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PREEMPTED = "preempted"            # waiting again, to be recomputed
+    PREEMPTED = "preempted"  # waiting again, to be recomputed
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -21,8 +22,9 @@ class SequenceStatus(enum.Enum):
         return self in _FINISHED
 
 
-_FINISHED = frozenset({SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
-                       SequenceStatus.FINISHED_ABORTED})
+_FINISHED = frozenset(
+    {SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED}
+)
 _seq_counter = itertools.count()
 
 
@@ -34,22 +36,27 @@ class Sequence:
     scheduled, so a step that completes the sequence's tokens yields a sampled next token.
     """
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 arrival_time: float | None = None):
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        arrival_time: float | None = None,
+    ):
         self.seq_id = next(_seq_counter)
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
-        self.token_ids = list(prompt_token_ids)           # prompt + output
+        self.token_ids = list(prompt_token_ids)  # prompt + output
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params
         self.status = SequenceStatus.WAITING
-        self.num_computed_tokens = 0                       # nano-vllm calls it num_cached_tokens
-        self.num_cached_tokens = 0                         # prefix-cache hit at admission (vLLM's name)
+        self.num_computed_tokens = 0  # nano-vllm calls it num_cached_tokens
+        self.num_cached_tokens = 0  # prefix-cache hit at admission (vLLM's name)
         self.block_table: list[int] = []
-        self.block_hashes: list[int] = []                  # chained hashes of full blocks, lazily extended
-        self.num_registered_blocks = 0                     # leading blocks already in the prefix cache
-        self.num_written = 0                               # tokens whose KV a finished step has written
-        self.num_pending = 0                               # trailing PLACEHOLDER tokens (async scheduling)
+        self.block_hashes: list[int] = []  # chained hashes of full blocks, lazily extended
+        self.num_registered_blocks = 0  # leading blocks already in the prefix cache
+        self.num_written = 0  # tokens whose KV a finished step has written
+        self.num_pending = 0  # trailing PLACEHOLDER tokens (async scheduling)
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -61,7 +68,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
@@ -88,5 +95,7 @@ class Sequence:
         self.token_ids.append(token_id)
 
     def __repr__(self) -> str:
-        return (f"Sequence(id={self.seq_id}, req={self.request_id!r}, status={self.status.name}, "
-                f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, blocks={self.block_table})")
+        return (
+            f"Sequence(id={self.seq_id}, req={self.request_id!r}, status={self.status.name}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, blocks={self.block_table})"
+        )

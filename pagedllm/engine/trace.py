@@ -3,6 +3,7 @@
 Off by default. When off, the block pool holds `None` instead of a Tracer and skips the
 call entirely, so tracing costs nothing.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,7 @@ class Tracer:
         self.sink = sys.stderr if sink is None else sink
 
     def event(self, kind: str, block_id: int, seq_id: int | None, ref_cnt: int, num_free: int) -> None:
-        record = {"event": kind, "block_id": block_id, "seq_id": seq_id, "ref_cnt": ref_cnt,
-                  "num_free": num_free}
+        record = {"event": kind, "block_id": block_id, "seq_id": seq_id, "ref_cnt": ref_cnt, "num_free": num_free}
         if isinstance(self.sink, list):
             self.sink.append(record)
         else:

@@ -24,6 +24,7 @@ runs the same core loop on a thread of this process instead (tests, debugging).
 The core is started with multiprocessing's spawn method: a script that creates an AsyncLLM
 at import time needs the usual `if __name__ == "__main__":` guard.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,8 +34,9 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.input_processor import InputProcessor
@@ -63,6 +65,7 @@ class EngineStepError(RuntimeError):
 @dataclass
 class _Stats:
     """The core's latest metrics dict (LLMEngine.get_metrics()) and when it arrived."""
+
     engine: dict = field(default_factory=dict)
     time: float = 0.0
 
@@ -107,9 +110,18 @@ class RequestStream:
     consumer asks for one, from everything that arrived since the last: cumulative `text` and
     `token_ids`, this output's `delta_text` and `delta_token_ids`."""
 
-    def __init__(self, owner: "AsyncLLM", request_id: str, core_id: str, loop: asyncio.AbstractEventLoop,
-                 prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, stream: bool,
-                 arrival_time: float):
+    def __init__(
+        self,
+        owner: AsyncLLM,
+        request_id: str,
+        core_id: str,
+        loop: asyncio.AbstractEventLoop,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        stream: bool,
+        arrival_time: float,
+    ):
         self.owner = owner
         self.request_id = request_id
         self.core_id = core_id
@@ -122,16 +134,16 @@ class RequestStream:
         self.arrival_time = arrival_time
         self.token_ids: list[int] = []
         self.detok: IncrementalDetokenizer | None = None
-        self.n_detok = 0                  # token ids fed to the detokenizer
-        self.n_seen = 0                   # token ids already handed out (delta_token_ids start here)
-        self.emitted = 0                  # chars of text already handed out
+        self.n_detok = 0  # token ids fed to the detokenizer
+        self.n_seen = 0  # token ids already handed out (delta_token_ids start here)
+        self.emitted = 0  # chars of text already handed out
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
-        self.done = False                 # no more input: _final or error is set
-        self.finished = False             # the consumer has seen the end
+        self.done = False  # no more input: _final or error is set
+        self.finished = False  # the consumer has seen the end
         self._final: RequestOutput | None = None
         self.error: BaseException | None = None
         self._waiter: asyncio.Future | None = None
@@ -139,7 +151,7 @@ class RequestStream:
             self.detok = IncrementalDetokenizer(owner._decoder, prompt_token_ids)
 
     # ---- consumer side --------------------------------------------------------------------
-    def __aiter__(self) -> "RequestStream":
+    def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
@@ -206,8 +218,8 @@ class RequestStream:
             window = max(0, before - longest + 1)
             hit = min(((pos, s) for s in stops if (pos := detok.text.find(s, window)) >= 0), default=None)
             if hit is not None:
-                detok.text = detok.text[:hit[0]]
-                del self.token_ids[i + 1:]
+                detok.text = detok.text[: hit[0]]
+                del self.token_ids[i + 1 :]
                 self.finish_time = time.monotonic()
                 self.owner._abort_in_core(self.core_id)
                 self._finish("stop", hit[1])
@@ -228,16 +240,16 @@ class RequestStream:
         self.stop_reason = stop_reason
         tok = self.owner._decoder
         if tok is not None:
-            if self.detok is None:                                   # not streamed: decode once
+            if self.detok is None:  # not streamed: decode once
                 self.detok = IncrementalDetokenizer(tok, self.prompt_token_ids)
                 self.detok.decode_all(self.token_ids)
                 self.n_detok = len(self.token_ids)
             else:
                 if self.n_detok < len(self.token_ids):
-                    self.detok.step(self.token_ids[self.n_detok:])
+                    self.detok.step(self.token_ids[self.n_detok :])
                     self.n_detok = len(self.token_ids)
                 if finish_reason != "abort" and not isinstance(stop_reason, str):
-                    self.detok.flush()                               # EOS, stop token, length
+                    self.detok.flush()  # EOS, stop token, length
         self._final = self._output()
         self._wake()
         for cb in self.owner.finish_callbacks:
@@ -248,29 +260,40 @@ class RequestStream:
 
     def _output(self) -> RequestOutput:
         ids = self.token_ids
-        delta_ids = ids[self.n_seen:]
+        delta_ids = ids[self.n_seen :]
         self.n_seen = len(ids)
         text = ""
         delta = ""
         if self.detok is not None:
             if self.n_detok < len(ids):
-                self.detok.step(ids[self.n_detok:])
+                self.detok.step(ids[self.n_detok :])
                 self.n_detok = len(ids)
             text = self.detok.text
             end = len(text)
-            if self.stops and not self.done:          # hold back what may be the start of a stop string
+            if self.stops and not self.done:  # hold back what may be the start of a stop string
                 end = max(self.emitted, end - max(map(len, self.stops)) + 1)
-            delta = text[self.emitted:end]
+            delta = text[self.emitted : end]
             self.emitted = end
         done = self.done
         return RequestOutput(
-            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-            outputs=[CompletionOutput(index=0, text=text, token_ids=list(ids),
-                                      finish_reason=self.finish_reason if done else None,
-                                      stop_reason=self.stop_reason if done else None,
-                                      delta_text=delta, delta_token_ids=delta_ids)],
-            finished=done, num_cached_tokens=self.num_cached_tokens,
-            metrics=RequestMetrics(self.arrival_time, self.first_token_time, self.finish_time))
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[
+                CompletionOutput(
+                    index=0,
+                    text=text,
+                    token_ids=list(ids),
+                    finish_reason=self.finish_reason if done else None,
+                    stop_reason=self.stop_reason if done else None,
+                    delta_text=delta,
+                    delta_token_ids=delta_ids,
+                )
+            ],
+            finished=done,
+            num_cached_tokens=self.num_cached_tokens,
+            metrics=RequestMetrics(self.arrival_time, self.first_token_time, self.finish_time),
+        )
 
 
 class AsyncLLM:
@@ -282,9 +305,17 @@ class AsyncLLM:
     (cumulative `text`, this output's `delta_text`). `abort(request_id)` from any thread or loop.
     """
 
-    def __init__(self, model: str | None = None, *, llm: Any = None, max_queue_len: int | None = None,
-                 log_stats: bool = True, engine_process: bool | None = None, startup_timeout: float | None = None,
-                 **llm_kwargs: Any):
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        llm: Any = None,
+        max_queue_len: int | None = None,
+        log_stats: bool = True,
+        engine_process: bool | None = None,
+        startup_timeout: float | None = None,
+        **llm_kwargs: Any,
+    ):
         if max_queue_len is not None and (not isinstance(max_queue_len, int) or max_queue_len < 0):
             raise ValueError(f"max_queue_len must be a non-negative integer or None, got {max_queue_len!r}")
         self._owns_llm = False
@@ -292,25 +323,30 @@ class AsyncLLM:
             if model is not None or llm_kwargs:
                 raise ValueError("pass either llm= or the LLM arguments, not both")
             if engine_process:
-                raise ValueError("llm= runs the engine on a thread of this process; engine_process=True needs "
-                                 "the model and LLM arguments instead")
+                raise ValueError(
+                    "llm= runs the engine on a thread of this process; engine_process=True needs "
+                    "the model and LLM arguments instead"
+                )
         else:
             if model is None:
                 from pagedllm import default_model_path
+
                 model = default_model_path()
             if engine_process is False:
                 from pagedllm.entrypoints.llm import LLM
+
                 llm = LLM(model, **llm_kwargs)
                 self._owns_llm = True
-        self.llm = llm                                   # None when the engine runs in its own process
+        self.llm = llm  # None when the engine runs in its own process
         self.engine = llm.engine if llm is not None else None
         if llm is not None:
             self.core = EngineCoreClient(llm=llm, name="pagedllm-engine")
             self.tokenizer = llm.tokenizer
         else:
             self.core = EngineCoreClient(llm_kwargs={"model": model, **llm_kwargs})
-            try:                                         # meanwhile the core loads the model
+            try:  # meanwhile the core loads the model
                 from pagedllm.entrypoints.llm import _load_tokenizer
+
                 self.tokenizer = _load_tokenizer(llm_kwargs.get("tokenizer") or model)
             except BaseException:
                 self.core.send(("shutdown",))
@@ -324,25 +360,26 @@ class AsyncLLM:
         self.block_size = info["block_size"]
         self.num_kv_blocks = info["num_kv_blocks"]
         self.vocab_size = info["vocab_size"]
-        self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, self.block_size,
-                                     self.num_kv_blocks)
+        self.inputs = InputProcessor(
+            self.tokenizer, self.vocab_size, self.max_model_len, self.block_size, self.num_kv_blocks
+        )
         self.max_queue_len = max_queue_len
         self.log_stats = log_stats
         self.stats = _Stats(info["metrics"], time.monotonic())
-        self.finish_callbacks: list[Callable[[RequestOutput], None]] = []   # run on the request's loop
+        self.finish_callbacks: list[Callable[[RequestOutput], None]] = []  # run on the request's loop
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._core_ids = itertools.count()
-        self._live: dict[str, RequestStream] = {}        # request_id -> unfinished stream
+        self._live: dict[str, RequestStream] = {}  # request_id -> unfinished stream
         self._by_core_id: dict[str, RequestStream] = {}
-        self._num_waiting = 0                            # sent to the core, no token back yet
+        self._num_waiting = 0  # sent to the core, no token back yet
         self._stopping = False
-        self._dead: str | None = None                    # why the core is gone, once it is
+        self._dead: str | None = None  # why the core is gone, once it is
         self._last_log = time.monotonic()
         m = self.stats.engine
         self._logged = (m.get("num_prompt_tokens", 0), m.get("num_generation_tokens", 0))
-        self._reader_loop: asyncio.AbstractEventLoop | None = None   # the loop that reads the core's outputs
-        self._read_lock = threading.Lock()               # one reader at a time (a message is two reads)
+        self._reader_loop: asyncio.AbstractEventLoop | None = None  # the loop that reads the core's outputs
+        self._read_lock = threading.Lock()  # one reader at a time (a message is two reads)
         self._gone = False
         atexit.register(self._atexit)
 
@@ -367,8 +404,9 @@ class AsyncLLM:
         """Requests sent to the engine that have no token yet (queued or prefilling)."""
         return self._num_waiting
 
-    def add_request(self, prompt: Any, params: SamplingParams | None = None, request_id: str | None = None,
-                    *, stream: bool = True) -> RequestStream:
+    def add_request(
+        self, prompt: Any, params: SamplingParams | None = None, request_id: str | None = None, *, stream: bool = True
+    ) -> RequestStream:
         """Validate and queue one request; returns its stream at once. Raises ValueError for a bad
         prompt or parameters, QueueFullError, EngineShutdownError. Must run inside an event loop."""
         loop = asyncio.get_running_loop()
@@ -395,7 +433,7 @@ class AsyncLLM:
             core_id = str(next(self._core_ids))
             arrival = time.monotonic()
             handle = RequestStream(self, request_id, core_id, loop, text, ids, params, stream, arrival)
-            self._live[request_id] = handle          # before sending: the reader may see its first token at once
+            self._live[request_id] = handle  # before sending: the reader may see its first token at once
             self._by_core_id[core_id] = handle
             self._num_waiting += 1
             try:
@@ -406,8 +444,9 @@ class AsyncLLM:
                 raise EngineShutdownError(self._dead or "the engine core is gone") from None
         return handle
 
-    async def generate(self, prompt: Any, params: SamplingParams | None = None, request_id: str | None = None,
-                       *, stream: bool = True) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt: Any, params: SamplingParams | None = None, request_id: str | None = None, *, stream: bool = True
+    ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request. Errors in the request raise on the first `__anext__`,
         before any output. Leaving the loop early (break, cancellation, disconnect) aborts it.
         stream=False yields only the final output."""
@@ -445,7 +484,7 @@ class AsyncLLM:
         except RuntimeError:
             on_loop = False
         if loop is None or loop.is_closed() or not loop.is_running() or on_loop:
-            self._drain(timeout)                     # nobody else reads: until "bye" or EOF
+            self._drain(timeout)  # nobody else reads: until "bye" or EOF
         self.core.close(timeout)
         if self._owns_llm and not self.core.is_alive():
             close = getattr(self.llm, "close", None)
@@ -468,13 +507,13 @@ class AsyncLLM:
         for handle in live:
             self._on_loop_of(handle, handle._finish, "abort")
 
-    def _atexit(self) -> None:                      # an interpreter exiting without shutdown(): no orphan core
+    def _atexit(self) -> None:  # an interpreter exiting without shutdown(): no orphan core
         try:
             self.shutdown(10)
         except Exception:
             pass
 
-    def __enter__(self) -> "AsyncLLM":
+    def __enter__(self) -> AsyncLLM:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -512,7 +551,7 @@ class AsyncLLM:
             return
         try:
             handle.loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:                        # that loop is closed: nobody is listening
+        except RuntimeError:  # that loop is closed: nobody is listening
             handle.owner._forget(handle)
 
     # ---- reading the core's outputs, on the event loop ---------------------------------------
@@ -533,7 +572,7 @@ class AsyncLLM:
                 self._drain(0)
             return
         if not self._read_lock.acquire(blocking=False):
-            return                                   # shutdown() is draining
+            return  # shutdown() is draining
         try:
             old = self._reader_loop
             if old is loop or (old is not None and not old.is_closed()) or self._gone:
@@ -545,9 +584,9 @@ class AsyncLLM:
 
     def _on_readable(self) -> None:
         if not self._read_lock.acquire(blocking=False):
-            return                                   # shutdown() is draining
+            return  # shutdown() is draining
         try:
-            while self.core.poll(0):                 # everything that is there: one pass under load
+            while self.core.poll(0):  # everything that is there: one pass under load
                 if not self._handle(self.core.recv()):
                     break
         except (EOFError, OSError):
@@ -609,7 +648,7 @@ class AsyncLLM:
         mine, others = [], None
         for e in entries:
             handle = get(e[0])
-            if handle is None:                      # finished, aborted or stopped meanwhile
+            if handle is None:  # finished, aborted or stopped meanwhile
                 continue
             if handle.loop is here:
                 mine.append((handle, e))
@@ -622,7 +661,7 @@ class AsyncLLM:
         for loop, items in (others or {}).items():
             try:
                 loop.call_soon_threadsafe(_apply_step, items)
-            except RuntimeError:                    # that loop is closed: nobody listens; stop the work
+            except RuntimeError:  # that loop is closed: nobody listens; stop the work
                 for handle, _ in items:
                     self._abort_in_core(handle.core_id)
                     self._forget(handle)
@@ -634,23 +673,27 @@ class AsyncLLM:
                 self._on_loop_of(handle, handle._finish, "abort", None, error)
 
     def _core_gone(self) -> None:
-        """"bye" or EOF from the core. Expected after shutdown; otherwise it died: fail everything."""
+        """ "bye" or EOF from the core. Expected after shutdown; otherwise it died: fail everything."""
         if self._gone:
             return
         self._gone = True
         if self.core.proc is not None:
-            self.core._exited(0.5)                  # so that its exit code is known
+            self.core._exited(0.5)  # so that its exit code is known
         with self._lock:
             expected = self._stopping
             if not expected:
                 code = self.core.exitcode()
-                self._dead = ("the engine core process died" + (f" (exit code {code})" if code is not None else "")
-                              if self.core.proc is not None else "the engine thread stopped")
+                self._dead = (
+                    "the engine core process died" + (f" (exit code {code})" if code is not None else "")
+                    if self.core.proc is not None
+                    else "the engine thread stopped"
+                )
             live = list(self._live.values())
         if not expected:
             logger.error("%s; failing %d request(s) in flight", self._dead, len(live))
-        self.stats = _Stats({**self.stats.engine, "num_requests_running": 0, "num_requests_waiting": 0},
-                            time.monotonic())
+        self.stats = _Stats(
+            {**self.stats.engine, "num_requests_running": 0, "num_requests_waiting": 0}, time.monotonic()
+        )
         for handle in live:
             if expected:
                 self._on_loop_of(handle, handle._finish, "abort")
@@ -664,11 +707,16 @@ class AsyncLLM:
             prompt, gen = m.get("num_prompt_tokens", 0), m.get("num_generation_tokens", 0)
             elapsed = now - self._last_log
             if self.log_stats and (prompt, gen) != self._logged:
-                logger.info("prompt throughput: %.1f tok/s, generation throughput: %.1f tok/s, running: %d, "
-                            "waiting: %d, KV cache usage: %.1f%%, prefix cache hit rate: %.1f%%",
-                            (prompt - self._logged[0]) / elapsed, (gen - self._logged[1]) / elapsed,
-                            m.get("num_requests_running", 0), m.get("num_requests_waiting", 0),
-                            100 * m.get("kv_cache_usage", 0.0), 100 * m.get("prefix_cache_hit_rate", 0.0))
+                logger.info(
+                    "prompt throughput: %.1f tok/s, generation throughput: %.1f tok/s, running: %d, "
+                    "waiting: %d, KV cache usage: %.1f%%, prefix cache hit rate: %.1f%%",
+                    (prompt - self._logged[0]) / elapsed,
+                    (gen - self._logged[1]) / elapsed,
+                    m.get("num_requests_running", 0),
+                    m.get("num_requests_waiting", 0),
+                    100 * m.get("kv_cache_usage", 0.0),
+                    100 * m.get("prefix_cache_hit_rate", 0.0),
+                )
             self._logged = (prompt, gen)
             self._last_log = now
 

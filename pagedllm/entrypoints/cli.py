@@ -5,6 +5,7 @@ logs, progress bars and errors go to stderr. An error is one line, `pagedllm: er
 with exit code 2 for a usage error and 1 for a failure at run time; `--debug` shows the
 traceback instead.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -12,7 +13,8 @@ import json
 import logging
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from pagedllm import __version__, default_model_path
 
@@ -33,7 +35,7 @@ class CLIError(Exception):
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors: `pagedllm: error: <message> (see '<prog> --help')`."""
 
-    help_prog: str | None = None       # the top-level parser points at the subcommand's help
+    help_prog: str | None = None  # the top-level parser points at the subcommand's help
 
     def error(self, message: str):
         raise CLIError(f"{message} (see '{self.help_prog or self.prog} --help')", USAGE_ERROR)
@@ -49,7 +51,8 @@ def _number(kind: Callable[[str], Any], ok: Callable[[Any], bool], what: str):
         if not ok(value):
             raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
         return value
-    parse.__name__ = what          # argparse names the type in some messages
+
+    parse.__name__ = what  # argparse names the type in some messages
     return parse
 
 
@@ -60,8 +63,22 @@ unit_interval = _number(float, lambda v: 0 <= v <= 1, "a number in [0, 1]")
 top_k_int = _number(int, lambda v: v >= -1, "-1, 0 (off) or an integer >= 1")
 any_int = _number(int, lambda v: True, "an integer")
 
-_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-               "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30}
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "ki": 1 << 10,
+    "mi": 1 << 20,
+    "gi": 1 << 30,
+}
 
 
 def byte_size(text: str) -> int:
@@ -73,8 +90,9 @@ def byte_size(text: str) -> int:
     try:
         value = float(s[:i]) * _SIZE_UNITS[s[i:]]
     except (ValueError, KeyError):
-        raise argparse.ArgumentTypeError(f"expected a size in bytes such as 536870912, 512MiB or 2GiB, "
-                                         f"got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected a size in bytes such as 536870912, 512MiB or 2GiB, got {text!r}"
+        ) from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return int(value)
@@ -85,46 +103,104 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add every `LLM(...)` argument with vLLM's flag spelling. Defaults are left to `LLM`
     (each flag defaults to None and `engine_kwargs` drops what was not given)."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, metavar="DIR",
-                   help="local Hugging Face model directory (default: the bundled model, "
-                        "pagedllm.default_model_path())")
+    g.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR",
+        help="local Hugging Face model directory (default: the bundled model, pagedllm.default_model_path())",
+    )
     g.add_argument("--tokenizer", default=None, metavar="DIR", help="tokenizer directory (default: --model)")
-    g.add_argument("--dtype", default=None, choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
-                   help="weight and activation dtype; auto = float32 on CPU, the config's dtype on GPU")
+    g.add_argument(
+        "--dtype",
+        default=None,
+        choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
+        help="weight and activation dtype; auto = float32 on CPU, the config's dtype on GPU",
+    )
     g.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"], help="default: auto (cuda if available)")
     g.add_argument("--block-size", type=positive_int, default=None, help="tokens per KV block (default: 16)")
-    g.add_argument("--max-num-seqs", type=positive_int, default=None,
-                   help="most sequences in one step (default: 256)")
-    g.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
-                   help="token budget of one step; longer prompts are prefilled in chunks (default: 8192)")
-    g.add_argument("--max-model-len", type=positive_int, default=None,
-                   help="prompt + output limit (default: the model's max_position_embeddings)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                   help="reuse the KV of shared prompt prefixes (default: on)")
-    g.add_argument("--num-kv-blocks", type=positive_int, default=None,
-                   help="size the KV cache by block count (overrides the memory-based sizing)")
-    g.add_argument("--kv-cache-memory-bytes", type=byte_size, default=None, metavar="BYTES",
-                   help="size the KV cache in bytes, e.g. 512MiB or 2GiB")
-    g.add_argument("--gpu-memory-utilization", type=unit_interval_open, default=None, metavar="FRACTION",
-                   help="fraction of GPU memory the engine may use, weights + activations + KV (default: 0.9)")
-    g.add_argument("--enforce-eager", action="store_true", default=None,
-                   help="do not capture CUDA graphs")
-    g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=None, metavar="N",
-                   help="GPUs to shard the model over (default: 1)")
-    g.add_argument("--seed", type=any_int, default=None,
-                   help="random seed of the engine; makes sampling reproducible (default: 0)")
-    g.add_argument("--trace-blocks", action="store_true", default=None,
-                   help="write the KV block lifecycle as JSON lines to stderr")
-    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="schedule the next step while the GPU runs this one (default: on with one "
-                        "GPU, off on CPU and with tensor parallelism)")
+    g.add_argument("--max-num-seqs", type=positive_int, default=None, help="most sequences in one step (default: 256)")
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=positive_int,
+        default=None,
+        help="token budget of one step; longer prompts are prefilled in chunks (default: 8192)",
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        default=None,
+        help="prompt + output limit (default: the model's max_position_embeddings)",
+    )
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reuse the KV of shared prompt prefixes (default: on)",
+    )
+    g.add_argument(
+        "--num-kv-blocks",
+        type=positive_int,
+        default=None,
+        help="size the KV cache by block count (overrides the memory-based sizing)",
+    )
+    g.add_argument(
+        "--kv-cache-memory-bytes",
+        type=byte_size,
+        default=None,
+        metavar="BYTES",
+        help="size the KV cache in bytes, e.g. 512MiB or 2GiB",
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=unit_interval_open,
+        default=None,
+        metavar="FRACTION",
+        help="fraction of GPU memory the engine may use, weights + activations + KV (default: 0.9)",
+    )
+    g.add_argument("--enforce-eager", action="store_true", default=None, help="do not capture CUDA graphs")
+    g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="GPUs to shard the model over (default: 1)",
+    )
+    g.add_argument(
+        "--seed", type=any_int, default=None, help="random seed of the engine; makes sampling reproducible (default: 0)"
+    )
+    g.add_argument(
+        "--trace-blocks", action="store_true", default=None, help="write the KV block lifecycle as JSON lines to stderr"
+    )
+    g.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule the next step while the GPU runs this one (default: on with one "
+        "GPU, off on CPU and with tensor parallelism)",
+    )
     return parser
 
 
-_ENGINE_DESTS = ["model", "tokenizer", "dtype", "device", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                 "max_model_len", "enable_prefix_caching", "num_kv_blocks", "kv_cache_memory_bytes",
-                 "gpu_memory_utilization", "enforce_eager", "tensor_parallel_size", "seed", "trace_blocks",
-                 "async_scheduling"]
+_ENGINE_DESTS = [
+    "model",
+    "tokenizer",
+    "dtype",
+    "device",
+    "block_size",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "enable_prefix_caching",
+    "num_kv_blocks",
+    "kv_cache_memory_bytes",
+    "gpu_memory_utilization",
+    "enforce_eager",
+    "tensor_parallel_size",
+    "seed",
+    "trace_blocks",
+    "async_scheduling",
+]
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -140,13 +216,16 @@ def resolve_model(model: str | None) -> str:
         return os.path.expanduser(model)
     path = default_model_path()
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise CLIError(f"the bundled default model is missing from {path} (this installation has no "
-                       "model.safetensors/config.json there); pass --model DIR")
+        raise CLIError(
+            f"the bundled default model is missing from {path} (this installation has no "
+            "model.safetensors/config.json there); pass --model DIR"
+        )
     return path
 
 
 def build_llm(args: argparse.Namespace):
     from pagedllm import LLM
+
     return LLM(**engine_kwargs(args))
 
 
@@ -163,23 +242,27 @@ def model_sampling_defaults(model: str) -> dict[str, Any]:
             cfg = json.load(f)
     except (OSError, ValueError):
         return {}
-    return {k: cfg[k] for k in _GEN_CONFIG_KEYS if isinstance(cfg.get(k), (int, float))
-            and not isinstance(cfg.get(k), bool)}
+    return {
+        k: cfg[k] for k in _GEN_CONFIG_KEYS if isinstance(cfg.get(k), (int, float)) and not isinstance(cfg.get(k), bool)
+    }
 
 
 def sampling_params_from_args(args: argparse.Namespace, model: str):
     from pagedllm import SamplingParams
+
     values: dict[str, Any] = {"temperature": 1.0}
     from_model = model_sampling_defaults(model)
     if from_model:
-        logger.info("Default sampling parameters from %s: %s (flags override them)",
-                    os.path.join(model, "generation_config.json"), from_model)
+        logger.info(
+            "Default sampling parameters from %s: %s (flags override them)",
+            os.path.join(model, "generation_config.json"),
+            from_model,
+        )
     values.update(from_model)
     for key in _GEN_CONFIG_KEYS:
         if getattr(args, key) is not None:
             values[key] = getattr(args, key)
-    return SamplingParams(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, stop=args.stop or None,
-                          **values)
+    return SamplingParams(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, stop=args.stop or None, **values)
 
 
 def _read_prompt_lines(stream) -> list[str]:
@@ -221,8 +304,10 @@ def collect_prompts(args: argparse.Namespace) -> tuple[list[str], bool]:
             except OSError as e:
                 raise CLIError(f"cannot read --input {args.input!r}: {e.strerror or e}") from e
     if not prompts:
-        raise CLIError("no prompt given: pass PROMPT, '-' to read prompts from stdin, or --input FILE",
-                       USAGE_ERROR if not (args.input or "-" in args.prompts) else RUNTIME_ERROR)
+        raise CLIError(
+            "no prompt given: pass PROMPT, '-' to read prompts from stdin, or --input FILE",
+            USAGE_ERROR if not (args.input or "-" in args.prompts) else RUNTIME_ERROR,
+        )
     return prompts, batch
 
 
@@ -233,8 +318,13 @@ def _write(text: str) -> None:
 
 def _json_line(out) -> str:
     c = out.outputs[0]
-    return json.dumps({"prompt": out.prompt, "text": c.text, "token_ids": list(c.token_ids),
-                       "finish_reason": c.finish_reason}, ensure_ascii=False) + "\n"
+    return (
+        json.dumps(
+            {"prompt": out.prompt, "text": c.text, "token_ids": list(c.token_ids), "finish_reason": c.finish_reason},
+            ensure_ascii=False,
+        )
+        + "\n"
+    )
 
 
 BATCH_SEPARATOR = "-" * 40 + "\n"
@@ -267,7 +357,7 @@ def stream_one(llm, prompt: str, params) -> None:
     """Print the prompt, then the completion as the engine produces it, then a newline."""
     engine = llm.engine
     request_id = "cli-0"
-    engine.add_request(request_id, prompt, params)      # validates before anything is printed
+    engine.add_request(request_id, prompt, params)  # validates before anything is printed
     try:
         _write(prompt)
         finished = False
@@ -287,29 +377,50 @@ def stream_one(llm, prompt: str, params) -> None:
 
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("prompts", nargs="*", metavar="PROMPT",
-                   help="prompt(s) to complete; one prompt streams, several run as one batch; "
-                        "'-' reads one prompt per line from stdin")
-    p.add_argument("--input", "-i", metavar="FILE", default=None,
-                   help="read prompts from FILE, one per line ('-' = stdin); a line may be a JSON object "
-                        "with a \"prompt\" string")
+    p.add_argument(
+        "prompts",
+        nargs="*",
+        metavar="PROMPT",
+        help="prompt(s) to complete; one prompt streams, several run as one batch; "
+        "'-' reads one prompt per line from stdin",
+    )
+    p.add_argument(
+        "--input",
+        "-i",
+        metavar="FILE",
+        default=None,
+        help="read prompts from FILE, one per line ('-' = stdin); a line may be a JSON object with a \"prompt\" string",
+    )
     s = p.add_argument_group("sampling (defaults: the model's generation_config.json, else temperature 1.0)")
-    s.add_argument("--max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS,
-                   help=f"most new tokens per prompt (default: {DEFAULT_MAX_TOKENS})")
+    s.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=DEFAULT_MAX_TOKENS,
+        help=f"most new tokens per prompt (default: {DEFAULT_MAX_TOKENS})",
+    )
     s.add_argument("--temperature", type=nonnegative_float, default=None, help="0 = greedy")
     s.add_argument("--top-p", type=unit_interval_open, default=None)
     s.add_argument("--top-k", type=top_k_int, default=None, help="-1 or 0 = off")
     s.add_argument("--min-p", type=unit_interval, default=None)
-    s.add_argument("--stop", action="append", default=None, metavar="STR",
-                   help="stop when the completion produces STR (repeatable; STR is not printed)")
+    s.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        metavar="STR",
+        help="stop when the completion produces STR (repeatable; STR is not printed)",
+    )
     s.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON object per prompt and line: prompt, text, token_ids, finish_reason")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object per prompt and line: prompt, text, token_ids, finish_reason",
+    )
 
 
 # ---- optional subcommands implemented in other modules -----------------------------------
 def _import_optional(module: str, what: str, extra: str | None):
     import importlib
+
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as e:
@@ -349,9 +460,9 @@ def _fill_optional(p: argparse.ArgumentParser, path: tuple[str, ...], wanted: li
     being run (so `pagedllm generate` never imports the server). A missing module is
     reported only when that subcommand is run."""
     module, extra, add_fn, run_fn, engine_first = _OPTIONAL[path]
-    if list(path) != wanted[:len(path)]:
+    if list(path) != wanted[: len(path)]:
         return
-    mod = _import_optional(module, "pagedllm " + " ".join(path), extra)   # CLIError if missing
+    mod = _import_optional(module, "pagedllm " + " ".join(path), extra)  # CLIError if missing
     if engine_first:
         add_engine_args(p)
     getattr(mod, add_fn)(p)
@@ -362,42 +473,52 @@ def _fill_optional(p: argparse.ArgumentParser, path: tuple[str, ...], wanted: li
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     wanted = _subcommand_words(list(argv or []))
     debug = argparse.ArgumentParser(add_help=False)
-    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                       help="show tracebacks and DEBUG logs")
-    parser = _Parser(prog="pagedllm", parents=[debug],
-                     description="pagedllm: vLLM's design (PagedAttention, prefix caching, continuous "
-                                 "batching) in readable Python.",
-                     epilog="Run 'pagedllm COMMAND --help' for a command's flags.")
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks and DEBUG logs")
+    parser = _Parser(
+        prog="pagedllm",
+        parents=[debug],
+        description="pagedllm: vLLM's design (PagedAttention, prefix caching, continuous batching) in readable Python.",
+        epilog="Run 'pagedllm COMMAND --help' for a command's flags.",
+    )
     parser.add_argument("--version", action="version", version=f"pagedllm {__version__}")
-    parser.help_prog = " ".join(["pagedllm"] + wanted[:1 if wanted[:1] != ["bench"] else 2])
+    parser.help_prog = " ".join(["pagedllm"] + wanted[: 1 if wanted[:1] != ["bench"] else 2])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     fmt = argparse.ArgumentDefaultsHelpFormatter
-    g = sub.add_parser("generate", parents=[debug], help="complete prompts (streams one, batches several)",
-                       description="Complete prompts with a local model (the bundled one by default). "
-                                   "One prompt streams to stdout; several prompts, '-' or --input run "
-                                   "as one batch with a progress bar on stderr.",
-                       epilog="examples:\n"
-                              "  pagedllm generate 'def fibonacci('\n"
-                              "  pagedllm generate --temperature 0 --max-tokens 64 'import '\n"
-                              "  printf 'import \\ndef \\n' | pagedllm generate - --json\n"
-                              "  pagedllm generate --input prompts.txt --model ~/models/Qwen3-0.6B --device cuda",
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = sub.add_parser(
+        "generate",
+        parents=[debug],
+        help="complete prompts (streams one, batches several)",
+        description="Complete prompts with a local model (the bundled one by default). "
+        "One prompt streams to stdout; several prompts, '-' or --input run "
+        "as one batch with a progress bar on stderr.",
+        epilog="examples:\n"
+        "  pagedllm generate 'def fibonacci('\n"
+        "  pagedllm generate --temperature 0 --max-tokens 64 'import '\n"
+        "  printf 'import \\ndef \\n' | pagedllm generate - --json\n"
+        "  pagedllm generate --input prompts.txt --model ~/models/Qwen3-0.6B --device cuda",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_generate_args(g)
     add_engine_args(g)
     g.set_defaults(_run=run_generate)
 
-    s = sub.add_parser("serve", parents=[debug], help="OpenAI-compatible HTTP server",
-                       conflict_handler="resolve")
+    s = sub.add_parser("serve", parents=[debug], help="OpenAI-compatible HTTP server", conflict_handler="resolve")
     _fill_optional(s, ("serve",), wanted)
 
     b = sub.add_parser("bench", parents=[debug], help="benchmarks: throughput (offline), serve (HTTP)")
     bsub = b.add_subparsers(dest="bench_command", metavar="BENCHMARK", parser_class=_Parser)
-    bt = bsub.add_parser("throughput", parents=[debug], help="offline throughput of LLM.generate",
-                         conflict_handler="resolve", formatter_class=fmt)
+    bt = bsub.add_parser(
+        "throughput",
+        parents=[debug],
+        help="offline throughput of LLM.generate",
+        conflict_handler="resolve",
+        formatter_class=fmt,
+    )
     _fill_optional(bt, ("bench", "throughput"), wanted)
-    bs = bsub.add_parser("serve", parents=[debug], help="load test of a running server",
-                         conflict_handler="resolve", formatter_class=fmt)
+    bs = bsub.add_parser(
+        "serve", parents=[debug], help="load test of a running server", conflict_handler="resolve", formatter_class=fmt
+    )
     _fill_optional(bs, ("bench", "serve"), wanted)
     b.set_defaults(_help=b)
     return parser
@@ -435,7 +556,7 @@ def _error(message: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    debug = "--debug" in argv[:argv.index("--")] if "--" in argv else "--debug" in argv
+    debug = "--debug" in argv[: argv.index("--")] if "--" in argv else "--debug" in argv
     try:
         parser = build_parser(argv)
         args = parser.parse_args(argv)
@@ -447,14 +568,14 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return 0 if not argv else USAGE_ERROR
         return int(args._run(args) or 0)
-    except SystemExit as e:                       # --help, --version, or a callee's sys.exit
+    except SystemExit as e:  # --help, --version, or a callee's sys.exit
         return e.code if isinstance(e.code, int) else (0 if e.code is None else RUNTIME_ERROR)
     except KeyboardInterrupt:
         if debug:
             raise
         _error("interrupted")
         return 130
-    except BrokenPipeError:                       # `pagedllm generate ... | head`
+    except BrokenPipeError:  # `pagedllm generate ... | head`
         try:
             sys.stdout = open(os.devnull, "w")
         except OSError:
@@ -470,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         _error(str(e))
         return RUNTIME_ERROR
-    except Exception as e:                        # noqa: BLE001  (one line unless --debug)
+    except Exception as e:  # noqa: BLE001  (one line unless --debug)
         if debug:
             raise
         _error(f"{type(e).__name__}: {e}")

@@ -29,6 +29,7 @@ time.monotonic(), one clock for every process of a host.
 The core never outlives the API process: its input pipe reads EOF when the parent dies (the
 kernel closes the parent's end), and the parent pid is checked while idle and during start-up.
 """
+
 from __future__ import annotations
 
 import logging
@@ -42,9 +43,9 @@ from typing import Any
 
 logger = logging.getLogger("pagedllm")
 
-STATS_INTERVAL_S = 0.02      # metrics ride along with step outputs at most this often
-IDLE_POLL_S = 1.0            # how often an idle core checks that its parent is still there
-PIPE_BYTES = 1 << 20         # pipe buffer (Linux default 64 KiB): a burst of adds never blocks the sender
+STATS_INTERVAL_S = 0.02  # metrics ride along with step outputs at most this often
+IDLE_POLL_S = 1.0  # how often an idle core checks that its parent is still there
+PIPE_BYTES = 1 << 20  # pipe buffer (Linux default 64 KiB): a burst of adds never blocks the sender
 
 
 class EngineCore:
@@ -56,16 +57,21 @@ class EngineCore:
         self.conn_in = conn_in
         self.conn_out = conn_out
         self.parent_pid = parent_pid
-        self.sent: dict[str, int] = {}       # live request -> output tokens already sent
+        self.sent: dict[str, int] = {}  # live request -> output tokens already sent
         self.last_stats = 0.0
 
     def info(self) -> dict:
         engine = self.engine
         cfg = engine.config
-        return {"pid": os.getpid(), "model_path": getattr(self.llm, "model_path", None),
-                "max_model_len": cfg.max_model_len, "block_size": cfg.block_size,
-                "num_kv_blocks": engine.kv.num_blocks, "vocab_size": engine.vocab_size,
-                "metrics": engine.get_metrics()}
+        return {
+            "pid": os.getpid(),
+            "model_path": getattr(self.llm, "model_path", None),
+            "max_model_len": cfg.max_model_len,
+            "block_size": cfg.block_size,
+            "num_kv_blocks": engine.kv.num_blocks,
+            "vocab_size": engine.vocab_size,
+            "metrics": engine.get_metrics(),
+        }
 
     def run(self) -> None:
         """Until "shutdown" or the parent goes away. Returns normally in both cases."""
@@ -77,15 +83,15 @@ class EngineCore:
                     while not self.conn_in.poll(IDLE_POLL_S):
                         if self._orphaned():
                             return
-                while self.conn_in.poll():               # everything that arrived, then one step
+                while self.conn_in.poll():  # everything that arrived, then one step
                     if not self._handle(self.conn_in.recv()):
                         return
                 if engine.has_unfinished_requests():
                     self._step()
         except (EOFError, BrokenPipeError, ConnectionResetError):
-            return                                       # the API process is gone
+            return  # the API process is gone
         finally:
-            for rid in list(self.sent):                  # leave no blocks behind (thread mode reuses the LLM)
+            for rid in list(self.sent):  # leave no blocks behind (thread mode reuses the LLM)
                 engine.abort_request(rid)
             self.sent.clear()
 
@@ -96,10 +102,10 @@ class EngineCore:
             _, rid, ids, params, arrival = msg
             try:
                 self.engine.add_request(rid, ids, params, arrival_time=arrival, stream=True)
-            except ValueError as e:                      # validated by the API process: a safety net
+            except ValueError as e:  # validated by the API process: a safety net
                 self._send(("rejected", rid, str(e)))
                 return True
-            except Exception as e:                       # an engine bug: fail this request, keep serving
+            except Exception as e:  # an engine bug: fail this request, keep serving
                 logger.exception("engine add_request failed")
                 self._send(("failed", [rid], f"engine add_request failed: {e!r}"))
                 return True
@@ -125,7 +131,7 @@ class EngineCore:
     def _step(self) -> None:
         try:
             outs = self.engine.step()
-        except Exception as e:                           # an engine bug: fail what is in flight, keep serving
+        except Exception as e:  # an engine bug: fail what is in flight, keep serving
             logger.exception("engine step failed; failing %d request(s)", len(self.sent))
             rids = list(self.sent)
             for rid in rids:
@@ -150,8 +156,17 @@ class EngineCore:
             else:
                 sent[rid] = len(ids)
             m = out.metrics
-            entries.append((rid, ids[n:] if n else ids, o.finish_reason, o.stop_reason, out.num_cached_tokens,
-                            m.first_token_time if m else None, m.finish_time if m else None))
+            entries.append(
+                (
+                    rid,
+                    ids[n:] if n else ids,
+                    o.finish_reason,
+                    o.stop_reason,
+                    out.num_cached_tokens,
+                    m.first_token_time if m else None,
+                    m.finish_time if m else None,
+                )
+            )
         now = time.monotonic()
         stats = None
         if now - self.last_stats >= STATS_INTERVAL_S:
@@ -171,9 +186,10 @@ class EngineCore:
 def _set_pipe_size(conn) -> None:
     try:
         import fcntl
+
         fcntl.fcntl(conn.fileno(), getattr(fcntl, "F_SETPIPE_SZ", 1031), PIPE_BYTES)
     except (ImportError, OSError, ValueError):
-        pass                                             # not Linux, or above /proc/sys/fs/pipe-max-size
+        pass  # not Linux, or above /proc/sys/fs/pipe-max-size
 
 
 def _picklable(e: BaseException) -> BaseException:
@@ -194,23 +210,28 @@ def _watch_parent(parent_pid: int, stop: threading.Event) -> None:
 
 def core_process_main(conn_in, conn_out, llm_kwargs: dict, parent_pid: int, log_level: int) -> None:
     """Entry point of the spawned core process."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)        # Ctrl-C reaches the whole group: the parent decides
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter(f"%(levelname)s %(asctime)s [engine core pid {os.getpid()}] "
-                                               "%(message)s", "%m-%d %H:%M:%S"))
+        handler.setFormatter(
+            logging.Formatter(
+                f"%(levelname)s %(asctime)s [engine core pid {os.getpid()}] %(message)s", "%m-%d %H:%M:%S"
+            )
+        )
         logger.addHandler(handler)
         logger.propagate = False
     logger.setLevel(log_level)
     started = threading.Event()
-    threading.Thread(target=_watch_parent, args=(parent_pid, started), name="pagedllm-core-watchdog",
-                     daemon=True).start()
+    threading.Thread(
+        target=_watch_parent, args=(parent_pid, started), name="pagedllm-core-watchdog", daemon=True
+    ).start()
     try:
         from pagedllm.entrypoints.llm import LLM
+
         llm = LLM(**llm_kwargs)
         # Detokenization happens in the API process: the engine only hands out token ids.
         llm.engine.detokenize = False
-    except BaseException as e:                           # noqa: BLE001  (reported to the parent)
+    except BaseException as e:  # noqa: BLE001  (reported to the parent)
         if not isinstance(e, ValueError):
             logger.exception("engine core start-up failed")
         try:
@@ -242,7 +263,7 @@ def core_thread_main(llm: Any, conn_in, conn_out) -> None:
         logger.exception("engine core thread crashed")
     finally:
         try:
-            conn_out.close()                             # the reader sees EOF
+            conn_out.close()  # the reader sees EOF
         except OSError:
             pass
 
@@ -253,9 +274,10 @@ class EngineCoreClient:
 
     def __init__(self, *, llm_kwargs: dict | None = None, llm: Any = None, name: str = "pagedllm-engine-core"):
         import multiprocessing
-        ctx = multiprocessing.get_context("spawn")         # CUDA cannot survive fork
-        in_r, in_w = ctx.Pipe(duplex=False)                # API -> core
-        out_r, out_w = ctx.Pipe(duplex=False)              # core -> API
+
+        ctx = multiprocessing.get_context("spawn")  # CUDA cannot survive fork
+        in_r, in_w = ctx.Pipe(duplex=False)  # API -> core
+        out_r, out_w = ctx.Pipe(duplex=False)  # core -> API
         for c in (in_w, out_w):
             _set_pipe_size(c)
         self._in_w, self._out_r = in_w, out_r
@@ -264,10 +286,13 @@ class EngineCoreClient:
         self.proc = None
         self.thread = None
         if llm is None:
-            self.proc = ctx.Process(target=core_process_main, name=name,
-                                    args=(in_r, out_w, llm_kwargs or {}, os.getpid(), logger.getEffectiveLevel()))
-            self.proc.start()                              # not daemonic: the core may spawn TP workers
-            in_r.close()                                   # our copies: EOF must reach each side when the other dies
+            self.proc = ctx.Process(
+                target=core_process_main,
+                name=name,
+                args=(in_r, out_w, llm_kwargs or {}, os.getpid(), logger.getEffectiveLevel()),
+            )
+            self.proc.start()  # not daemonic: the core may spawn TP workers
+            in_r.close()  # our copies: EOF must reach each side when the other dies
             out_w.close()
         else:
             self.thread = threading.Thread(target=core_thread_main, args=(llm, in_r, out_w), name=name, daemon=True)
@@ -284,13 +309,14 @@ class EngineCoreClient:
         """Has the core process exited? Read from its sentinel, which never reaps it: waitpid
         from two threads at once (Process.join/is_alive) can make an exited child look alive."""
         from multiprocessing.connection import wait
+
         return bool(wait([self.proc.sentinel], timeout))
 
     def exitcode(self) -> int | None:
         if self.proc is None or not self._exited(0):
             return None
         with self._reap_lock:
-            self.proc.join(5)                              # closed its pipes: exits (reapable) at once
+            self.proc.join(5)  # closed its pipes: exits (reapable) at once
             return self.proc.exitcode
 
     def wait_ready(self, timeout: float | None = None) -> dict:
@@ -298,8 +324,9 @@ class EngineCoreClient:
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._out_r.poll(0.2):
             if not self.is_alive() and not self._out_r.poll(0):
-                raise RuntimeError(f"the engine core exited during start-up (exit code {self.exitcode()}); "
-                                   "see its log above")
+                raise RuntimeError(
+                    f"the engine core exited during start-up (exit code {self.exitcode()}); see its log above"
+                )
             if deadline is not None and time.monotonic() > deadline:
                 self.close(0)
                 raise TimeoutError(f"the engine core was not ready after {timeout:.0f} s")
@@ -332,7 +359,7 @@ class EngineCoreClient:
     def close(self, timeout: float | None = 30.0) -> None:
         """Wait for the core to exit (after "shutdown"), else terminate it; close the pipes."""
         try:
-            self._in_w.close()                             # EOF: a core that missed "shutdown" exits too
+            self._in_w.close()  # EOF: a core that missed "shutdown" exits too
         except OSError:
             pass
         if self.proc is not None:
@@ -343,6 +370,6 @@ class EngineCoreClient:
                     self.proc.kill()
                     self._exited(5)
             with self._reap_lock:
-                self.proc.join(5)                          # reap it
+                self.proc.join(5)  # reap it
         elif self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join(timeout)

@@ -1,11 +1,13 @@
 """The `LLM` class: vLLM's offline API on top of LLMEngine and a ModelRunner."""
+
 from __future__ import annotations
 
 import inspect
 import json
 import logging
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from pagedllm.engine import LLMEngine, RequestOutput, SamplingParams, SchedulerConfig
 
@@ -14,25 +16,32 @@ logger = logging.getLogger("pagedllm")
 
 def _load_hf_config(model: str):
     if not os.path.isdir(model):
-        raise ValueError(f"model directory {model!r} does not exist (pagedllm loads local Hugging Face "
-                         "directories; no hub downloads)")
+        raise ValueError(
+            f"model directory {model!r} does not exist (pagedllm loads local Hugging Face "
+            "directories; no hub downloads)"
+        )
     if not os.path.isfile(os.path.join(model, "config.json")):
         raise ValueError(f"model directory {model!r} has no config.json")
     from transformers import AutoConfig
+
     try:
         return AutoConfig.from_pretrained(model)
     except (ValueError, KeyError) as e:
         with open(os.path.join(model, "config.json")) as f:
             archs = json.load(f).get("architectures")
         from pagedllm.model.registry import SUPPORTED_ARCHITECTURES
+
         raise ValueError(f"unsupported architecture {archs}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}") from e
 
 
 def _load_tokenizer(path: str):
-    if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json",
-                                                                 "tokenizer.model", "vocab.json")):
+    if not any(
+        os.path.isfile(os.path.join(path, f))
+        for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    ):
         return None
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(path)
 
 
@@ -54,13 +63,28 @@ def _eos_ids(model: str, hf_config, tokenizer) -> set[int]:
 
 
 class LLM:
-    def __init__(self, model: str, *, tokenizer: str | None = None, dtype: str = "auto", device: str = "auto",
-                 block_size: int = 16, enable_prefix_caching: bool = True, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
-                 num_kv_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
-                 gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
-                 tensor_parallel_size: int = 1, seed: int = 0, trace_blocks: bool = False,
-                 async_scheduling: bool | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        model: str,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        max_model_len: int | None = None,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = False,
+        tensor_parallel_size: int = 1,
+        seed: int = 0,
+        trace_blocks: bool = False,
+        async_scheduling: bool | None = None,
+        **kwargs: Any,
+    ):
         if kwargs:
             raise ValueError(f"unknown LLM argument(s): {', '.join(sorted(kwargs))}")
         if not 0 < gpu_memory_utilization <= 1:
@@ -72,46 +96,78 @@ class LLM:
         model = os.fspath(model)
         hf_config = _load_hf_config(model)
         from pagedllm.model.registry import resolve
-        resolve(hf_config)                                   # fail early with the supported list
+
+        resolve(hf_config)  # fail early with the supported list
         self.tokenizer = _load_tokenizer(tokenizer or model)
         limit = getattr(hf_config, "max_position_embeddings", 4096)
         if max_model_len is None:
             max_model_len = limit
         elif max_model_len > limit:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}")
-        SchedulerConfig(num_kv_blocks=1, block_size=block_size, max_num_seqs=max_num_seqs,
-                        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)  # validate
+        SchedulerConfig(
+            num_kv_blocks=1,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+        )  # validate
         import torch  # noqa: F401  (heavy imports only once the arguments are known good)
+
         from pagedllm.worker.model_runner import resolve_device, resolve_dtype
+
         dev = resolve_device(device)
         runner_kwargs = dict(
-            device=dev, dtype=resolve_dtype(dtype, hf_config, dev), block_size=block_size,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            num_kv_blocks=num_kv_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
-            gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager, seed=seed)
+            device=dev,
+            dtype=resolve_dtype(dtype, hf_config, dev),
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            seed=seed,
+        )
         if tensor_parallel_size > 1:
             from pagedllm.worker.tp_executor import TPExecutor
+
             self.runner = TPExecutor(hf_config, model, tensor_parallel_size, **runner_kwargs)
         else:
             from pagedllm.worker.model_runner import ModelRunner
+
             self.runner = ModelRunner(hf_config, model, **runner_kwargs)
-        config = SchedulerConfig(num_kv_blocks=self.runner.num_kv_blocks, block_size=block_size,
-                                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                 max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
-                                 trace_blocks=trace_blocks)
+        config = SchedulerConfig(
+            num_kv_blocks=self.runner.num_kv_blocks,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
+            trace_blocks=trace_blocks,
+        )
         self.hf_config = hf_config
         self.model_path = model
-        if async_scheduling is None:      # auto: on where the host can run ahead of a device
+        if async_scheduling is None:  # auto: on where the host can run ahead of a device
             async_scheduling = dev.type == "cuda" and tensor_parallel_size == 1
-        self.engine = LLMEngine(config, self.runner, self.tokenizer, _eos_ids(model, hf_config, self.tokenizer),
-                                vocab_size=hf_config.vocab_size, async_scheduling=async_scheduling)
+        self.engine = LLMEngine(
+            config,
+            self.runner,
+            self.tokenizer,
+            _eos_ids(model, hf_config, self.tokenizer),
+            vocab_size=hf_config.vocab_size,
+            async_scheduling=async_scheduling,
+        )
         self._counter = 0
 
     # ---- generation --------------------------------------------------------------------
-    def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                and isinstance(prompts[0], int)):
+    def generate(
+        self,
+        prompts: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
@@ -125,15 +181,16 @@ class LLM:
         # tokenize and validate everything before anything is queued: a bad prompt leaves the
         # engine untouched; the requests then carry their token ids (no second tokenization)
         tokenized = []
-        for prompt, p in zip(prompts, params):
+        for prompt, p in zip(prompts, params, strict=False):
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
             text, token_ids = self.engine.tokenize(prompt)
             self.engine.validate_length(len(token_ids), p.max_tokens)
-            tokenized.append({"prompt": text, "prompt_token_ids": token_ids} if text is not None
-                             else {"prompt_token_ids": token_ids})
+            tokenized.append(
+                {"prompt": text, "prompt_token_ids": token_ids} if text is not None else {"prompt_token_ids": token_ids}
+            )
         ids = []
-        for prompt, p in zip(tokenized, params):
+        for prompt, p in zip(tokenized, params, strict=False):
             ids.append(f"gen-{self._counter}")
             self._counter += 1
             self.engine.add_request(ids[-1], prompt, p, stream=False)
@@ -145,6 +202,7 @@ class LLM:
         bar = None
         if use_tqdm and len(request_ids) > 1:
             from tqdm.auto import tqdm
+
             bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
         try:
             while len(done) < len(wanted):
@@ -154,7 +212,7 @@ class LLM:
                         if bar is not None:
                             bar.update(1)
         except BaseException:
-            for rid in request_ids:                          # leave nothing half-run behind
+            for rid in request_ids:  # leave nothing half-run behind
                 self.engine.abort_request(rid)
             raise
         finally:

@@ -6,9 +6,10 @@ touches the engine; the latency histograms are observed on the event loop when a
 final output arrives, from the core's timestamps (arrival, first token, finish: one monotonic
 clock across processes). Each server has its own CollectorRegistry.
 """
+
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -22,19 +23,86 @@ GAUGES = [
     ("pagedllm:num_requests_waiting", "Number of requests waiting to run.", "num_requests_waiting", 1),
     ("pagedllm:kv_cache_usage_perc", "KV-cache usage: fraction of blocks in use (1 = full).", "kv_cache_usage", 1),
 ]
-COUNTERS = [   # exposed with the _total suffix
+COUNTERS = [  # exposed with the _total suffix
     ("pagedllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_query_tokens"),
     ("pagedllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hit_tokens"),
     ("pagedllm:num_preemptions", "Sequences preempted (by recompute).", "num_preemptions"),
     ("pagedllm:prompt_tokens", "Prompt tokens processed (prefilled).", "num_prompt_tokens"),
     ("pagedllm:generation_tokens", "Tokens generated.", "num_generation_tokens"),
 ]
-TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
-TPOT_BUCKETS = [0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
-                5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
-E2E_BUCKETS = [0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+TPOT_BUCKETS = [
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+E2E_BUCKETS = [
+    0.05,
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
 
 
 class _EngineCollector(Collector):
@@ -59,15 +127,33 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineCollector(async_llm.get_metrics, model_name))
         labels = ["model_name"]
-        self.ttft = Histogram("pagedllm:time_to_first_token_seconds", "Time from arrival to the first token.",
-                              labels, buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name)
-        self.tpot = Histogram("pagedllm:time_per_output_token_seconds",
-                              "Mean time per output token after the first, per request.", labels,
-                              buckets=TPOT_BUCKETS, registry=self.registry).labels(model_name)
-        self.e2e = Histogram("pagedllm:e2e_request_latency_seconds", "Time from arrival to the last token.",
-                             labels, buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
-        self.finished = Counter("pagedllm:request_success", "Finished requests by finish reason (stop, length, "
-                                "abort).", ["model_name", "finished_reason"], registry=self.registry)
+        self.ttft = Histogram(
+            "pagedllm:time_to_first_token_seconds",
+            "Time from arrival to the first token.",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.tpot = Histogram(
+            "pagedllm:time_per_output_token_seconds",
+            "Mean time per output token after the first, per request.",
+            labels,
+            buckets=TPOT_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            "pagedllm:e2e_request_latency_seconds",
+            "Time from arrival to the last token.",
+            labels,
+            buckets=E2E_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.finished = Counter(
+            "pagedllm:request_success",
+            "Finished requests by finish reason (stop, length, abort).",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
         self.model_name = model_name
         async_llm.finish_callbacks.append(self.observe_finished)
 

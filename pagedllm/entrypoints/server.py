@@ -13,6 +13,7 @@ sent) -> AsyncLLM.add_request -> stream SSE chunks, or wait for the final output
 goes away aborts its request (the streaming body is cancelled; a non-streamed request has a
 watcher on the connection), so its KV blocks are freed at the start of the next engine step.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,28 +26,35 @@ import re
 import signal
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedllm.engine.errors import InvalidRequestError
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.sampling_params import SamplingParams
-from pagedllm.entrypoints.async_llm import (AsyncLLM, EngineShutdownError, EngineStepError, QueueFullError,
-                                            RequestStream)
+from pagedllm.entrypoints.async_llm import AsyncLLM, EngineShutdownError, EngineStepError, QueueFullError, RequestStream
 
 logger = logging.getLogger("pagedllm")
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
-DEFAULT_COMPLETION_MAX_TOKENS = 16          # OpenAI's default for /v1/completions
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 # ---- errors --------------------------------------------------------------------------------
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
@@ -58,8 +66,9 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def error_response(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                   code: str | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> JSONResponse:
     return JSONResponse(error_body(message, type, param, code), status_code=status)
 
 
@@ -73,6 +82,8 @@ _PARAM_IN_MESSAGE = re.compile(r"SamplingParams\.(\w+)")
 def _value_error(e: ValueError, prompt_param: str) -> APIError:
     """A ValueError from SamplingParams or the engine's validation -> 400 naming the field."""
     msg = str(e)
+    if isinstance(e, InvalidRequestError) and e.param is not None:
+        return bad_request(e.message, prompt_param if e.param == "prompt" else e.param, e.code)
     m = _PARAM_IN_MESSAGE.search(msg)
     if m:
         return bad_request(msg.replace("SamplingParams.", ""), m.group(1))
@@ -118,13 +129,23 @@ def _get(body: dict, name: str, kind: str, default: Any = None) -> Any:
     v = body.get(name)
     if v is None:
         return default
-    ok = {"bool": isinstance(v, bool),
-          "int": isinstance(v, int) and not isinstance(v, bool),
-          "number": isinstance(v, (int, float)) and not isinstance(v, bool),
-          "str": isinstance(v, str), "list": isinstance(v, list), "dict": isinstance(v, dict)}[kind]
+    ok = {
+        "bool": isinstance(v, bool),
+        "int": isinstance(v, int) and not isinstance(v, bool),
+        "number": isinstance(v, (int, float)) and not isinstance(v, bool),
+        "str": isinstance(v, str),
+        "list": isinstance(v, list),
+        "dict": isinstance(v, dict),
+    }[kind]
     if not ok:
-        what = {"bool": "a boolean", "int": "an integer", "number": "a number", "str": "a string",
-                "list": "an array", "dict": "an object"}[kind]
+        what = {
+            "bool": "a boolean",
+            "int": "an integer",
+            "number": "a number",
+            "str": "a string",
+            "list": "an array",
+            "dict": "an object",
+        }[kind]
         raise bad_request(f"'{name}' must be {what}, got {_json_type(v)}", name)
     return v
 
@@ -173,13 +194,21 @@ def _sampling_params(body: dict, chat: bool, default_max_tokens: int | None) -> 
     if max_tokens is None:
         max_tokens = default_max_tokens
     kwargs: dict[str, Any] = {}
-    for name, kind in (("temperature", "number"), ("top_p", "number"), ("top_k", "int"), ("min_p", "number"),
-                       ("min_tokens", "int"), ("ignore_eos", "bool"), ("seed", "int"), ("stop_token_ids", "list")):
+    for name, kind in (
+        ("temperature", "number"),
+        ("top_p", "number"),
+        ("top_k", "int"),
+        ("min_p", "number"),
+        ("min_tokens", "int"),
+        ("ignore_eos", "bool"),
+        ("seed", "int"),
+        ("stop_token_ids", "list"),
+    ):
         v = _get(body, name, kind)
         if v is not None:
             kwargs[name] = v
     seed = kwargs.get("seed")
-    if seed is not None and not -2 ** 63 <= seed < 2 ** 63:
+    if seed is not None and not -(2**63) <= seed < 2**63:
         raise bad_request("'seed' must fit in a signed 64-bit integer", "seed")
     stop = body.get("stop")
     if stop is not None:
@@ -202,8 +231,13 @@ def _sampling_params(body: dict, chat: bool, default_max_tokens: int | None) -> 
 def _check_model(body: dict, served_model_name: str) -> None:
     model = _get(body, "model", "str")
     if model is not None and model != served_model_name:
-        raise APIError(404, f"The model '{model}' does not exist; this server serves '{served_model_name}'",
-                       "invalid_request_error", "model", "model_not_found")
+        raise APIError(
+            404,
+            f"The model '{model}' does not exist; this server serves '{served_model_name}'",
+            "invalid_request_error",
+            "model",
+            "model_not_found",
+        )
 
 
 def _stream_flags(body: dict) -> tuple[bool, bool]:
@@ -230,11 +264,15 @@ def _completion_prompts(body: dict) -> list[Any]:
             return list(prompt)
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return [prompt]
-        if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-               for p in prompt):
+        if all(
+            isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in prompt
+        ):
             return list(prompt)
-    raise bad_request("'prompt' must be a string, an array of strings, an array of token ids or an array of "
-                      "arrays of token ids (none of them empty)", "prompt")
+    raise bad_request(
+        "'prompt' must be a string, an array of strings, an array of token ids or an array of "
+        "arrays of token ids (none of them empty)",
+        "prompt",
+    )
 
 
 def _message_text(content: Any, i: int) -> str:
@@ -244,16 +282,31 @@ def _message_text(content: Any, i: int) -> str:
         parts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
-                                  "are supported", "messages")
+                raise bad_request(
+                    f'messages[{i}].content: only text parts ({{"type": "text", "text": ...}}) are supported',
+                    "messages",
+                )
             parts.append(part["text"])
         return "".join(parts)
     raise bad_request(f"messages[{i}].content must be a string or an array of text parts", "messages")
 
 
-_RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict",
-                             "chat_template", "tools", "documents", "continue_final_message", "return_tensors",
-                             "padding", "truncation", "max_length", "tokenizer_kwargs"}
+_RESERVED_TEMPLATE_KWARGS = {
+    "conversation",
+    "messages",
+    "tokenize",
+    "add_generation_prompt",
+    "return_dict",
+    "chat_template",
+    "tools",
+    "documents",
+    "continue_final_message",
+    "return_tensors",
+    "padding",
+    "truncation",
+    "max_length",
+    "tokenizer_kwargs",
+}
 
 
 def _chat_prompt(body: dict, tokenizer: Any, served_model_name: str) -> str:
@@ -266,15 +319,19 @@ def _chat_prompt(body: dict, tokenizer: Any, served_model_name: str) -> str:
             raise bad_request(f"messages[{i}] must be an object with a string 'role'", "messages")
         conversation.append({"role": m["role"], "content": _message_text(m.get("content"), i)})
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise bad_request(f"the model '{served_model_name}' has no chat template, so /v1/chat/completions cannot "
-                          "build a prompt; use /v1/completions", "messages", "no_chat_template")
+        raise bad_request(
+            f"the model '{served_model_name}' has no chat template, so /v1/chat/completions cannot "
+            "build a prompt; use /v1/completions",
+            "messages",
+            "no_chat_template",
+        )
     extra = _get(body, "chat_template_kwargs", "dict", {})
     bad = sorted(set(extra) & _RESERVED_TEMPLATE_KWARGS)
     if bad:
         raise bad_request(f"chat_template_kwargs may not set {bad}", "chat_template_kwargs")
     try:
         text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False, **extra)
-    except Exception as e:                       # jinja errors, raise_exception() in the template
+    except Exception as e:  # jinja errors, raise_exception() in the template
         raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
     if not isinstance(text, str):
         raise bad_request("the chat template did not produce a string", "messages")
@@ -282,8 +339,11 @@ def _chat_prompt(body: dict, tokenizer: Any, served_model_name: str) -> str:
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def _sse(obj: Any) -> str:
@@ -317,8 +377,13 @@ class _AuthMiddleware:
                     given = v
                     break
             if not hmac.compare_digest(given, self.expected):
-                response = error_response(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
-                                          "authentication_error", None, "invalid_api_key")
+                response = error_response(
+                    401,
+                    "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                    "authentication_error",
+                    None,
+                    "invalid_api_key",
+                )
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -361,8 +426,9 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | None = None, api_key
     async def _validation_error(request: Request, e: RequestValidationError):
         errs = e.errors()
         param = ".".join(str(x) for x in errs[0].get("loc", ())[1:]) if errs else None
-        return error_response(400, f"invalid request: {errs[0].get('msg') if errs else e}", "invalid_request_error",
-                              param or None)
+        return error_response(
+            400, f"invalid request: {errs[0].get('msg') if errs else e}", "invalid_request_error", param or None
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
@@ -375,8 +441,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | None = None, api_key
         return error_response(500, f"internal server error: {type(e).__name__}", "internal_server_error")
 
     # -- helpers that close over the engine --
-    def submit(prompts: list[Any], params: SamplingParams, base_id: str, stream: bool,
-               prompt_param: str) -> _Submitted:
+    def submit(prompts: list[Any], params: SamplingParams, base_id: str, stream: bool, prompt_param: str) -> _Submitted:
         """Tokenize, validate and queue every prompt, or none of them."""
         handles: list[RequestStream] = []
         lens: list[int] = []
@@ -401,15 +466,17 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | None = None, api_key
         except EngineShutdownError as e:
             for h in handles:
                 h.close()
-            raise APIError(503, str(e), "service_unavailable", None,
-                           "engine_dead" if async_llm.is_dead else "shutting_down") from None
+            raise APIError(
+                503, str(e), "service_unavailable", None, "engine_dead" if async_llm.is_dead else "shutting_down"
+            ) from None
         return _Submitted(handles, lens)
 
     async def finals(request: Request, sub: _Submitted) -> list[RequestOutput]:
         """Wait for every final output; a client that disconnects first aborts them."""
+
         async def last(h: RequestStream) -> RequestOutput:
             out = None
-            async for out in h:
+            async for out in h:  # noqa: B007  (the last one is the final output)
                 pass
             return out
 
@@ -437,8 +504,9 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | None = None, api_key
         except EngineShutdownError as e:
             raise APIError(503, str(e), "service_unavailable", None, "engine_dead") from None
         if any(o.outputs[0].finish_reason == "abort" for o in outs):
-            raise APIError(503, "the request was aborted (the server is shutting down)", "service_unavailable",
-                           None, "aborted")
+            raise APIError(
+                503, "the request was aborted (the server is shutting down)", "service_unavailable", None, "aborted"
+            )
         return outs
 
     async def merged(sub: _Submitted) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -452,7 +520,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | None = None, api_key
             try:
                 async for out in h:
                     queue.put_nowait((i, out))
-            except BaseException as e:          # noqa: BLE001  (handed to the consumer)
+            except BaseException as e:  # noqa: BLE001  (handed to the consumer)
                 queue.put_nowait((i, e))
 
         tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(sub.handles)]
@@ -485,7 +553,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | None = None, api_key
             except EngineStepError as e:
                 yield _sse(error_body(str(e), "internal_server_error"))
                 yield SSE_DONE
-            except EngineShutdownError as e:      # the engine core died mid-stream
+            except EngineShutdownError as e:  # the engine core died mid-stream
                 yield _sse(error_body(str(e), "service_unavailable", None, "engine_dead"))
                 yield SSE_DONE
             finally:
@@ -495,8 +563,15 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | None = None, api_key
 
     # -- routes --
     def model_card() -> dict:
-        return {"id": served_model_name, "object": "model", "created": created, "owned_by": "pagedllm",
-                "root": async_llm.model_path, "parent": None, "max_model_len": max_model_len}
+        return {
+            "id": served_model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "pagedllm",
+            "root": async_llm.model_path,
+            "parent": None,
+            "max_model_len": max_model_len,
+        }
 
     @app.get("/health")
     async def health():
@@ -516,8 +591,9 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | None = None, api_key
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str):
         if model != served_model_name:
-            raise APIError(404, f"The model '{model}' does not exist", "invalid_request_error", "model",
-                           "model_not_found")
+            raise APIError(
+                404, f"The model '{model}' does not exist", "invalid_request_error", "model", "model_not_found"
+            )
         return model_card()
 
     @app.post("/v1/completions")
@@ -534,8 +610,12 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | None = None, api_key
         chunk = _chunk_builder(rid, "text_completion", now, served_model_name)
 
         if stream:
-            head, tail = _sse_template(chunk([{"index": 0, "text": _HOLE, "logprobs": None, "finish_reason": None,
-                                               "stop_reason": None}], None if include_usage else False))
+            head, tail = _sse_template(
+                chunk(
+                    [{"index": 0, "text": _HOLE, "logprobs": None, "finish_reason": None, "stop_reason": None}],
+                    None if include_usage else False,
+                )
+            )
 
             def make_chunks(i, out):
                 if out is None:
@@ -543,15 +623,36 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | None = None, api_key
                 o = out.outputs[0]
                 if i == 0 and o.finish_reason is None:
                     return (head + json.dumps(o.delta_text, ensure_ascii=False) + tail,)
-                return (_sse(chunk([{"index": i, "text": o.delta_text, "logprobs": None,
-                                     "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}],
-                                   None if include_usage else False)),)
+                return (
+                    _sse(
+                        chunk(
+                            [
+                                {
+                                    "index": i,
+                                    "text": o.delta_text,
+                                    "logprobs": None,
+                                    "finish_reason": o.finish_reason,
+                                    "stop_reason": o.stop_reason,
+                                }
+                            ],
+                            None if include_usage else False,
+                        )
+                    ),
+                )
+
             return streaming(sub, make_chunks, lambda u: _sse(chunk([], u)), include_usage)
 
         outs = await finals(request, sub)
-        choices = [{"index": i, "text": o.outputs[0].text, "logprobs": None,
-                    "finish_reason": o.outputs[0].finish_reason, "stop_reason": o.outputs[0].stop_reason}
-                   for i, o in enumerate(outs)]
+        choices = [
+            {
+                "index": i,
+                "text": o.outputs[0].text,
+                "logprobs": None,
+                "finish_reason": o.outputs[0].finish_reason,
+                "stop_reason": o.outputs[0].stop_reason,
+            }
+            for i, o in enumerate(outs)
+        ]
         return chunk(choices, _usage(sum(sub.prompt_lens), sum(len(o.outputs[0].token_ids) for o in outs)))
 
     @app.post("/v1/chat/completions")
@@ -575,27 +676,79 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | None = None, api_key
 
         if stream:
             u = None if include_usage else False
-            head, tail = _sse_template(chunk([{"index": 0, "delta": {"content": _HOLE}, "logprobs": None,
-                                               "finish_reason": None, "stop_reason": None}], u))
+            head, tail = _sse_template(
+                chunk(
+                    [
+                        {
+                            "index": 0,
+                            "delta": {"content": _HOLE},
+                            "logprobs": None,
+                            "finish_reason": None,
+                            "stop_reason": None,
+                        }
+                    ],
+                    u,
+                )
+            )
 
             def make_chunks(i, out):
-                if out is None:       # the opening chunk carries the role
-                    return (_sse(chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                         "logprobs": None, "finish_reason": None}], u)),)
+                if out is None:  # the opening chunk carries the role
+                    return (
+                        _sse(
+                            chunk(
+                                [
+                                    {
+                                        "index": 0,
+                                        "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None,
+                                        "finish_reason": None,
+                                    }
+                                ],
+                                u,
+                            )
+                        ),
+                    )
                 o = out.outputs[0]
                 if o.finish_reason is None:
                     return (head + json.dumps(o.delta_text, ensure_ascii=False) + tail,)
                 delta = {"content": o.delta_text} if (o.delta_text or o.finish_reason is None) else {}
-                return (_sse(chunk([{"index": 0, "delta": delta, "logprobs": None,
-                                     "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}], u)),)
+                return (
+                    _sse(
+                        chunk(
+                            [
+                                {
+                                    "index": 0,
+                                    "delta": delta,
+                                    "logprobs": None,
+                                    "finish_reason": o.finish_reason,
+                                    "stop_reason": o.stop_reason,
+                                }
+                            ],
+                            u,
+                        )
+                    ),
+                )
+
             return streaming(sub, make_chunks, lambda usage: _sse(chunk([], usage)), include_usage)
 
         out = (await finals(request, sub))[0]
         o = out.outputs[0]
-        return {"id": rid, "object": "chat.completion", "created": now, "model": served_model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": o.text},
-                             "logprobs": None, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}],
-                "usage": _usage(sub.prompt_lens[0], len(o.token_ids))}
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": now,
+            "model": served_model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": o.text},
+                    "logprobs": None,
+                    "finish_reason": o.finish_reason,
+                    "stop_reason": o.stop_reason,
+                }
+            ],
+            "usage": _usage(sub.prompt_lens[0], len(o.token_ids)),
+        }
 
     if api_key:
         app.add_middleware(_AuthMiddleware, api_key=api_key)
@@ -604,11 +757,13 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | None = None, api_key
 
 def _chunk_builder(rid: str, obj: str, created: int, model: str) -> Callable[..., dict]:
     """chunk(choices, usage=False) -> one response object; usage False leaves the key out."""
+
     def chunk(choices: list, usage: Any = False) -> dict:
         c = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
         if usage is not False:
             c["usage"] = usage
         return c
+
     return chunk
 
 
@@ -618,8 +773,9 @@ class _SSEResponse(StreamingResponse):
     engine requests here makes the abort immediate instead of waiting for garbage collection."""
 
     def __init__(self, content: AsyncIterator[str], on_close):
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
         self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
@@ -631,6 +787,7 @@ class _SSEResponse(StreamingResponse):
 
 def _version() -> str:
     from pagedllm import __version__
+
     return __version__
 
 
@@ -644,6 +801,7 @@ def _int_in(lo: int, hi: int | None, what: str):
         if v < lo or (hi is not None and v > hi):
             raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
         return v
+
     parse.__name__ = what
     return parse
 
@@ -651,22 +809,49 @@ def _int_in(lo: int, hi: int | None, what: str):
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
-    g.add_argument("--port", type=_int_in(0, 65535, "a port number in [0, 65535]"), default=8000,
-                   help="TCP port (0 picks a free one)")
-    g.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer KEY' on /v1/*; unset: ${API_KEY_ENV}, else no key")
-    g.add_argument("--served-model-name", default=None,
-                   help="the model name clients send; unset: --model as given, else the directory's name")
-    g.add_argument("--max-queue-len", type=_int_in(0, None, "an integer >= 0"), default=None,
-                   help="answer 429 while this many requests are waiting; unset: no limit")
-    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                   help="log level of the server and the engine")
+    g.add_argument(
+        "--port",
+        type=_int_in(0, 65535, "a port number in [0, 65535]"),
+        default=8000,
+        help="TCP port (0 picks a free one)",
+    )
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on /v1/*; unset: ${API_KEY_ENV}, else no key",
+    )
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients send; unset: --model as given, else the directory's name",
+    )
+    g.add_argument(
+        "--max-queue-len",
+        type=_int_in(0, None, "an integer >= 0"),
+        default=None,
+        help="answer 429 while this many requests are waiting; unset: no limit",
+    )
+    g.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="log level of the server and the engine",
+    )
     g.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
-    g.add_argument("--timeout-graceful-shutdown", type=float, default=10.0, metavar="SECONDS",
-                   help="on SIGTERM, how long to wait for the aborted streams to close")
-    g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
-                   help="run the engine in its own process (--no-engine-process: on a thread of the server "
-                        "process, sharing its GIL; for debugging)")
+    g.add_argument(
+        "--timeout-graceful-shutdown",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="on SIGTERM, how long to wait for the aborted streams to close",
+    )
+    g.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the engine in its own process (--no-engine-process: on a thread of the server "
+        "process, sharing its GIL; for debugging)",
+    )
     return parser
 
 
@@ -674,31 +859,44 @@ def run_server(args: argparse.Namespace) -> int:
     """Load the model, serve until SIGTERM/SIGINT, then abort in-flight requests (each stream
     ends cleanly) and return 0."""
     import uvicorn
+
     try:
         from pagedllm.entrypoints.cli import engine_kwargs
-    except ImportError:                  # pragma: no cover  (cli.py ships alongside)
+    except ImportError:  # pragma: no cover  (cli.py ships alongside)
+
         def engine_kwargs(a):
             return {"model": a.model}
+
     level = getattr(logging, str(args.log_level).upper(), logging.INFO)
     if not logger.handlers and not logging.getLogger().handlers:
         logging.basicConfig(format="%(levelname)s %(asctime)s %(message)s", datefmt="%m-%d %H:%M:%S")
     logger.setLevel(level)
     kwargs = engine_kwargs(args)
-    async_llm = AsyncLLM(max_queue_len=args.max_queue_len, engine_process=getattr(args, "engine_process", True),
-                         **kwargs)
-    name = args.served_model_name or (getattr(args, "model", None) or
-                                      os.path.basename(os.path.normpath(async_llm.model_path)))
+    async_llm = AsyncLLM(
+        max_queue_len=args.max_queue_len, engine_process=getattr(args, "engine_process", True), **kwargs
+    )
+    name = args.served_model_name or (
+        getattr(args, "model", None) or os.path.basename(os.path.normpath(async_llm.model_path))
+    )
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     app = build_app(async_llm, name, api_key)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=str(args.log_level).lower(),
-                            timeout_graceful_shutdown=args.timeout_graceful_shutdown, ws="none",
-                            lifespan="off", access_log=not getattr(args, "disable_uvicorn_access_log", False))
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=str(args.log_level).lower(),
+        timeout_graceful_shutdown=args.timeout_graceful_shutdown,
+        ws="none",
+        lifespan="off",
+        access_log=not getattr(args, "disable_uvicorn_access_log", False),
+    )
     server = _make_server(config, async_llm)
     # uvicorn re-raises the signal it caught once it has shut down; a no-op handler installed
     # before it starts is what it restores, so the process exits 0 instead of dying by SIGTERM.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
-    logger.info("Serving model %r on http://%s:%d/v1%s", name, args.host, args.port,
-                " (API key required)" if api_key else "")
+    logger.info(
+        "Serving model %r on http://%s:%d/v1%s", name, args.host, args.port, " (API key required)" if api_key else ""
+    )
     try:
         server.run()
     finally:
@@ -722,7 +920,7 @@ def _make_server(config, async_llm: AsyncLLM):
 
         def handle_exit(self, sig, frame):
             super().handle_exit(sig, frame)
-            if self.loop is not None:      # in a signal handler: hand over to the loop, take no lock here
+            if self.loop is not None:  # in a signal handler: hand over to the loop, take no lock here
                 self.loop.call_soon_threadsafe(async_llm.begin_shutdown)
             else:
                 async_llm.begin_shutdown()
@@ -732,8 +930,10 @@ def _make_server(config, async_llm: AsyncLLM):
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m pagedllm.entrypoints.server` = `pagedllm serve`."""
-    from pagedllm.entrypoints.cli import main as cli_main
     import sys
+
+    from pagedllm.entrypoints.cli import main as cli_main
+
     return cli_main(["serve", *(sys.argv[1:] if argv is None else argv)])
 
 

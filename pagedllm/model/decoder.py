@@ -4,13 +4,14 @@ The families differ in three switches, read from the HF config by the registry:
 qkv bias (Qwen2), per-head q/k RMSNorm (Qwen3), tied embeddings (Qwen3 small, Llama 3.2).
 Activations are [T, hidden]: the tokens of all scheduled sequences packed, no padding.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from pagedllm.model.attention import Attention
 from pagedllm.model.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -35,20 +36,23 @@ class DecoderAttention(nn.Module):
         self.num_kv_heads = cfg.num_key_value_heads // tp
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = traits.qkv_bias or getattr(cfg, "attention_bias", False)
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, cfg.num_attention_heads,
-                                          cfg.num_key_value_heads, bias=bias)
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size,
-                                        bias=getattr(cfg, "attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, self.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, bias=bias
+        )
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * self.head_dim, cfg.hidden_size, bias=getattr(cfg, "attention_bias", False)
+        )
         self.qk_norm = traits.qk_norm
         if traits.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         rope_params = getattr(cfg, "rope_parameters", None) or {}
         theta = rope_params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-        scaling = getattr(cfg, "rope_scaling", None) or (rope_params if rope_params.get("rope_type", "default")
-                                                         != "default" else None)
+        scaling = getattr(cfg, "rope_scaling", None) or (
+            rope_params if rope_params.get("rope_type", "default") != "default" else None
+        )
         self.rotary = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, theta, scaling)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -76,6 +80,7 @@ class DecoderMLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if gate_up.is_cuda:
             from pagedllm.ops.fused import silu_and_mul
+
             return self.down_proj(silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
@@ -117,8 +122,11 @@ class DecoderModel(nn.Module):
 class DecoderForCausalLM(nn.Module):
     # checkpoint name -> (packed parameter name, shard id)
     packed_modules = {
-        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
     }
 
     def __init__(self, cfg, traits: FamilyTraits):

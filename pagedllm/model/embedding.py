@@ -1,9 +1,10 @@
 """Vocab-parallel embedding and LM head: each rank holds a contiguous slice of the vocabulary."""
+
 from __future__ import annotations
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from pagedllm.model.parallel import all_reduce, gather_last_dim, tp_rank, tp_size
 
@@ -13,14 +14,14 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp_size, self.tp_rank = tp_size(), tp_rank()
         self.vocab_size = vocab_size
-        self.per_rank = -(-vocab_size // self.tp_size)           # last rank padded
+        self.per_rank = -(-vocab_size // self.tp_size)  # last rank padded
         self.start = self.tp_rank * self.per_rank
         self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        part = loaded[self.start:self.start + self.per_rank]
-        param.data[:part.shape[0]].copy_(part)
+        part = loaded[self.start : self.start + self.per_rank]
+        param.data[: part.shape[0]].copy_(part)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -36,4 +37,4 @@ class ParallelLMHead(VocabParallelEmbedding):
         logits = F.linear(hidden, self.weight)
         if self.tp_size > 1:
             logits = gather_last_dim(logits)
-        return logits[..., :self.vocab_size]
+        return logits[..., : self.vocab_size]

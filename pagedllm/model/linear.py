@@ -5,11 +5,12 @@ RowParallelLinear splits the input features and all-reduces the partial sums. Pa
 projections (qkv, gate_up) are column-parallel layers whose checkpoint shards are loaded
 into their slice of the packed weight by `weight_loader(param, tensor, shard_id)`.
 """
+
 from __future__ import annotations
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from pagedllm.model.parallel import all_reduce, divide, tp_rank, tp_size
 

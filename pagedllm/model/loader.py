@@ -1,5 +1,6 @@
 """Load a Hugging Face safetensors checkpoint (single file or sharded) into a model,
 packing q/k/v and gate/up into their fused parameters and slicing for this TP rank."""
+
 from __future__ import annotations
 
 import glob

@@ -1,4 +1,5 @@
 """RMSNorm in fp32 as HF computes it, with the residual add fused into the same call."""
+
 from __future__ import annotations
 
 import torch
@@ -18,8 +19,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without residual: norm(x). With it: (norm(x + residual), x + residual)."""
-        if x.is_cuda:                         # one fused Triton kernel instead of ~8 small ones
+        if x.is_cuda:  # one fused Triton kernel instead of ~8 small ones
             from pagedllm.ops.fused import rms_norm
+
             return rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self.norm(x)

@@ -3,6 +3,7 @@
 With no process group (the usual single-device case) every helper is the identity, so the
 layers are written rank-aware once and run unchanged at TP=1.
 """
+
 from __future__ import annotations
 
 import torch

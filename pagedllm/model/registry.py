@@ -1,4 +1,5 @@
 """Architecture name (config.json "architectures") -> model class and its family traits."""
+
 from __future__ import annotations
 
 from pagedllm.model.decoder import DecoderForCausalLM, FamilyTraits
@@ -18,8 +19,9 @@ def resolve(cfg) -> FamilyTraits:
     for arch in archs:
         if arch in _REGISTRY:
             return _REGISTRY[arch]
-    raise ValueError(f"unsupported architecture {archs or '(none in config.json)'}; "
-                     f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    raise ValueError(
+        f"unsupported architecture {archs or '(none in config.json)'}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
 
 
 def build_model(cfg) -> DecoderForCausalLM:

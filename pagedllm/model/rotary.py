@@ -1,5 +1,6 @@
 """Rotary position embedding (neox / rotate-half layout, as HF Llama and Qwen), with the
 "llama3" and "linear" scaling types."""
+
 from __future__ import annotations
 
 import math
@@ -40,8 +41,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hkv, D] -> rotated (same dtype)."""
-        if q.is_cuda:                         # fused Triton kernel, rotates in place
+        if q.is_cuda:  # fused Triton kernel, rotates in place
             from pagedllm.ops.fused import apply_rotary
+
             return apply_rotary(q, k, self.cos_sin_cache, positions)
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

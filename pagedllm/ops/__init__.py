@@ -6,6 +6,7 @@ so one (block, kv_head) tile of block_size x head_dim is contiguous: the attenti
 kernels read it once for all query heads of its GQA group.
 slot = block_id * block_size + offset; slot -1 means "do not store" (padding).
 """
+
 import importlib.util as _importlib_util
 
 # Whether triton is installed. Checked without importing it, so the CPU path (torch

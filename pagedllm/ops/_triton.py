@@ -7,6 +7,7 @@ imported; setting it here covers that, provided nothing imported triton itself b
 (triton decorates its own helpers such as tl.zeros at import time, so a process that
 imported triton without TRITON_INTERPRET cannot interpret kernels afterwards).
 """
+
 from __future__ import annotations
 
 import os
@@ -19,6 +20,7 @@ if not torch.cuda.is_available():
 try:
     import triton
     import triton.language as tl
+
     HAS_TRITON = True
 except ImportError:  # pragma: no cover - exercised only where triton is absent
     triton = None

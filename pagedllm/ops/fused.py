@@ -6,6 +6,7 @@ Rounding follows HF transformers (Llama/Qwen), so a model built on these matches
 - SiLU-and-mul: fp32 math, one rounding at the end.
 - Rotary (neox / rotate-half): fp32 math, one rounding per element.
 """
+
 from __future__ import annotations
 
 import torch
@@ -15,8 +16,7 @@ from pagedllm.ops._triton import HAS_TRITON, next_pow2, require_triton, tl, trit
 # ----------------------------------------------------------------------------- references
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None):
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """out = weight * normalise(x [+ residual]); with residual returns (out, x + residual)."""
     if residual is not None:
         x = (x.float() + residual.float()).to(x.dtype)
@@ -38,15 +38,16 @@ def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     # x: [T, H, D]; cos/sin: [T, 1, R/2] with R = rotary dim <= D
     half = cos.shape[-1]
     xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half:2 * half]
+    x1, x2 = xf[..., :half], xf[..., half : 2 * half]
     out = xf.clone()
     out[..., :half] = x1 * cos - x2 * sin
-    out[..., half:2 * half] = x2 * cos + x1 * sin
+    out[..., half : 2 * half] = x2 * cos + x1 * sin
     return out.to(x.dtype)
 
 
-def apply_rotary_ref(q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
-                     positions: torch.Tensor, head_dim: int | None = None):
+def apply_rotary_ref(
+    q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor, head_dim: int | None = None
+):
     """Neox-style rotary. q: [T, Hq, D] or [T, Hq*D]; k likewise; returns new (q, k).
 
     cos_sin_cache: [max_pos, R] with cos in [:R/2] and sin in [R/2:]; the first R <= D
@@ -55,7 +56,7 @@ def apply_rotary_ref(q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tens
     """
     rot = cos_sin_cache.shape[-1]
     cs = cos_sin_cache[positions.long()].float()
-    cos, sin = cs[:, None, : rot // 2], cs[:, None, rot // 2:]
+    cos, sin = cs[:, None, : rot // 2], cs[:, None, rot // 2 :]
     d = q.shape[-1] if q.dim() == 3 else (head_dim or rot)
 
     def one(x):
@@ -70,9 +71,21 @@ def apply_rotary_ref(q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tens
 if HAS_TRITON:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, n_cols, eps,
-                         stride_x, stride_r, stride_o, stride_nr,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(
+        x_ptr,
+        res_ptr,
+        w_ptr,
+        out_ptr,
+        new_res_ptr,
+        n_cols,
+        eps,
+        stride_x,
+        stride_r,
+        stride_o,
+        stride_nr,
+        HAS_RESIDUAL: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -85,8 +98,7 @@ if HAS_TRITON:
         var = tl.sum(xf * xf, 0) / n_cols
         normed = (xf * tl.math.rsqrt(var + eps)).to(x_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty),
-                 mask=mask)
+        tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o, BLOCK: tl.constexpr):
@@ -99,8 +111,7 @@ if HAS_TRITON:
         tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rotate_heads(x_ptr, tok, stride_t, stride_h, n_heads, cos, sin,
-                      BLOCK_H: tl.constexpr, HALF: tl.constexpr):
+    def _rotate_heads(x_ptr, tok, stride_t, stride_h, n_heads, cos, sin, BLOCK_H: tl.constexpr, HALF: tl.constexpr):
         offs_h = tl.arange(0, BLOCK_H)
         offs_r = tl.arange(0, HALF)
         mask = (offs_h < n_heads)[:, None]
@@ -108,16 +119,26 @@ if HAS_TRITON:
         p2 = p1 + HALF
         x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
-        tl.store(p1, (x1 * cos[None, :] - x2 * sin[None, :]).to(x_ptr.dtype.element_ty),
-                 mask=mask)
-        tl.store(p2, (x2 * cos[None, :] + x1 * sin[None, :]).to(x_ptr.dtype.element_ty),
-                 mask=mask)
+        tl.store(p1, (x1 * cos[None, :] - x2 * sin[None, :]).to(x_ptr.dtype.element_ty), mask=mask)
+        tl.store(p2, (x2 * cos[None, :] + x1 * sin[None, :]).to(x_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rotary_kernel(q_ptr, k_ptr, cache_ptr, pos_ptr,
-                       stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
-                       n_q_heads, n_k_heads,
-                       HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr):
+    def _rotary_kernel(
+        q_ptr,
+        k_ptr,
+        cache_ptr,
+        pos_ptr,
+        stride_qt,
+        stride_qh,
+        stride_kt,
+        stride_kh,
+        stride_c,
+        n_q_heads,
+        n_k_heads,
+        HALF: tl.constexpr,
+        BLOCK_HQ: tl.constexpr,
+        BLOCK_HK: tl.constexpr,
+    ):
         tok = tl.program_id(0).to(tl.int64)
         pos = tl.load(pos_ptr + tok).to(tl.int64)
         offs_r = tl.arange(0, HALF)
@@ -127,8 +148,7 @@ if HAS_TRITON:
         _rotate_heads(k_ptr, tok, stride_kt, stride_kh, n_k_heads, cos, sin, BLOCK_HK, HALF)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """RMSNorm over the last dim; with residual, fused add: returns (out, x + residual)."""
     require_triton()
     h = x.shape[-1]
@@ -145,9 +165,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if rows:
         block = next_pow2(h)
         _rms_norm_kernel[(rows,)](
-            x2, r2, weight, out, new_res, h, float(eps),
-            x2.stride(0), r2.stride(0), out.stride(0), new_res.stride(0),
-            HAS_RESIDUAL=residual is not None, BLOCK=block,
+            x2,
+            r2,
+            weight,
+            out,
+            new_res,
+            h,
+            float(eps),
+            x2.stride(0),
+            r2.stride(0),
+            out.stride(0),
+            new_res.stride(0),
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=block,
             num_warps=min(16, max(1, block // 256)),
         )
     out = out.view(x.shape)
@@ -165,12 +195,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x2.shape[0]:
         block = min(1024, next_pow2(i))
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(i, block))](
-            x2, out, i, x2.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+            x2, out, i, x2.stride(0), out.stride(0), BLOCK=block, num_warps=4
+        )
     return out.view(*x.shape[:-1], i)
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
-                 positions: torch.Tensor, head_dim: int | None = None):
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor, head_dim: int | None = None
+):
     """Neox rotary applied IN PLACE to q and k; returns (q, k).
 
     q: [T, Hq, D] or [T, Hq*D] (then head_dim, default the cache's rotary dim), k likewise;
@@ -187,14 +219,23 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
     t = q3.shape[0]
     if t:
         _rotary_kernel[(t,)](
-            q3, k3, cos_sin_cache, positions,
-            q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), cos_sin_cache.stride(0),
-            q3.shape[1], k3.shape[1],
-            HALF=rot // 2, BLOCK_HQ=next_pow2(q3.shape[1]), BLOCK_HK=next_pow2(k3.shape[1]),
+            q3,
+            k3,
+            cos_sin_cache,
+            positions,
+            q3.stride(0),
+            q3.stride(1),
+            k3.stride(0),
+            k3.stride(1),
+            cos_sin_cache.stride(0),
+            q3.shape[1],
+            k3.shape[1],
+            HALF=rot // 2,
+            BLOCK_HQ=next_pow2(q3.shape[1]),
+            BLOCK_HK=next_pow2(k3.shape[1]),
             num_warps=4,
         )
     return q, k
 
 
-__all__ = ["rms_norm", "rms_norm_ref", "silu_and_mul", "silu_and_mul_ref", "apply_rotary",
-           "apply_rotary_ref"]
+__all__ = ["rms_norm", "rms_norm_ref", "silu_and_mul", "silu_and_mul_ref", "apply_rotary", "apply_rotary_ref"]

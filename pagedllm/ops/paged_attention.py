@@ -17,6 +17,7 @@ ints, so the decode path can be captured in a CUDA graph.
 
 Reference: `attention_ref.paged_attention_ref`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,10 +29,29 @@ LOG2E = 1.4426950408889634
 if HAS_TRITON:
 
     @triton.jit
-    def _attn_tile(acc, l_i, m_i, q, q_pos, start, hi, k_base, v_base, bt_row,
-                   stride_kb, stride_kt, stride_vb, stride_vt, qk_scale,
-                   offs_n, offs_d, BLOCK_SIZE: tl.constexpr, MASK: tl.constexpr,
-                   DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    def _attn_tile(
+        acc,
+        l_i,
+        m_i,
+        q,
+        q_pos,
+        start,
+        hi,
+        k_base,
+        v_base,
+        bt_row,
+        stride_kb,
+        stride_kt,
+        stride_vb,
+        stride_vt,
+        qk_scale,
+        offs_n,
+        offs_d,
+        BLOCK_SIZE: tl.constexpr,
+        MASK: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
         kpos = start + offs_n
         if MASK:
             kvalid = kpos < hi
@@ -70,15 +90,36 @@ if HAS_TRITON:
     # does not compile a variant per value class (==1, %16, other) in the middle of serving.
     @triton.jit(do_not_specialize=["stride_bt"])
     def _paged_attn_kernel(
-        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr,
-        seq_lens_ptr, part_out_ptr, part_lse_ptr,
+        out_ptr,
+        q_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_tables_ptr,
+        cu_seqlens_q_ptr,
+        seq_lens_ptr,
+        part_out_ptr,
+        part_lse_ptr,
         qk_scale,
-        stride_qt, stride_qh, stride_ot, stride_oh,
-        stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+        stride_qt,
+        stride_qh,
+        stride_ot,
+        stride_oh,
+        stride_kb,
+        stride_kh,
+        stride_kt,
+        stride_vb,
+        stride_vh,
+        stride_vt,
         stride_bt,
-        GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-        BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, DOT_PREC: tl.constexpr,
+        GROUP: tl.constexpr,
+        G_PAD: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        DECODE: tl.constexpr,
+        DOT_PREC: tl.constexpr,
         UPCAST: tl.constexpr,
     ):
         BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
@@ -97,10 +138,10 @@ if HAS_TRITON:
         if qblk * BLOCK_Q >= q_len:
             return
         seq_len = tl.load(seq_lens_ptr + b)
-        ctx = seq_len - q_len                      # cached tokens before the new ones
+        ctx = seq_len - q_len  # cached tokens before the new ones
 
         rows = tl.arange(0, BLOCK_M)
-        tok = qblk * BLOCK_Q + rows // G_PAD       # index within the sequence's new tokens
+        tok = qblk * BLOCK_Q + rows // G_PAD  # index within the sequence's new tokens
         hg = rows % G_PAD
         row_valid = (tok < q_len) & (hg < GROUP)
         head = kvh * GROUP + hg
@@ -108,13 +149,16 @@ if HAS_TRITON:
         offs_d = tl.arange(0, HEAD_DIM)
         offs_n = tl.arange(0, BLOCK_N)
         t_idx = (q_start + tok).to(tl.int64)
-        q = tl.load(q_ptr + t_idx[:, None] * stride_qt + head[:, None] * stride_qh
-                    + offs_d[None, :], mask=row_valid[:, None], other=0.0)
+        q = tl.load(
+            q_ptr + t_idx[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+            mask=row_valid[:, None],
+            other=0.0,
+        )
         if UPCAST:
             q = q.to(tl.float32)
 
-        kv_hi = tl.minimum(ctx + (qblk + 1) * BLOCK_Q, seq_len)   # keys any row needs
-        kv_full = ctx + qblk * BLOCK_Q + 1                         # keys every row sees
+        kv_hi = tl.minimum(ctx + (qblk + 1) * BLOCK_Q, seq_len)  # keys any row needs
+        kv_full = ctx + qblk * BLOCK_Q + 1  # keys every row sees
         if NUM_SPLITS > 1:
             per = tl.cdiv(tl.cdiv(kv_hi, NUM_SPLITS), BLOCK_N) * BLOCK_N
             lo = split * per
@@ -132,35 +176,81 @@ if HAS_TRITON:
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         for start in range(lo, full_end, BLOCK_N):
-            acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, q_pos, start, hi, k_base, v_base,
-                                       bt_row, stride_kb, stride_kt, stride_vb, stride_vt,
-                                       qk_scale, offs_n, offs_d, BLOCK_SIZE, False, DOT_PREC,
-                                       UPCAST)
+            acc, l_i, m_i = _attn_tile(
+                acc,
+                l_i,
+                m_i,
+                q,
+                q_pos,
+                start,
+                hi,
+                k_base,
+                v_base,
+                bt_row,
+                stride_kb,
+                stride_kt,
+                stride_vb,
+                stride_vt,
+                qk_scale,
+                offs_n,
+                offs_d,
+                BLOCK_SIZE,
+                False,
+                DOT_PREC,
+                UPCAST,
+            )
         for start in range(full_end, hi, BLOCK_N):
-            acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, q_pos, start, hi, k_base, v_base,
-                                       bt_row, stride_kb, stride_kt, stride_vb, stride_vt,
-                                       qk_scale, offs_n, offs_d, BLOCK_SIZE, True, DOT_PREC,
-                                       UPCAST)
+            acc, l_i, m_i = _attn_tile(
+                acc,
+                l_i,
+                m_i,
+                q,
+                q_pos,
+                start,
+                hi,
+                k_base,
+                v_base,
+                bt_row,
+                stride_kb,
+                stride_kt,
+                stride_vb,
+                stride_vt,
+                qk_scale,
+                offs_n,
+                offs_d,
+                BLOCK_SIZE,
+                True,
+                DOT_PREC,
+                UPCAST,
+            )
 
-        nonempty = l_i > 0.0                 # false only for rows with no keys (seq_len 0)
+        nonempty = l_i > 0.0  # false only for rows with no keys (seq_len 0)
         o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
         if NUM_SPLITS == 1:
-            tl.store(out_ptr + t_idx[:, None] * stride_ot + head[:, None] * stride_oh
-                     + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+            tl.store(
+                out_ptr + t_idx[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                o.to(out_ptr.dtype.element_ty),
+                mask=row_valid[:, None],
+            )
         else:
             # part_out: [T, Hq, S, D], part_lse: [T, Hq, S], both contiguous fp32.
-            lse = tl.where(nonempty, m_i + tl.math.log2(tl.where(nonempty, l_i, 1.0)),
-                           float("-inf"))
+            lse = tl.where(nonempty, m_i + tl.math.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
             hq = tl.num_programs(1) * GROUP
             row_id = (t_idx * hq + head) * NUM_SPLITS + split
-            tl.store(part_out_ptr + row_id[:, None] * HEAD_DIM + offs_d[None, :], o,
-                     mask=row_valid[:, None])
+            tl.store(part_out_ptr + row_id[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_valid[:, None])
             tl.store(part_lse_ptr + row_id, lse, mask=row_valid)
 
     @triton.jit
-    def _merge_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, stride_ot, stride_oh,
-                             NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr,
-                             HEAD_DIM: tl.constexpr):
+    def _merge_splits_kernel(
+        out_ptr,
+        part_out_ptr,
+        part_lse_ptr,
+        stride_ot,
+        stride_oh,
+        NUM_SPLITS: tl.constexpr,
+        S_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+    ):
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         hq = tl.num_programs(1)
@@ -170,14 +260,14 @@ if HAS_TRITON:
         smask = offs_s < NUM_SPLITS
         lse = tl.load(part_lse_ptr + base + offs_s, mask=smask, other=float("-inf"))
         m = tl.max(lse, 0)
-        m = tl.where(m > float("-inf"), m, 0.0)          # all splits empty: padding row
-        w = tl.math.exp2(lse - m)                         # exp2(-inf) = 0 for empty splits
-        po = tl.load(part_out_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                     mask=smask[:, None], other=0.0)
+        m = tl.where(m > float("-inf"), m, 0.0)  # all splits empty: padding row
+        w = tl.math.exp2(lse - m)  # exp2(-inf) = 0 for empty splits
+        po = tl.load(
+            part_out_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=smask[:, None], other=0.0
+        )
         w_sum = tl.sum(w, 0)
         o = tl.sum(po * w[:, None], 0) / tl.where(w_sum > 0.0, w_sum, 1.0)
-        tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d,
-                 o.to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
 
 
 def _pick_config(decode: bool, g_pad: int, head_dim: int, dtype: torch.dtype) -> dict:
@@ -195,8 +285,7 @@ def _pick_config(decode: bool, g_pad: int, head_dim: int, dtype: torch.dtype) ->
     return dict(BLOCK_Q=block_q, BLOCK_N=32 if wide else 64, num_warps=4, num_stages=2)
 
 
-def default_num_splits(batch: int, num_kv_heads: int, max_seqlen_k: int,
-                       device: torch.device) -> int:
+def default_num_splits(batch: int, num_kv_heads: int, max_seqlen_k: int, device: torch.device) -> int:
     """Flash-decoding split count: about 4 programs per SM, >= 512 keys a split, rounded down
     to a power of two.
 
@@ -207,15 +296,24 @@ def default_num_splits(batch: int, num_kv_heads: int, max_seqlen_k: int,
     if programs >= 2 * sms:
         return 1
     n = max(1, min(4 * sms // programs, max_seqlen_k // 512, 64))
-    return 1 << (n.bit_length() - 1)     # a power of two: NUM_SPLITS is compiled in, few variants
+    return 1 << (n.bit_length() - 1)  # a power of two: NUM_SPLITS is compiled in, few variants
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
-                    seq_lens: torch.Tensor, scale: float, *, max_seqlen_q: int,
-                    max_seqlen_k: int | None = None, num_splits: int | None = None,
-                    out: torch.Tensor | None = None, _config: dict | None = None
-                    ) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_seqlen_q: int,
+    max_seqlen_k: int | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    _config: dict | None = None,
+) -> torch.Tensor:
     """Same semantics as `paged_attention_ref`; returns out [T, Hq, D] in q's dtype.
 
     max_seqlen_q: python int >= every sequence's q_len (sizes the grid). With
@@ -264,37 +362,79 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_q_blocks = triton.cdiv(max_seqlen_q, block_q)
     grid = (num_q_blocks * num_splits, hkv, batch)
     _paged_attn_kernel[grid](
-        out, q, k_cache, v_cache, block_tables,
-        cu_seqlens_q if cu_seqlens_q is not None else seq_lens, seq_lens,
-        part_out, part_lse,
+        out,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_seqlens_q if cu_seqlens_q is not None else seq_lens,
+        seq_lens,
+        part_out,
+        part_lse,
         float(scale) * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_tables.stride(0),
-        GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, HEAD_DIM=d, BLOCK_SIZE=block_size,
-        NUM_SPLITS=num_splits, DECODE=decode,
+        GROUP=group,
+        G_PAD=g_pad,
+        BLOCK_Q=block_q,
+        HEAD_DIM=d,
+        BLOCK_SIZE=block_size,
+        NUM_SPLITS=num_splits,
+        DECODE=decode,
         DOT_PREC="ieee" if q.dtype == torch.float32 else None,
         UPCAST=is_interpreted(_paged_attn_kernel) and q.dtype != torch.float32,
         **cfg,
     )
     if num_splits > 1:
         _merge_splits_kernel[(t, hq)](
-            out, part_out, part_lse, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, S_PAD=max(2, next_pow2(num_splits)), HEAD_DIM=d,
+            out,
+            part_out,
+            part_lse,
+            out.stride(0),
+            out.stride(1),
+            NUM_SPLITS=num_splits,
+            S_PAD=max(2, next_pow2(num_splits)),
+            HEAD_DIM=d,
             num_warps=4 if d >= 128 else 2,
         )
     return out
 
 
-def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           *, max_seqlen_k: int | None = None, num_splits: int | None = None,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_seqlen_k: int | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One new token per sequence (q: [B, Hq, D]); CUDA-graph capturable."""
-    return paged_attention(q, k_cache, v_cache, block_tables, None, seq_lens, scale,
-                           max_seqlen_q=1, max_seqlen_k=max_seqlen_k, num_splits=num_splits,
-                           out=out)
+    return paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        None,
+        seq_lens,
+        scale,
+        max_seqlen_q=1,
+        max_seqlen_k=max_seqlen_k,
+        num_splits=num_splits,
+        out=out,
+    )
 
 
 __all__ = ["paged_attention", "paged_attention_decode", "default_num_splits"]

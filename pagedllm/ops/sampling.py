@@ -29,6 +29,7 @@ NaN logits are never picked (torch.argmax would pick them).
 draws with argmax(probs / E) the same token the fused kernel would for the same seeds;
 `gumbel_sample_ref` is the torch reference of the fused kernel given E.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -36,11 +37,11 @@ import torch
 
 from pagedllm.ops._triton import HAS_TRITON, num_sms, require_triton, tl, triton
 
-BLOCK = 1024                    # columns per tile (8 per thread at 4 warps), multiple of 4
-NOISE_BLOCK = 1024              # columns per program of the noise kernel
-PROGRAMS_PER_SM = 8             # fused-kernel chunking target, see _num_chunks
-MAX_CHUNKS = 256                # chunks per row at most: the reduce kernel's fixed width, so
-                                # it compiles once, not once per power of two of the batch
+BLOCK = 1024  # columns per tile (8 per thread at 4 warps), multiple of 4
+NOISE_BLOCK = 1024  # columns per program of the noise kernel
+PROGRAMS_PER_SM = 8  # fused-kernel chunking target, see _num_chunks
+MAX_CHUNKS = 256  # chunks per row at most: the reduce kernel's fixed width, so
+# it compiles once, not once per power of two of the batch
 
 _INT32_MAX = 2**31 - 1
 
@@ -49,14 +50,14 @@ _INT32_MAX = 2**31 - 1
 _PHILOX_KEY_A, _PHILOX_KEY_B = np.uint64(0x9E3779B9), np.uint64(0xBB67AE85)
 _PHILOX_ROUND_A, _PHILOX_ROUND_B = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
 _M32 = np.uint64(0xFFFFFFFF)
-_UNIFORM_SCALE = np.float32(4.6566127342e-10)     # as in triton.language.random
+_UNIFORM_SCALE = np.float32(4.6566127342e-10)  # as in triton.language.random
 
 
 def philox_uniform_ref(seeds, vocab: int) -> np.ndarray:
     """u [B, vocab] float32 of the noise definition above, in numpy (Philox4x32-10)."""
     seeds = np.asarray(seeds).astype(np.int64).view(np.uint64)[:, None]
     j = np.arange(vocab, dtype=np.uint64)[None, :]
-    word = j % np.uint64(4)                                  # which rand4x output
+    word = j % np.uint64(4)  # which rand4x output
     c0 = np.broadcast_to(j // np.uint64(4), (seeds.shape[0], vocab)).copy()
     c1 = np.zeros_like(c0)
     c2 = np.zeros_like(c0)
@@ -65,10 +66,9 @@ def philox_uniform_ref(seeds, vocab: int) -> np.ndarray:
     k1 = np.broadcast_to(seeds >> np.uint64(32), c0.shape).copy()
     with np.errstate(over="ignore"):
         for _ in range(10):
-            p0 = _PHILOX_ROUND_A * c0                        # < 2**64: exact in uint64
+            p0 = _PHILOX_ROUND_A * c0  # < 2**64: exact in uint64
             p2 = _PHILOX_ROUND_B * c2
-            c0, c1, c2, c3 = ((p2 >> np.uint64(32)) ^ c1 ^ k0, p2 & _M32,
-                              (p0 >> np.uint64(32)) ^ c3 ^ k1, p0 & _M32)
+            c0, c1, c2, c3 = ((p2 >> np.uint64(32)) ^ c1 ^ k0, p2 & _M32, (p0 >> np.uint64(32)) ^ c3 ^ k1, p0 & _M32)
             k0 = (k0 + _PHILOX_KEY_A) & _M32
             k1 = (k1 + _PHILOX_KEY_B) & _M32
     bits = np.choose(word.astype(np.int64), [c0, c1, c2, c3]).astype(np.uint32).view(np.int32)
@@ -76,8 +76,7 @@ def philox_uniform_ref(seeds, vocab: int) -> np.ndarray:
     return bits.astype(np.float32) * _UNIFORM_SCALE
 
 
-def gumbel_sample_ref(logits: torch.Tensor, temperature: torch.Tensor,
-                      noise_e: torch.Tensor) -> torch.Tensor:
+def gumbel_sample_ref(logits: torch.Tensor, temperature: torch.Tensor, noise_e: torch.Tensor) -> torch.Tensor:
     """Torch reference of gumbel_sample given E = exponential_noise(seeds, V): [B] int64."""
     x = logits.float()
     t = temperature.float()
@@ -126,9 +125,19 @@ if HAS_TRITON:
 
     # the int arguments change with the batch size: unspecialized, one compiled variant
     @triton.jit(do_not_specialize=["vocab", "num_tiles", "tiles_per_chunk", "num_chunks"])
-    def _gumbel_partial_kernel(logits_ptr, temp_ptr, seed_ptr, pval_ptr, pidx_ptr,
-                               stride_l, vocab, num_tiles, tiles_per_chunk, num_chunks,
-                               BLOCK: tl.constexpr):
+    def _gumbel_partial_kernel(
+        logits_ptr,
+        temp_ptr,
+        seed_ptr,
+        pval_ptr,
+        pidx_ptr,
+        stride_l,
+        vocab,
+        num_tiles,
+        tiles_per_chunk,
+        num_chunks,
+        BLOCK: tl.constexpr,
+    ):
         row = tl.program_id(0)
         chunk = tl.program_id(1)
         row_ptr = logits_ptr + row.to(tl.int64) * stride_l
@@ -199,8 +208,13 @@ def _num_chunks(b: int, num_tiles: int, device: torch.device) -> int:
     return max(1, min(num_tiles, target // max(b, 1), MAX_CHUNKS))
 
 
-def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
-                  num_chunks: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def gumbel_sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    num_chunks: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Sample one token per row: argmax(logits / T + Gumbel(seeds)) or argmax(logits) if T <= 0.
 
     logits: [B, V] bf16/fp16/fp32 (last dim contiguous, any row stride); temperature: [B]
@@ -225,18 +239,19 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
     c = num_chunks if num_chunks is not None else _num_chunks(b, num_tiles, logits.device)
     assert c >= 1
     per_chunk = triton.cdiv(num_tiles, min(c, num_tiles, MAX_CHUNKS))
-    c = triton.cdiv(num_tiles, per_chunk)                    # no empty chunks
+    c = triton.cdiv(num_tiles, per_chunk)  # no empty chunks
     pval = torch.empty(b, c, dtype=torch.float32, device=logits.device)
     pidx = torch.empty(b, c, dtype=torch.int32, device=logits.device)
     _gumbel_partial_kernel[(b, c)](
-        logits, temperature, seeds, pval, pidx, logits.stride(0), v, num_tiles, per_chunk, c,
-        BLOCK=BLOCK, num_warps=4)
+        logits, temperature, seeds, pval, pidx, logits.stride(0), v, num_tiles, per_chunk, c, BLOCK=BLOCK, num_warps=4
+    )
     _argmax_reduce_kernel[(b,)](pval, pidx, out, c, BLOCK_C=MAX_CHUNKS, num_warps=1)
     return out
 
 
-def exponential_noise(seeds: torch.Tensor, vocab: int, device: torch.device | None = None,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+def exponential_noise(
+    seeds: torch.Tensor, vocab: int, device: torch.device | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """E [B, vocab] fp32, E = -log(u) with the same u as gumbel_sample for these seeds."""
     require_triton()
     device = seeds.device if device is None else torch.device(device)
@@ -249,9 +264,9 @@ def exponential_noise(seeds: torch.Tensor, vocab: int, device: torch.device | No
     assert out.shape == (b, vocab) and out.dtype == torch.float32 and out.stride(-1) == 1
     if b:
         _exp_noise_kernel[(b, triton.cdiv(vocab, NOISE_BLOCK))](
-            seeds, out, out.stride(0), vocab, BLOCK=NOISE_BLOCK, num_warps=4)
+            seeds, out, out.stride(0), vocab, BLOCK=NOISE_BLOCK, num_warps=4
+        )
     return out
 
 
-__all__ = ["gumbel_sample", "gumbel_sample_ref", "exponential_noise", "philox_uniform_ref",
-           "row_seeds"]
+__all__ = ["gumbel_sample", "gumbel_sample_ref", "exponential_noise", "philox_uniform_ref", "row_seeds"]

@@ -5,11 +5,11 @@ ladder (1, 2, 4, 8, 16, 32, 48, ... up to max_num_seqs). A step of B sequences c
 inputs into the static buffers, pads to the next captured size (padding rows store nothing:
 slot -1) and replays. All graphs share one memory pool.
 """
+
 from __future__ import annotations
 
 import bisect
 
-import numpy as np
 import torch
 
 from pagedllm.model.context import AttentionMetadata, set_attention_metadata
@@ -37,11 +37,20 @@ class DecodeGraphs:
         # turn: with async scheduling step N+1 is written on the host while step N's copies
         # may still wait in the stream behind step N-1 (writing into the same set would change
         # step N's inputs, placeholders included, under it). The event guards the reuse.
-        self.host = [{name: torch.zeros(t.shape, dtype=t.dtype).pin_memory()
-                      for name, t in (("input_ids", self.input_ids), ("positions", self.positions),
-                                      ("slot_mapping", self.slot_mapping), ("seq_lens", self.seq_lens),
-                                      ("block_tables", self.block_tables))} for _ in range(2)]
-        self.copied = [torch.cuda.Event(), torch.cuda.Event()]   # per set: after its copies
+        self.host = [
+            {
+                name: torch.zeros(t.shape, dtype=t.dtype).pin_memory()
+                for name, t in (
+                    ("input_ids", self.input_ids),
+                    ("positions", self.positions),
+                    ("slot_mapping", self.slot_mapping),
+                    ("seq_lens", self.seq_lens),
+                    ("block_tables", self.block_tables),
+                )
+            }
+            for _ in range(2)
+        ]
+        self.copied = [torch.cuda.Event(), torch.cuda.Event()]  # per set: after its copies
         self.turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -50,9 +59,15 @@ class DecodeGraphs:
 
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs],
-            cu_seqlens_q=self.cu_seqlens_q[:bs + 1], seq_lens=self.seq_lens[:bs], max_seqlen_q=1,
-            max_seqlen_k=self.runner.max_model_len, decode_only=True, no_history=False)
+            slot_mapping=self.slot_mapping[:bs],
+            block_tables=self.block_tables[:bs],
+            cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
+            seq_lens=self.seq_lens[:bs],
+            max_seqlen_q=1,
+            max_seqlen_k=self.runner.max_model_len,
+            decode_only=True,
+            no_history=False,
+        )
 
     def _forward(self, bs: int) -> torch.Tensor:
         set_attention_metadata(self._meta(bs))
@@ -63,8 +78,8 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        for bs in reversed(self.sizes):                 # largest first: the pool fits all the others
-            self._forward(bs)                           # warm-up (Triton compiles, allocator settles)
+        for bs in reversed(self.sizes):  # largest first: the pool fits all the others
+            self._forward(bs)  # warm-up (Triton compiles, allocator settles)
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
@@ -82,9 +97,9 @@ class DecodeGraphs:
         padded = self.sizes[bisect.bisect_left(self.sizes, bs)]
         self.turn ^= 1
         h = self.host[self.turn]
-        self.copied[self.turn].synchronize()           # normally long done: it is two steps old
+        self.copied[self.turn].synchronize()  # normally long done: it is two steps old
         h["input_ids"][:bs].numpy()[:] = inp.input_ids
-        h["input_ids"][bs:padded].fill_(0)      # stale rows may hold an old step's PLACEHOLDER (-1)
+        h["input_ids"][bs:padded].fill_(0)  # stale rows may hold an old step's PLACEHOLDER (-1)
         h["positions"][:bs].numpy()[:] = inp.positions
         h["slot_mapping"][:padded].fill_(-1)
         h["slot_mapping"][:bs].numpy()[:] = inp.slot_mapping
@@ -99,6 +114,6 @@ class DecodeGraphs:
         self.seq_lens[:padded].copy_(h["seq_lens"][:padded], non_blocking=True)
         self.block_tables[:bs].copy_(h["block_tables"][:bs], non_blocking=True)
         self.copied[self.turn].record()
-        self.runner.fill_placeholders(self.input_ids, fix)      # async scheduling: ids from the device
+        self.runner.fill_placeholders(self.input_ids, fix)  # async scheduling: ids from the device
         self.graphs[padded].replay()
         return self.logits[padded][:bs]

@@ -1,5 +1,6 @@
 """ModelRunner: owns the device, the weights and the one KV tensor; turns a step's inputs
 into sampled token ids. It never decides policy: the scheduler does."""
+
 from __future__ import annotations
 
 import logging
@@ -12,7 +13,7 @@ from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.model.attention import Attention, TorchBackend, TritonBackend
 from pagedllm.model.context import AttentionMetadata, set_attention_metadata
 from pagedllm.model.loader import load_weights
-from pagedllm.model.parallel import agree_min, tp_rank, tp_size
+from pagedllm.model.parallel import agree_min, tp_rank
 from pagedllm.model.registry import build_model
 from pagedllm.worker.sampler import SamplingTensors, sample
 from pagedllm.worker.step_inputs import StepInputs, build_step_inputs
@@ -35,8 +36,13 @@ def resolve_device(device: str) -> torch.device:
 def resolve_dtype(dtype, hf_config, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    names = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-             "float16": torch.float16, "half": torch.float16}
+    names = {
+        "float32": torch.float32,
+        "float": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+        "half": torch.float16,
+    }
     if dtype == "auto":
         if device.type == "cpu":
             return torch.float32
@@ -61,10 +67,23 @@ def available_ram_bytes() -> int:
 
 
 class ModelRunner:
-    def __init__(self, hf_config, model_dir: str, *, device: torch.device, dtype: torch.dtype,
-                 block_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 num_kv_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
-                 gpu_memory_utilization: float = 0.9, enforce_eager: bool = False, seed: int = 0):
+    def __init__(
+        self,
+        hf_config,
+        model_dir: str,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = False,
+        seed: int = 0,
+    ):
         self.hf_config = hf_config
         self.device, self.dtype = device, dtype
         self.block_size = block_size
@@ -83,36 +102,44 @@ class ModelRunner:
         load_weights(self.model, model_dir)
         self.model.eval()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        for layer in self.attn_layers:          # per instance: CPU and GPU engines can live side by side
+        for layer in self.attn_layers:  # per instance: CPU and GPU engines can live side by side
             layer.backend = TritonBackend if device.type == "cuda" else TorchBackend
         a = self.attn_layers[0]
         self.num_kv_heads, self.head_dim = a.num_kv_heads, a.head_dim
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.num_kv_blocks = self._size_kv_cache(num_kv_blocks, kv_cache_memory_bytes, gpu_memory_utilization)
-        self.is_driver = tp_rank() == 0    # with TP, rank 0 alone samples
-        self.num_kv_blocks = agree_min(self.num_kv_blocks)   # TP: the same block ids on every rank
+        self.is_driver = tp_rank() == 0  # with TP, rank 0 alone samples
+        self.num_kv_blocks = agree_min(self.num_kv_blocks)  # TP: the same block ids on every rank
         self._allocate_kv_cache()
         # CUDA: Philox noise keyed per row (fused Gumbel-max kernel); PAGEDLLM_SAMPLER=torch
         # falls back to torch's generators
-        self.philox_sampling = (device.type == "cuda" and os.environ.get("PAGEDLLM_SAMPLER", "") != "torch")
+        self.philox_sampling = device.type == "cuda" and os.environ.get("PAGEDLLM_SAMPLER", "") != "torch"
         if device.type == "cuda":
             self._warm_up_kernels()
-        self._generators: dict[int, torch.Generator] = {}     # CPU: seeded requests' noise
+        self._generators: dict[int, torch.Generator] = {}  # CPU: seeded requests' noise
         self._seed_rng = np.random.default_rng(seed)
-        self._last_sampled: torch.Tensor | None = None    # async scheduling: the previous step's ids
-        self._last_sample_seq_ids: list[int] = []          # ... and whose they are, row by row
-        self._host_ids = [torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=device.type == "cuda")
-                          for _ in range(2)]
+        self._last_sampled: torch.Tensor | None = None  # async scheduling: the previous step's ids
+        self._last_sample_seq_ids: list[int] = []  # ... and whose they are, row by row
+        self._host_ids = [
+            torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=device.type == "cuda") for _ in range(2)
+        ]
         self.graphs = None
         if not self.enforce_eager:
             from pagedllm.worker.cuda_graphs import DecodeGraphs
+
             self.graphs = DecodeGraphs(self)
 
     # ---- KV cache ----------------------------------------------------------------------
     @property
     def block_bytes(self) -> int:
-        return 2 * len(self.attn_layers) * self.num_kv_heads * self.block_size * self.head_dim * \
-            torch.empty((), dtype=self.dtype).element_size()
+        return (
+            2
+            * len(self.attn_layers)
+            * self.num_kv_heads
+            * self.block_size
+            * self.head_dim
+            * torch.empty((), dtype=self.dtype).element_size()
+        )
 
     def _size_kv_cache(self, num_kv_blocks, kv_cache_memory_bytes, gpu_memory_utilization) -> int:
         if num_kv_blocks is not None:
@@ -123,7 +150,9 @@ class ModelRunner:
             return self._profile_kv_blocks(gpu_memory_utilization)
         # CPU: a tenth of available RAM, no more than max_num_seqs full-length sequences need
         want = self.max_num_seqs * (-(-self.max_model_len // self.block_size))
-        return max(-(-self.max_model_len // self.block_size), min(want, available_ram_bytes() // 10 // self.block_bytes))
+        return max(
+            -(-self.max_model_len // self.block_size), min(want, available_ram_bytes() // 10 // self.block_bytes)
+        )
 
     @torch.inference_mode()
     def _profile_kv_blocks(self, utilization: float) -> int:
@@ -143,9 +172,15 @@ class ModelRunner:
         ids = np.random.randint(0, self.vocab_size, size=n)
         # no KV is bound yet: attention runs over the new tokens only (block_tables unused)
         meta = self._metadata_from(
-            slot_mapping=np.full(n, -1), block_tables=np.zeros((num_seqs, 1), np.int32), cu=cu,
-            seq_lens=lens.astype(np.int32), max_q=int(lens.max()), max_k=int(lens.max()), decode_only=False,
-            no_history=True)
+            slot_mapping=np.full(n, -1),
+            block_tables=np.zeros((num_seqs, 1), np.int32),
+            cu=cu,
+            seq_lens=lens.astype(np.int32),
+            max_q=int(lens.max()),
+            max_k=int(lens.max()),
+            decode_only=False,
+            no_history=True,
+        )
         set_attention_metadata(meta)
         hidden = self.model(torch.from_numpy(ids).to(self.device), torch.from_numpy(positions).to(self.device))
         self.model.compute_logits(hidden[cu[1:] - 1])
@@ -158,8 +193,10 @@ class ModelRunner:
         budget = total * utilization - used - peak + current
         blocks = int(budget // self.block_bytes)
         if blocks < 1:
-            raise ValueError(f"no GPU memory left for the KV cache (budget {budget / GiB:.2f} GiB); raise "
-                             "gpu_memory_utilization or lower max_num_batched_tokens")
+            raise ValueError(
+                f"no GPU memory left for the KV cache (budget {budget / GiB:.2f} GiB); raise "
+                "gpu_memory_utilization or lower max_num_batched_tokens"
+            )
         return blocks
 
     def _allocate_kv_cache(self) -> None:
@@ -169,9 +206,14 @@ class ModelRunner:
         for i, layer in enumerate(self.attn_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         peak = getattr(self, "peak_activation_bytes", 0)
-        logger.info("KV cache: %d blocks x %d tokens = %.3f GiB; weights %.3f GiB; peak activations %.3f GiB",
-                    self.num_kv_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / GiB,
-                    self.weights_bytes / GiB, peak / GiB)
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %.3f GiB; weights %.3f GiB; peak activations %.3f GiB",
+            self.num_kv_blocks,
+            self.block_size,
+            self.kv_cache.numel() * self.kv_cache.element_size() / GiB,
+            self.weights_bytes / GiB,
+            peak / GiB,
+        )
 
     @torch.inference_mode()
     def _warm_up_kernels(self) -> None:
@@ -187,18 +229,28 @@ class ModelRunner:
         nb = -(-int(seq_lens.max()) // self.block_size)
         table = (np.arange(nb) % self.num_kv_blocks).astype(np.int32)
         meta = self._metadata_from(
-            slot_mapping=np.full(len(positions), -1), cu=cu, seq_lens=seq_lens,
+            slot_mapping=np.full(len(positions), -1),
+            cu=cu,
+            seq_lens=seq_lens,
             block_tables=np.stack([table, table]),
-            max_q=chunk, max_k=int(seq_lens.max()), decode_only=False, no_history=False)
+            max_q=chunk,
+            max_k=int(seq_lens.max()),
+            decode_only=False,
+            no_history=False,
+        )
         set_attention_metadata(meta)
         ids = torch.zeros(len(positions), dtype=torch.int64, device=self.device)
         hidden = self.model(ids, self._to_device(positions))
         logits = self.model.compute_logits(hidden[cu[1:] - 1])
         set_attention_metadata(None)
-        if self.philox_sampling and self.is_driver and logits is not None:   # the sampling kernel too
+        if self.philox_sampling and self.is_driver and logits is not None:  # the sampling kernel too
             from pagedllm.ops.sampling import gumbel_sample
-            gumbel_sample(logits, torch.tensor([1.0, 0.0], device=self.device),
-                          torch.tensor([1, 2], dtype=torch.int64, device=self.device))
+
+            gumbel_sample(
+                logits,
+                torch.tensor([1.0, 0.0], device=self.device),
+                torch.tensor([1, 2], dtype=torch.int64, device=self.device),
+            )
         torch.cuda.synchronize(self.device)
 
     # ---- one step ----------------------------------------------------------------------
@@ -213,16 +265,22 @@ class ModelRunner:
 
     def _metadata_from(self, *, slot_mapping, block_tables, cu, seq_lens, max_q, max_k, decode_only, no_history):
         return AttentionMetadata(
-            slot_mapping=self._to_device(slot_mapping), block_tables=self._to_device(block_tables),
-            cu_seqlens_q=self._to_device(cu), seq_lens=self._to_device(seq_lens), max_seqlen_q=max_q,
-            max_seqlen_k=max_k, decode_only=decode_only, no_history=no_history)
+            slot_mapping=self._to_device(slot_mapping),
+            block_tables=self._to_device(block_tables),
+            cu_seqlens_q=self._to_device(cu),
+            seq_lens=self._to_device(seq_lens),
+            max_seqlen_q=max_q,
+            max_seqlen_k=max_k,
+            decode_only=decode_only,
+            no_history=no_history,
+        )
 
     @torch.inference_mode()
     def run(self, inp: StepInputs) -> list[int]:
         sampled = self.launch(inp)
         return [] if sampled is None else sampled.tolist()
 
-    def execute_async(self, out: SchedulerOutput) -> "StepHandle":
+    def execute_async(self, out: SchedulerOutput) -> StepHandle:
         """Launch a step and return at once; `.result()` waits for its sampled ids. The next
         step may be launched before that: its PLACEHOLDER inputs are read from this step's
         sampled tensor on the device."""
@@ -241,7 +299,7 @@ class ModelRunner:
             logits = self.graphs.run(inp, fix)
         else:
             logits = self.forward(inp, fix)
-        if logits is None or not self.is_driver:   # nothing to sample, or not rank 0 of a TP group
+        if logits is None or not self.is_driver:  # nothing to sample, or not rank 0 of a TP group
             return None
         sampled = self.sample(logits, inp)
         self._last_sampled, self._last_sample_seq_ids = sampled, inp.sample_seq_ids
@@ -265,9 +323,15 @@ class ModelRunner:
 
     def forward(self, inp: StepInputs, fix=None) -> torch.Tensor | None:
         meta = self._metadata_from(
-            slot_mapping=inp.slot_mapping, block_tables=inp.block_tables, cu=inp.cu_seqlens_q,
-            seq_lens=inp.seq_lens, max_q=inp.max_seqlen_q, max_k=inp.max_seqlen_k,
-            decode_only=inp.decode_only, no_history=inp.no_history)
+            slot_mapping=inp.slot_mapping,
+            block_tables=inp.block_tables,
+            cu=inp.cu_seqlens_q,
+            seq_lens=inp.seq_lens,
+            max_q=inp.max_seqlen_q,
+            max_k=inp.max_seqlen_k,
+            decode_only=inp.decode_only,
+            no_history=inp.no_history,
+        )
         set_attention_metadata(meta)
         input_ids = self._to_device(inp.input_ids)
         self.fill_placeholders(input_ids, fix)
@@ -284,13 +348,14 @@ class ModelRunner:
         seeded = np.array([s is not None for s in inp.seeds], dtype=bool)
         if seeded.any():
             from pagedllm.ops.sampling import row_seeds
+
             own = np.array([s for s in inp.seeds if s is not None], dtype=np.int64)
             base[seeded] = row_seeds(own, inp.positions[inp.logits_indices][seeded])
         return self._to_device(base)
 
     def _torch_generators(self, inp: StepInputs) -> list:
         gens = []
-        for seq_id, seed in zip(inp.sample_seq_ids, inp.seeds):
+        for seq_id, seed in zip(inp.sample_seq_ids, inp.seeds, strict=False):
             if seed is None:
                 gens.append(None)
                 continue
@@ -308,12 +373,17 @@ class ModelRunner:
         philox = self.philox_sampling and not all_greedy
         gens = [] if philox or all_greedy else self._torch_generators(inp)
         t = SamplingTensors(
-            temperature=self._to_device(temperature), top_k=self._to_device(inp.top_k),
-            top_p=self._to_device(inp.top_p), min_p=self._to_device(inp.min_p), generators=gens,
-            all_greedy=all_greedy, any_greedy=bool((temperature == 0).any()),
+            temperature=self._to_device(temperature),
+            top_k=self._to_device(inp.top_k),
+            top_p=self._to_device(inp.top_p),
+            min_p=self._to_device(inp.min_p),
+            generators=gens,
+            all_greedy=all_greedy,
+            any_greedy=bool((temperature == 0).any()),
             need_top_k_p=bool((inp.top_k < self.vocab_size).any() or (inp.top_p < 1).any()),
             need_min_p=bool((inp.min_p > 0).any()),
-            seeds=self._row_seeds(inp) if philox else None)
+            seeds=self._row_seeds(inp) if philox else None,
+        )
         return sample(logits, t)
 
 
@@ -326,9 +396,9 @@ class StepHandle:
         if sampled is None:
             self.host, self.n = None, 0
         elif sampled.is_cuda:
-            host_buffers.append(host_buffers.pop(0))     # alternate: the previous step's is still being read
+            host_buffers.append(host_buffers.pop(0))  # alternate: the previous step's is still being read
             self.host, self.n = host_buffers[-1], sampled.numel()
-            self.host[:self.n].copy_(sampled, non_blocking=True)
+            self.host[: self.n].copy_(sampled, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
         else:
@@ -337,4 +407,4 @@ class StepHandle:
     def result(self) -> list[int]:
         if self.event is not None:
             self.event.synchronize()
-        return [] if self.host is None else self.host[:self.n].tolist()
+        return [] if self.host is None else self.host[: self.n].tolist()

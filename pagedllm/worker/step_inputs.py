@@ -3,6 +3,7 @@
 This is everything a rank needs to run the forward pass; with tensor parallelism rank 0
 builds it once and ships it to the other ranks.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,19 +15,19 @@ from pagedllm.engine.scheduler import SchedulerOutput
 
 @dataclass
 class StepInputs:
-    input_ids: np.ndarray        # [T] int64
-    positions: np.ndarray        # [T] int64
-    slot_mapping: np.ndarray     # [T] int64
-    block_tables: np.ndarray     # [B, max_blocks] int32
-    cu_seqlens_q: np.ndarray     # [B+1] int32
-    seq_lens: np.ndarray         # [B] int32, context length after this step
-    logits_indices: np.ndarray   # [S] int64, rows of the hidden states that are sampled
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    block_tables: np.ndarray  # [B, max_blocks] int32
+    cu_seqlens_q: np.ndarray  # [B+1] int32
+    seq_lens: np.ndarray  # [B] int32, context length after this step
+    logits_indices: np.ndarray  # [S] int64, rows of the hidden states that are sampled
     max_seqlen_q: int
     max_seqlen_k: int
     decode_only: bool
     no_history: bool
     blocks_to_copy: list[tuple[int, int]]
-    seq_ids: list[int]           # [B] the scheduled sequences, in order
+    seq_ids: list[int]  # [B] the scheduled sequences, in order
     # sampling, one row per sampled sequence (only rank 0 uses these)
     sample_seq_ids: list[int]
     temperature: np.ndarray
@@ -55,34 +56,48 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, vocab_size: int) ->
     total = int(cu[-1])
     # positions: for each sequence, start..end-1, concatenated (vectorised, no per-token loop)
     seq_of_token = np.repeat(np.arange(len(sched)), n_new)
-    positions = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1].astype(np.int64), n_new) \
-        + np.repeat(start, n_new)
+    positions = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1].astype(np.int64), n_new) + np.repeat(start, n_new)
     max_blocks = max(len(s.seq.block_table) for s in sched)
     block_tables = np.zeros((len(sched), max_blocks), dtype=np.int32)
     decode_only = bool((n_new == 1).all())
     if decode_only:
         input_ids = np.fromiter((s.seq.token_ids[-1] for s in sched), dtype=np.int64, count=len(sched))
     else:
-        input_ids = np.concatenate([np.asarray(s.seq.token_ids[a:b], dtype=np.int64)
-                                    for s, a, b in zip(sched, start.tolist(), end.tolist())])
+        input_ids = np.concatenate(
+            [
+                np.asarray(s.seq.token_ids[a:b], dtype=np.int64)
+                for s, a, b in zip(sched, start.tolist(), end.tolist(), strict=False)
+            ]
+        )
     for i, s in enumerate(sched):
         bt = s.seq.block_table
-        block_tables[i, :len(bt)] = bt
-    slot_mapping = block_tables[seq_of_token, positions // block_size].astype(np.int64) * block_size \
-        + positions % block_size
+        block_tables[i, : len(bt)] = bt
+    slot_mapping = (
+        block_tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    )
     samples = end == np.fromiter((s.seq.num_tokens for s in sched), dtype=np.int64, count=len(sched))
     logits_indices = (cu[1:][samples] - 1).astype(np.int64)
-    sampled = [s.seq for s, keep in zip(sched, samples) if keep]
+    sampled = [s.seq for s, keep in zip(sched, samples, strict=False) if keep]
     params = [q.sampling_params for q in sampled]
     return StepInputs(
-        input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, block_tables=block_tables,
-        cu_seqlens_q=cu, seq_lens=end.astype(np.int32), logits_indices=logits_indices,
-        max_seqlen_q=int(n_new.max()), max_seqlen_k=int(end.max()), decode_only=decode_only,
-        no_history=bool((start == 0).all()), blocks_to_copy=list(out.blocks_to_copy),
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        block_tables=block_tables,
+        cu_seqlens_q=cu,
+        seq_lens=end.astype(np.int32),
+        logits_indices=logits_indices,
+        max_seqlen_q=int(n_new.max()),
+        max_seqlen_k=int(end.max()),
+        decode_only=decode_only,
+        no_history=bool((start == 0).all()),
+        blocks_to_copy=list(out.blocks_to_copy),
         seq_ids=[s.seq.seq_id for s in sched],
         sample_seq_ids=[q.seq_id for q in sampled],
         temperature=np.array([p.temperature for p in params], dtype=np.float32),
         top_k=np.array([p.top_k if p.top_k > 0 else vocab_size for p in params], dtype=np.int64),
         top_p=np.array([p.top_p for p in params], dtype=np.float32),
         min_p=np.array([p.min_p for p in params], dtype=np.float32),
-        seeds=[p.seed for p in params], finished_seq_ids=list(out.finished_seq_ids))
+        seeds=[p.seed for p in params],
+        finished_seq_ids=list(out.finished_seq_ids),
+    )

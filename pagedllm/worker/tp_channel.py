@@ -15,6 +15,7 @@ Two slots suffice for the ring: a worker unpickles step k before it joins step k
 collective, and rank 0 writes step k+2 only after step k+1's collectives, so slot k % 2 is
 free again by then. A message larger than a slot goes inline through the pipe.
 """
+
 from __future__ import annotations
 
 import pickle
@@ -25,7 +26,7 @@ from multiprocessing import shared_memory
 import torch
 import torch.distributed as dist
 
-_HEADER = struct.Struct("<bQ")    # slot (-1: payload follows inline), payload length
+_HEADER = struct.Struct("<bQ")  # slot (-1: payload follows inline), payload length
 INLINE = -1
 
 
@@ -34,11 +35,11 @@ class ShmChannel:
         self.slot_bytes = slot_bytes
         self.shm = shared_memory.SharedMemory(create=True, size=2 * slot_bytes)
         pipes = [ctx.Pipe(duplex=False) for _ in range(num_readers)]
-        self.readers = [r for r, _ in pipes]            # handed to the workers
+        self.readers = [r for r, _ in pipes]  # handed to the workers
         self.writers = [w for _, w in pipes]
         self.step = 0
 
-    def reader(self, i: int) -> "ShmReader":
+    def reader(self, i: int) -> ShmReader:
         return ShmReader(self.shm.name, self.slot_bytes, self.readers[i])
 
     def started(self) -> None:
@@ -53,7 +54,7 @@ class ShmChannel:
             slot = self.step % 2
             self.step += 1
             off = slot * self.slot_bytes
-            self.shm.buf[off:off + len(data)] = data
+            self.shm.buf[off : off + len(data)] = data
             header = _HEADER.pack(slot, len(data))
             for w in self.writers:
                 w.send_bytes(header)
@@ -84,12 +85,12 @@ class ShmReader:
             # spawned workers share rank 0's resource tracker, so attaching registers nothing new;
             # rank 0 unlinks the segment when it closes
             self.shm = shared_memory.SharedMemory(name=self.shm_name)
-        msg = self.conn.recv_bytes()                    # EOFError when rank 0 is gone
+        msg = self.conn.recv_bytes()  # EOFError when rank 0 is gone
         slot, n = _HEADER.unpack_from(msg)
         if slot == INLINE:
-            return pickle.loads(memoryview(msg)[_HEADER.size:])
+            return pickle.loads(memoryview(msg)[_HEADER.size :])
         off = slot * self.slot_bytes
-        return pickle.loads(self.shm.buf[off:off + n])
+        return pickle.loads(self.shm.buf[off : off + n])
 
     def close(self) -> None:
         self.conn.close()

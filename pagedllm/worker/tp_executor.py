@@ -20,6 +20,7 @@ workers are alive before each step and, when a step fails, raises a RuntimeError
 rank. Collectives carry a timeout (PAGEDLLM_TP_TIMEOUT_S, default 300 s) so that a live but
 stuck rank cannot hang rank 0 forever.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -38,8 +39,16 @@ import torch.distributed as dist
 from pagedllm.model.parallel import set_tp_group
 from pagedllm.worker.step_inputs import StepInputs, build_step_inputs
 from pagedllm.worker.tp_channel import BroadcastChannel, ShmChannel
-from pagedllm.worker.tp_worker import CLOSE, ERROR_KEY, JOINED_KEY, exit_when_orphaned, make_runner, \
-    report_error, serve, spawned_worker_main
+from pagedllm.worker.tp_worker import (
+    CLOSE,
+    ERROR_KEY,
+    JOINED_KEY,
+    exit_when_orphaned,
+    make_runner,
+    report_error,
+    serve,
+    spawned_worker_main,
+)
 
 
 def check_divisible(hf_config, n: int) -> None:
@@ -50,7 +59,8 @@ def check_divisible(hf_config, n: int) -> None:
         raise ValueError(
             f"tensor_parallel_size={n} must divide num_attention_heads ({heads}), num_key_value_heads "
             f"({kv_heads}) and intermediate_size ({inter}) of this model; KV heads are split across "
-            f"ranks, not replicated, so tensor_parallel_size can be at most {kv_heads}")
+            f"ranks, not replicated, so tensor_parallel_size can be at most {kv_heads}"
+        )
 
 
 def torchrun_env(n: int) -> tuple[int, int] | None:
@@ -61,8 +71,10 @@ def torchrun_env(n: int) -> tuple[int, int] | None:
     if world == 1:
         return None
     if world != n:
-        raise ValueError(f"started by torchrun with WORLD_SIZE={world} but tensor_parallel_size={n}: "
-                         "launch one process per tensor-parallel rank (e.g. --nproc-per-node)")
+        raise ValueError(
+            f"started by torchrun with WORLD_SIZE={world} but tensor_parallel_size={n}: "
+            "launch one process per tensor-parallel rank (e.g. --nproc-per-node)"
+        )
     return int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
 
 
@@ -89,7 +101,7 @@ class TPExecutor:
         self.procs: list = []
         self.channel = None
         self.store = None
-        self.driver = None                       # rank 0's ModelRunner
+        self.driver = None  # rank 0's ModelRunner
         self.rank = 0
         self.failed: Exception | None = None
         self.closed = False
@@ -98,7 +110,8 @@ class TPExecutor:
         device = runner_kwargs["device"]
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.timeout = timedelta(seconds=float(os.environ.get("PAGEDLLM_TP_TIMEOUT_S", "300")))
-        self._atexit = lambda ref=weakref.ref(self): _close_at_exit(ref)
+        ref = weakref.ref(self)
+        self._atexit = lambda: _close_at_exit(ref)
         atexit.register(self._atexit)
         launched = torchrun_env(n)
         try:
@@ -117,20 +130,33 @@ class TPExecutor:
     def _spawn(self, hf_config, model_dir, runner_kwargs) -> None:
         n = self.world_size
         if dist.is_initialized():
-            raise RuntimeError("a torch.distributed process group already exists in this process (is another "
-                               "tensor-parallel LLM still open? close it first)")
+            raise RuntimeError(
+                "a torch.distributed process group already exists in this process (is another "
+                "tensor-parallel LLM still open? close it first)"
+            )
         if self.backend == "nccl" and torch.cuda.device_count() < n:
-            raise ValueError(f"tensor_parallel_size={n} needs {n} GPUs on this host, found "
-                             f"{torch.cuda.device_count()}")
+            raise ValueError(f"tensor_parallel_size={n} needs {n} GPUs on this host, found {torch.cuda.device_count()}")
         ctx = torch.multiprocessing.get_context("spawn")
-        self.store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, timeout=self.timeout,
-                                   wait_for_workers=False)
+        self.store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, timeout=self.timeout, wait_for_workers=False)
         self.channel = ShmChannel(n - 1, ctx)
         for rank in range(1, n):
-            p = ctx.Process(target=spawned_worker_main, name=f"pagedllm-tp-rank{rank}", daemon=True,
-                            args=(rank, n, self.store.port, self.backend, self.timeout.total_seconds(),
-                                  hf_config, model_dir, runner_kwargs, self.channel.reader(rank - 1),
-                                  os.getpid()))
+            p = ctx.Process(
+                target=spawned_worker_main,
+                name=f"pagedllm-tp-rank{rank}",
+                daemon=True,
+                args=(
+                    rank,
+                    n,
+                    self.store.port,
+                    self.backend,
+                    self.timeout.total_seconds(),
+                    hf_config,
+                    model_dir,
+                    runner_kwargs,
+                    self.channel.reader(rank - 1),
+                    os.getpid(),
+                ),
+            )
             p.start()
             self.procs.append(p)
         self.channel.started()
@@ -158,11 +184,12 @@ class TPExecutor:
 
     def _join_torchrun(self, hf_config, model_dir, runner_kwargs, rank: int, local_rank: int) -> None:
         if rank != 0:
-            exit_when_orphaned(os.getppid())          # torchrun's agent gone: so are we
+            exit_when_orphaned(os.getppid())  # torchrun's agent gone: so are we
         if dist.is_initialized():
             if dist.get_world_size() != self.world_size:
-                raise ValueError(f"the process group has {dist.get_world_size()} ranks, "
-                                 f"tensor_parallel_size is {self.world_size}")
+                raise ValueError(
+                    f"the process group has {dist.get_world_size()} ranks, tensor_parallel_size is {self.world_size}"
+                )
         else:
             if self.backend == "nccl":
                 torch.cuda.set_device(local_rank)
@@ -203,6 +230,7 @@ class TPExecutor:
                 dist.distributed_c10d._abort_process_group()
             except Exception:
                 pass
+
         threading.Thread(target=watch, name="pagedllm-tp-monitor", daemon=True).start()
 
     # ---- failures ----------------------------------------------------------------------
@@ -216,11 +244,12 @@ class TPExecutor:
                         text = self.store.get(key).decode(errors="replace").rstrip()
                         return RuntimeError(f"tensor-parallel worker rank {rank} failed:\n{text}")
                 except Exception:
-                    break                        # the store went away with rank 0 of torchrun
+                    break  # the store went away with rank 0 of torchrun
         for rank, p in enumerate(self.procs, 1):
             if p.exitcode is not None and not self.closed:
-                return RuntimeError(f"tensor-parallel worker rank {rank} (pid {p.pid}) died "
-                                    f"({_describe_exit(p.exitcode)})")
+                return RuntimeError(
+                    f"tensor-parallel worker rank {rank} (pid {p.pid}) died ({_describe_exit(p.exitcode)})"
+                )
         return None
 
     def _explain(self, e: BaseException, grace_s: float = 3.0) -> BaseException:
@@ -234,7 +263,7 @@ class TPExecutor:
             if err is not None:
                 return err
             if time.monotonic() >= deadline:
-                if not self.procs and self.failed is None:   # torchrun: no process to look at
+                if not self.procs and self.failed is None:  # torchrun: no process to look at
                     return RuntimeError(f"a tensor-parallel collective failed (did a rank die?): {e}")
                 return e
             time.sleep(0.05)
@@ -276,8 +305,8 @@ class TPExecutor:
     def __getattr__(self, name):
         """Everything else (device, kv_cache, graphs, ...) is rank 0's ModelRunner's."""
         driver = self.__dict__.get("driver")
-        if driver is None or name in ("execute_async", "launch"):   # every rank must run each step:
-            raise AttributeError(name)                               # no async scheduling under TP yet
+        if driver is None or name in ("execute_async", "launch"):  # every rank must run each step:
+            raise AttributeError(name)  # no async scheduling under TP yet
         return getattr(driver, name)
 
     def close(self) -> None:

@@ -6,6 +6,7 @@ An exception on a worker is written to the process group's store under ERROR_KEY
 before the worker exits, so that rank 0 (whose collective then fails) can name the rank and
 show the traceback.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,11 +29,12 @@ def make_runner(hf_config, model_dir: str, local_rank: int, runner_kwargs: dict)
     """This rank's ModelRunner; on GPU rank r of a host uses cuda:<local_rank>."""
     from pagedllm.model.parallel import set_tp_group
     from pagedllm.worker.model_runner import ModelRunner
+
     kwargs = dict(runner_kwargs)
     if kwargs["device"].type == "cuda":
         kwargs["device"] = torch.device("cuda", local_rank)
         torch.cuda.set_device(kwargs["device"])
-    set_tp_group(None)                        # the default process group is the TP group
+    set_tp_group(None)  # the default process group is the TP group
     return ModelRunner(hf_config, model_dir, **kwargs)
 
 
@@ -57,21 +59,33 @@ def report_error(store, rank: int) -> None:
 def exit_when_orphaned(parent_pid: int, interval_s: float = 0.5) -> None:
     """Belt and braces for a worker blocked in a collective when its parent dies: a pipe's EOF
     only wakes a worker that is waiting on the pipe."""
+
     def watch():
         while os.getppid() == parent_pid:
             time.sleep(interval_s)
         os._exit(1)
+
     threading.Thread(target=watch, name="pagedllm-parent-watch", daemon=True).start()
 
 
-def spawned_worker_main(rank: int, world_size: int, store_port: int, backend: str, timeout_s: float,
-                        hf_config, model_dir: str, runner_kwargs: dict, reader, parent_pid: int) -> None:
+def spawned_worker_main(
+    rank: int,
+    world_size: int,
+    store_port: int,
+    backend: str,
+    timeout_s: float,
+    hf_config,
+    model_dir: str,
+    runner_kwargs: dict,
+    reader,
+    parent_pid: int,
+) -> None:
     """Entry point of a worker process started by TPExecutor on this host."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is rank 0's to handle; it closes us
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle; it closes us
     exit_when_orphaned(parent_pid)
     if runner_kwargs["device"].type == "cuda":
-        torch.cuda.set_device(rank)                 # before NCCL sees this process
-    else:                                           # share the host's cores among the ranks
+        torch.cuda.set_device(rank)  # before NCCL sees this process
+    else:  # share the host's cores among the ranks
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=False, timeout=timeout)
@@ -80,7 +94,7 @@ def spawned_worker_main(rank: int, world_size: int, store_port: int, backend: st
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         runner = make_runner(hf_config, model_dir, rank, runner_kwargs)
         serve(runner, reader)
-    except EOFError:                                 # rank 0's process is gone
+    except EOFError:  # rank 0's process is gone
         os._exit(1)
     except BaseException:
         report_error(store, rank)

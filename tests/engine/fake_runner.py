@@ -5,6 +5,7 @@ token, then reads the whole context back through the block table. The next token
 hash of what it read back, so a wrong slot, a wrongly shared block or a wrong prefix hit
 changes the output.
 """
+
 from __future__ import annotations
 
 import zlib
@@ -53,7 +54,7 @@ class ShadowRunner:
             kinds.add(s.num_new_tokens == 1 and seq.num_computed_tokens > 0)
             for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + s.num_new_tokens):
                 token = seq.token_ids[pos]
-                if token == PLACEHOLDER:                 # async scheduling: the id lives "on the device"
+                if token == PLACEHOLDER:  # async scheduling: the id lives "on the device"
                     token = self.device_tokens[(seq.seq_id, pos)]
                 self.shadow[self.slot(seq, pos)] = (pos, token)
         if len(kinds) == 2:
@@ -67,7 +68,7 @@ class ShadowRunner:
                 self.device_tokens[(seq.seq_id, seq.num_tokens)] = sampled[-1]
         return sampled
 
-    def execute_async(self, out: SchedulerOutput) -> "Done":
+    def execute_async(self, out: SchedulerOutput) -> Done:
         """Like a GPU launch: the work happens in launch order; the ids come back later."""
         return Done(self.execute(out))
 

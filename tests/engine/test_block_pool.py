@@ -1,5 +1,7 @@
 """The seeds' scenarios as named tests, plus property tests of every DESIGN.md invariant."""
-from hypothesis import given, settings, strategies as st
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedllm.engine import KVCacheManager, SamplingParams, Sequence
 from pagedllm.engine.block_pool import hash_block
@@ -23,13 +25,14 @@ def admit(kv: KVCacheManager, seq: Sequence) -> bool:
 def test_two_requests_share_a_256_token_prefix():
     trace = []
     from pagedllm.engine.trace import Tracer
+
     kv = KVCacheManager(num_blocks=64, block_size=256, tracer=Tracer(trace))
     prefix = list(range(256))
     a, b = seq_of(prefix + [1, 2, 3], "a"), seq_of(prefix + [7, 8], "b")
     assert admit(kv, a)
     assert admit(kv, b)
-    assert b.block_table[0] == a.block_table[0]            # block 0 reused
-    assert b.block_table[1] != a.block_table[1]            # own tail block
+    assert b.block_table[0] == a.block_table[0]  # block 0 reused
+    assert b.block_table[1] != a.block_table[1]  # own tail block
     assert kv.pool.blocks[a.block_table[0]].ref_cnt == 2
     assert b.num_cached_tokens == 256
     assert [e["event"] for e in trace] == ["ALLOCATE", "ALLOCATE", "REUSE", "ALLOCATE"]
@@ -57,9 +60,9 @@ def test_last_prompt_token_is_always_computed():
     kv = KVCacheManager(num_blocks=16, block_size=4)
     a = seq_of(list(range(8)))
     admit(kv, a)
-    b = seq_of(list(range(8)))                             # identical, block-aligned prompt
+    b = seq_of(list(range(8)))  # identical, block-aligned prompt
     computed = kv.get_computed_blocks(b)
-    assert len(computed) == 1                              # not 2: token 7 must be computed
+    assert len(computed) == 1  # not 2: token 7 must be computed
 
 
 def _two_freed(num_blocks=8):
@@ -76,15 +79,15 @@ def _two_freed(num_blocks=8):
 
 def test_lru_evicts_the_oldest_freed_blocks_first():
     kv = _two_freed()
-    admit(kv, seq_of(list(range(300, 320)), "filler"))     # 5 blocks: 2 unused + all of old's
+    admit(kv, seq_of(list(range(300, 320)), "filler"))  # 5 blocks: 2 unused + all of old's
     assert kv.pool.num_evictions == 2
     assert kv.get_computed_blocks(seq_of(list(range(100, 108)) + [5])) == []
-    assert len(kv.get_computed_blocks(seq_of(list(range(200, 208)) + [5]))) == 2   # recent stays findable
+    assert len(kv.get_computed_blocks(seq_of(list(range(200, 208)) + [5]))) == 2  # recent stays findable
 
 
 def test_lru_prefix_outlives_suffix():
     kv = _two_freed()
-    admit(kv, seq_of(list(range(300, 316)), "filler"))     # 4 blocks: old loses its tail first
+    admit(kv, seq_of(list(range(300, 316)), "filler"))  # 4 blocks: old loses its tail first
     assert kv.pool.num_evictions == 1
     assert len(kv.get_computed_blocks(seq_of(list(range(100, 108)) + [5]))) == 1
 
@@ -93,7 +96,7 @@ def test_hash_collision_never_returns_a_wrong_block():
     kv = KVCacheManager(num_blocks=8, block_size=4, hash_fn=lambda parent, tokens: 42)
     a = seq_of([1, 2, 3, 4, 5])
     admit(kv, a)
-    b = seq_of([9, 9, 9, 9, 5])                             # same (stub) hash, different tokens
+    b = seq_of([9, 9, 9, 9, 5])  # same (stub) hash, different tokens
     assert kv.get_computed_blocks(b) == []
     admit(kv, b)
     assert b.block_table[0] != a.block_table[0]
@@ -112,9 +115,9 @@ def test_fork_shares_blocks_and_copies_on_write():
     assert child.block_table == parent.block_table
     assert all(kv.pool.blocks[b].ref_cnt == 2 for b in parent.block_table)
     child.append_token(7)
-    assert kv.allocate_slots(child, 1)                      # writes into the shared partial block
-    assert child.block_table[0] == parent.block_table[0]    # the full block stays shared
-    assert child.block_table[1] != parent.block_table[1]    # the partial one was copied
+    assert kv.allocate_slots(child, 1)  # writes into the shared partial block
+    assert child.block_table[0] == parent.block_table[0]  # the full block stays shared
+    assert child.block_table[1] != parent.block_table[1]  # the partial one was copied
     assert kv.take_blocks_to_copy() == [(parent.block_table[1], child.block_table[1])]
     kv.free(parent)
     kv.free(child)
@@ -122,8 +125,9 @@ def test_fork_shares_blocks_and_copies_on_write():
     assert kv.num_free_blocks == 8
 
 
-ops = st.lists(st.tuples(st.sampled_from(["add", "grow", "free", "abort"]), st.integers(0, 10 ** 6)),
-               min_size=1, max_size=60)
+ops = st.lists(
+    st.tuples(st.sampled_from(["add", "grow", "free", "abort"]), st.integers(0, 10**6)), min_size=1, max_size=60
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -133,7 +137,7 @@ def test_invariants_hold_under_random_operations(ops, block_size, num_blocks):
     live: list[Sequence] = []
     for op, r in ops:
         if op == "add":
-            base = [r % 3] * (r % 13)                        # shared prefixes are common
+            base = [r % 3] * (r % 13)  # shared prefixes are common
             s = seq_of(base + [r % 7, r % 11][: 1 + r % 2])
             if admit(kv, s):
                 live.append(s)
@@ -155,17 +159,17 @@ def test_invariants_hold_under_random_operations(ops, block_size, num_blocks):
             for b in s.block_table:
                 held[b] = held.get(b, 0) + 1
         for b in kv.pool.blocks:
-            assert b.ref_cnt == held.get(b.block_id, 0)      # ref_cnt counts live holders exactly
+            assert b.ref_cnt == held.get(b.block_id, 0)  # ref_cnt counts live holders exactly
             if b.block_hash is not None and b.block_id in kv.pool.cached.get(b.block_hash, {}):
                 assert b.ref_cnt == 0 or any(b.block_id in s.block_table for s in live)
-        for s in live:                                       # every fully written block is findable
+        for s in live:  # every fully written block is findable
             for i in range(s.num_computed_tokens // block_size):
-                assert kv.pool.lookup(s.block_hashes[i], tuple(s.token_ids[i * block_size:(i + 1) * block_size]))
-        for s in live:                                       # cached tokens are the right tokens
+                assert kv.pool.lookup(s.block_hashes[i], tuple(s.token_ids[i * block_size : (i + 1) * block_size]))
+        for s in live:  # cached tokens are the right tokens
             for i, b in enumerate(s.block_table):
                 blk = kv.pool.blocks[b]
                 if blk.token_ids is not None:
-                    assert blk.token_ids == tuple(s.token_ids[i * block_size:(i + 1) * block_size])
+                    assert blk.token_ids == tuple(s.token_ids[i * block_size : (i + 1) * block_size])
     for s in live:
         kv.free(s)
     kv.pool.check_invariants()

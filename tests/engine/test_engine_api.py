@@ -11,8 +11,14 @@ from tests.engine.fake_runner import CharTokenizer, ShadowRunner, reference_gene
 
 def make_engine(async_scheduling=False, **kw):
     cfg = SchedulerConfig(**{"num_kv_blocks": 32, "block_size": 4, "max_model_len": 64, **kw})
-    return LLMEngine(cfg, ShadowRunner(cfg.block_size), tokenizer=CharTokenizer(), vocab_size=97,
-                     eos_token_ids={5}, async_scheduling=async_scheduling)
+    return LLMEngine(
+        cfg,
+        ShadowRunner(cfg.block_size),
+        tokenizer=CharTokenizer(),
+        vocab_size=97,
+        eos_token_ids={5},
+        async_scheduling=async_scheduling,
+    )
 
 
 @pytest.fixture(params=[False, True], ids=["sync", "async"])
@@ -34,9 +40,20 @@ def test_control_plane_imports_without_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.mark.parametrize("field,value", [("max_tokens", 0), ("temperature", -0.1), ("top_p", 0.0),
-                                          ("top_p", 1.5), ("min_p", 1.5), ("n", 0), ("top_k", -2),
-                                          ("min_tokens", -1), ("max_tokens", "3")])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("max_tokens", 0),
+        ("temperature", -0.1),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("min_p", 1.5),
+        ("n", 0),
+        ("top_k", -2),
+        ("min_tokens", -1),
+        ("max_tokens", "3"),
+    ],
+)
 def test_sampling_params_name_the_bad_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
@@ -44,8 +61,16 @@ def test_sampling_params_name_the_bad_field(field, value):
 
 def test_sampling_params_defaults_follow_vllm():
     p = SamplingParams()
-    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens, p.min_tokens, p.ignore_eos, p.n) == \
-        (1.0, 1.0, -1, 0.0, 16, 0, False, 1)
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens, p.min_tokens, p.ignore_eos, p.n) == (
+        1.0,
+        1.0,
+        -1,
+        0.0,
+        16,
+        0,
+        False,
+        1,
+    )
     assert SamplingParams(stop="x").stop_list == ["x"]
 
 
@@ -86,10 +111,11 @@ def test_stop_token_ids_eos_and_min_tokens(mode):
     k = _first_index(ref, {stop})
     engine = make_engine(mode)
     engine.add_request("s", prompt, SamplingParams(max_tokens=40, stop_token_ids=[stop], ignore_eos=True))
-    engine.add_request("m", prompt, SamplingParams(max_tokens=40, stop_token_ids=[stop], min_tokens=k + 2,
-                                                   ignore_eos=True))
+    engine.add_request(
+        "m", prompt, SamplingParams(max_tokens=40, stop_token_ids=[stop], min_tokens=k + 2, ignore_eos=True)
+    )
     done = drain(engine)
-    assert done["s"].outputs[0].token_ids == ref[:k + 1]
+    assert done["s"].outputs[0].token_ids == ref[: k + 1]
     assert done["s"].outputs[0].finish_reason == "stop" and done["s"].outputs[0].stop_reason == stop
     assert len(done["m"].outputs[0].token_ids) > k + 1
 
@@ -120,7 +146,7 @@ def test_abort_frees_blocks_at_once(mode):
     assert engine.kv.num_free_blocks < engine.kv.num_blocks
     assert engine.abort_request("a")
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
-    if mode:                                   # async: the step in flight still has to land
+    if mode:  # async: the step in flight still has to land
         assert engine.step() == []
     assert not engine.has_unfinished_requests()
     assert not engine.abort_request("a")
@@ -134,9 +160,19 @@ def test_metrics_keys_and_values(mode):
     engine.add_request("b", shared + [2], SamplingParams(max_tokens=3, ignore_eos=True))
     drain(engine)
     m = engine.get_metrics()
-    for key in ["num_kv_blocks", "num_free_kv_blocks", "kv_cache_usage", "num_preemptions",
-                "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "prefix_cache_hit_rate",
-                "num_prompt_tokens", "num_generation_tokens", "num_requests_running", "num_requests_waiting"]:
+    for key in [
+        "num_kv_blocks",
+        "num_free_kv_blocks",
+        "kv_cache_usage",
+        "num_preemptions",
+        "prefix_cache_query_tokens",
+        "prefix_cache_hit_tokens",
+        "prefix_cache_hit_rate",
+        "num_prompt_tokens",
+        "num_generation_tokens",
+        "num_requests_running",
+        "num_requests_waiting",
+    ]:
         assert key in m
     assert m["prefix_cache_hit_tokens"] == 16 and m["prefix_cache_query_tokens"] == 34
     assert m["num_prompt_tokens"] == 34 and m["num_generation_tokens"] == 6
@@ -153,8 +189,11 @@ def test_n_greater_than_one_gives_n_completions(mode):
 
 def test_trace_events_are_json_lines():
     sink = io.StringIO()
-    engine = LLMEngine(SchedulerConfig(num_kv_blocks=8, block_size=4, max_model_len=64, trace_blocks=True),
-                       ShadowRunner(4), trace_sink=sink)
+    engine = LLMEngine(
+        SchedulerConfig(num_kv_blocks=8, block_size=4, max_model_len=64, trace_blocks=True),
+        ShadowRunner(4),
+        trace_sink=sink,
+    )
     engine.add_request("a", [1] * 9, SamplingParams(max_tokens=2, ignore_eos=True))
     drain(engine)
     events = [json.loads(line) for line in sink.getvalue().splitlines()]
@@ -164,7 +203,7 @@ def test_trace_events_are_json_lines():
 
 def test_detokenize_off_gives_token_ids_only():
     engine = make_engine()
-    engine.detokenize = False              # another process turns ids into text (the server's API side)
+    engine.detokenize = False  # another process turns ids into text (the server's API side)
     engine.add_request("a", "hello", SamplingParams(max_tokens=5, ignore_eos=True))
     out = drain(engine)["a"].outputs[0]
     assert out.text == "" and len(out.token_ids) == 5

@@ -1,5 +1,6 @@
 """Scheduling never changes results: the shadow-KV runner gives the reference output under
 every block size, token budget, pool size, prefix-caching setting and arrival order."""
+
 import random
 
 import pytest
@@ -19,10 +20,26 @@ def make_workload(seed: int, n: int = 12):
     return reqs
 
 
-def run(reqs, *, block_size=16, budget=64, blocks=64, prefix=True, max_num_seqs=8, order_seed=None,
-        abort=(), async_scheduling=False):
-    cfg = SchedulerConfig(num_kv_blocks=blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=budget, max_model_len=256, enable_prefix_caching=prefix)
+def run(
+    reqs,
+    *,
+    block_size=16,
+    budget=64,
+    blocks=64,
+    prefix=True,
+    max_num_seqs=8,
+    order_seed=None,
+    abort=(),
+    async_scheduling=False,
+):
+    cfg = SchedulerConfig(
+        num_kv_blocks=blocks,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=256,
+        enable_prefix_caching=prefix,
+    )
     runner = ShadowRunner(block_size)
     engine = LLMEngine(cfg, runner, async_scheduling=async_scheduling)
     assert engine.async_scheduling == async_scheduling
@@ -37,8 +54,7 @@ def run(reqs, *, block_size=16, budget=64, blocks=64, prefix=True, max_num_seqs=
         for _ in range(2):
             if pending:
                 rid, prompt, max_tokens = pending.pop(0)
-                engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                               ignore_eos=True))
+                engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
         for rid in abort:
             if step == 3 and rid in engine.requests:
                 assert engine.abort_request(rid)

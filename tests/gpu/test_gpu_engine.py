@@ -1,4 +1,5 @@
 """GPU path against the CPU reference (run with `pytest -m gpu`)."""
+
 import pytest
 import torch
 
@@ -10,8 +11,9 @@ pytestmark = pytest.mark.gpu
 
 
 def greedy(llm, prompts, max_tokens):
-    outs = llm.generate(prompts, [SamplingParams(temperature=0, ignore_eos=True, max_tokens=m) for m in max_tokens],
-                        use_tqdm=False)
+    outs = llm.generate(
+        prompts, [SamplingParams(temperature=0, ignore_eos=True, max_tokens=m) for m in max_tokens], use_tqdm=False
+    )
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -20,9 +22,17 @@ def greedy(llm, prompts, max_tokens):
 def test_fp32_gpu_greedy_equals_cpu(tiny_models, family, mode):
     prompts, max_tokens = workload(3, n=10)
     cpu = LLM(tiny_models[family], device="cpu", num_kv_blocks=256, block_size=16)
-    gpu = LLM(tiny_models[family], device="cuda", dtype="float32", num_kv_blocks=256, block_size=16,
-              max_num_seqs=16, max_num_batched_tokens=64, enforce_eager=mode == "eager",
-              async_scheduling=mode.endswith("async"))
+    gpu = LLM(
+        tiny_models[family],
+        device="cuda",
+        dtype="float32",
+        num_kv_blocks=256,
+        block_size=16,
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+        enforce_eager=mode == "eager",
+        async_scheduling=mode.endswith("async"),
+    )
     assert greedy(gpu, prompts, max_tokens) == greedy(cpu, prompts, max_tokens)
     m = gpu.get_metrics()
     assert m["num_free_kv_blocks"] == m["num_kv_blocks"]
@@ -44,8 +54,9 @@ def relative_error(path, prompts):
 
 def test_bf16_logits_close_to_fp32_on_the_trained_default_model():
     from pagedllm import default_model_path
+
     prompts = ["def fibonacci(", "import os\nimport ", "class Stack:\n    def ", "for i in range(10):\n"]
-    assert relative_error(default_model_path(), prompts) < 2e-2      # 0.0037 measured on CPU
+    assert relative_error(default_model_path(), prompts) < 2e-2  # 0.0037 measured on CPU
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -1,4 +1,5 @@
 """Independent reference: HF transformers, float32, full recompute each step (no KV cache)."""
+
 from __future__ import annotations
 
 import functools
@@ -10,6 +11,7 @@ import torch
 @functools.lru_cache(maxsize=8)
 def hf_model(path: str):
     from transformers import AutoModelForCausalLM
+
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
@@ -22,9 +24,8 @@ def hf_logits(path: str, token_ids: list[int]) -> torch.Tensor:
 def hf_greedy(path: str, prompt: list[int], max_tokens: int) -> list[int]:
     model = hf_model(path)
     ids = torch.tensor([prompt])
-    out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, min_new_tokens=max_tokens,
-                         pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, min_new_tokens=max_tokens, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
 
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -49,17 +50,19 @@ def reference(path, prompts, max_tokens):
     """HF greedy continuations, cached per (model, workload)."""
     key = (path, tuple(map(tuple, prompts)), tuple(max_tokens))
     if key not in _ref_cache:
-        _ref_cache[key] = [hf_greedy(path, p, m) for p, m in zip(prompts, max_tokens)]
+        _ref_cache[key] = [hf_greedy(path, p, m) for p, m in zip(prompts, max_tokens, strict=False)]
     return _ref_cache[key]
 
 
 def generate(llm, prompts, max_tokens, order=None):
     """Greedy token ids from an LLM, submitted in `order` (default: as given), returned in input order."""
     from pagedllm import SamplingParams
+
     idx = list(range(len(prompts))) if order is None else order
-    outs = llm.generate([prompts[i] for i in idx], [SamplingParams(max_tokens=max_tokens[i], **GREEDY) for i in idx],
-                        use_tqdm=False)
+    outs = llm.generate(
+        [prompts[i] for i in idx], [SamplingParams(max_tokens=max_tokens[i], **GREEDY) for i in idx], use_tqdm=False
+    )
     res = [None] * len(prompts)
-    for i, o in zip(idx, outs):
+    for i, o in zip(idx, outs, strict=False):
         res[i] = o.outputs[0].token_ids
     return res

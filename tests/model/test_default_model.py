@@ -1,5 +1,6 @@
 """The bundled default model: loads with HF unchanged, and the engine's greedy output equals
 HF transformers' (CPU, float32) for several prompts."""
+
 import os
 
 import pytest
@@ -17,9 +18,16 @@ def llm():
 
 def test_default_model_ships_a_normal_hf_directory():
     files = set(os.listdir(default_model_path()))
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-            "tokenizer_config.json", "README.md"} <= files
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "README.md",
+    } <= files
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(default_model_path())
     assert tok.eos_token == "<|endoftext|>" and tok.chat_template
 
@@ -28,7 +36,7 @@ def test_greedy_equals_hf_on_the_default_model(llm):
     tok = llm.get_tokenizer()
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
-    for prompt, out in zip(PROMPTS, outs):
+    for prompt, out in zip(PROMPTS, outs, strict=False):
         ids = tok.encode(prompt, add_special_tokens=False)
         assert out.prompt_token_ids == ids
         assert out.outputs[0].token_ids == hf_greedy(default_model_path(), ids, 24), prompt

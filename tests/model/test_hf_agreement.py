@@ -1,5 +1,6 @@
 """Exactness against HF transformers (float32, CPU) for every family, under every
 scheduling configuration: scheduling must never change results."""
+
 import random
 import zlib
 
@@ -9,6 +10,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from tests.conftest import FAMILIES
 from tests.model.hf_reference import GREEDY, generate, hf_logits, reference, workload
+
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_ragged_batch_logits_match_hf(tiny_models, family):
@@ -66,14 +68,14 @@ def test_greedy_equals_hf_generate(tiny_models, family, config):
     kwargs = {"num_kv_blocks": 128, **CONFIGS[config]}
     llm = LLM(path, **kwargs)
     order = list(range(len(prompts)))
-    random.Random(zlib.crc32(config.encode())).shuffle(order)      # same order every run
+    random.Random(zlib.crc32(config.encode())).shuffle(order)  # same order every run
     got = generate(llm, prompts, max_tokens, order)
     assert got == reference(path, prompts, max_tokens)
     m = llm.get_metrics()
     assert m["num_free_kv_blocks"] == m["num_kv_blocks"]
     if "preemption" in config:
         assert m["num_preemptions"] > 0
-    if "chunked" in config:     # one prefill at a time: later prompts hit the shared prefix
+    if "chunked" in config:  # one prefill at a time: later prompts hit the shared prefix
         assert m["prefix_cache_hit_tokens"] > 0
 
 

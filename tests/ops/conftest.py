@@ -3,6 +3,7 @@
 TRITON_INTERPRET must be set before any kernel module is decorated, so it is set here,
 before the test modules import pagedllm.ops.
 """
+
 import os
 
 import pytest

@@ -1,4 +1,5 @@
 """The batched decode reference equals the general (looped) reference."""
+
 import pytest
 import torch
 

@@ -1,11 +1,18 @@
 """Fused norm / activation / rotary kernels against their torch references."""
+
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
 from pagedllm.ops.fused import (  # noqa: E402
-    apply_rotary, apply_rotary_ref, rms_norm, rms_norm_ref, silu_and_mul, silu_and_mul_ref)
+    apply_rotary,
+    apply_rotary_ref,
+    rms_norm,
+    rms_norm_ref,
+    silu_and_mul,
+    silu_and_mul_ref,
+)
 
 # The interpreter rounds fp32 -> bf16 by truncation, the GPU to nearest: allow 1 bf16 ulp.
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -38,7 +45,7 @@ def test_fused_add_rms_norm(dtype, device):
 
 def test_rms_norm_strided_rows(device):
     big = torch.randn(6, 2 * 64, device=device)
-    x = big[:, :64]                                     # row stride 128
+    x = big[:, :64]  # row stride 128
     w = torch.randn(64, device=device)
     close(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6), torch.float32)
 
@@ -57,8 +64,8 @@ def test_silu_and_mul(inter, dtype, device):
 def test_apply_rotary_in_place_on_qkv_views(hq, hkv, d, rot, dtype, device):
     t, max_pos = 9, 40
     qkv = torch.randn(t, (hq + 2 * hkv) * d, device=device).to(dtype)
-    q, k = qkv[:, :hq * d].view(t, hq, d), qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
-    v_before = qkv[:, (hq + hkv) * d:].clone()
+    q, k = qkv[:, : hq * d].view(t, hq, d), qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+    v_before = qkv[:, (hq + hkv) * d :].clone()
     inv = 1.0 / (10000 ** (torch.arange(0, rot, 2, device=device).float() / rot))
     freqs = torch.arange(max_pos, device=device).float()[:, None] * inv[None, :]
     cache = torch.cat([freqs.cos(), freqs.sin()], -1)
@@ -67,7 +74,7 @@ def test_apply_rotary_in_place_on_qkv_views(hq, hkv, d, rot, dtype, device):
     apply_rotary(q, k, cache, pos)
     close(q, q_ref, dtype)
     close(k, k_ref, dtype)
-    assert torch.equal(qkv[:, (hq + hkv) * d:], v_before)      # v untouched
+    assert torch.equal(qkv[:, (hq + hkv) * d :], v_before)  # v untouched
 
 
 def test_apply_rotary_matches_hf_rotate_half(device):
@@ -81,7 +88,7 @@ def test_apply_rotary_matches_hf_rotate_half(device):
     cos, sin = emb.cos(), emb.sin()
 
     def rotate_half(x):
-        return torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1)
+        return torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1)
 
     q_hf, k_hf = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
     table = torch.arange(13, device=device).float()[:, None] * inv[None, :]
@@ -102,5 +109,4 @@ def test_gpu_fused_large(dtype, device):
     torch.testing.assert_close(res, res_ref, atol=0, rtol=0)
     torch.testing.assert_close(out.float(), out_ref.float(), atol=2e-2, rtol=2e-2)
     g = torch.randn(4096, 2 * 3072, device=device, dtype=dtype)
-    torch.testing.assert_close(silu_and_mul(g).float(), silu_and_mul_ref(g).float(),
-                               atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(silu_and_mul(g).float(), silu_and_mul_ref(g).float(), atol=2e-2, rtol=2e-2)

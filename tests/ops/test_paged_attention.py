@@ -4,6 +4,7 @@ Cases mix decode (q_len 1) and prefill with a cached prefix in one ragged batch,
 shuffled block tables; every cache slot no sequence owns holds NaN, so a kernel that reads
 past a sequence's length (or through a padding block-table entry) fails loudly.
 """
+
 import math
 
 import pytest
@@ -12,30 +13,38 @@ import torch
 pytest.importorskip("triton")
 
 from pagedllm.ops.attention_ref import (  # noqa: E402
-    gather_kv, paged_attention_ref, store_kvcache_ref)
+    gather_kv,
+    paged_attention_ref,
+    store_kvcache_ref,
+)
 from pagedllm.ops.paged_attention import (  # noqa: E402
-    default_num_splits, paged_attention, paged_attention_decode)
+    default_num_splits,
+    paged_attention,
+    paged_attention_decode,
+)
 from pagedllm.ops.store_kv import store_kvcache  # noqa: E402
 
-TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
-       torch.float16: dict(atol=5e-3, rtol=5e-3)}
+TOL = {
+    torch.float32: dict(atol=1e-4, rtol=1e-4),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+    torch.float16: dict(atol=5e-3, rtol=5e-3),
+}
 
 
-def make_case(q_lens, hist, hq, hkv, d, bs, dtype, device, seed=0, spare_blocks=5,
-              store_with_kernel=False):
+def make_case(q_lens, hist, hq, hkv, d, bs, dtype, device, seed=0, spare_blocks=5, store_with_kernel=False):
     """Random ragged batch. Returns dict of tensors for paged_attention(_ref)."""
     g = torch.Generator().manual_seed(seed)
-    seq_lens = [q + h for q, h in zip(q_lens, hist)]
+    seq_lens = [q + h for q, h in zip(q_lens, hist, strict=False)]
     nb = [math.ceil(s / bs) for s in seq_lens]
     num_blocks = sum(nb) + spare_blocks
-    max_nb = max(nb) + 2                                  # padding columns in the table
+    max_nb = max(nb) + 2  # padding columns in the table
     perm = torch.randperm(num_blocks, generator=g)
     bt = torch.zeros(len(q_lens), max_nb, dtype=torch.int32)
     k_cache = torch.full((num_blocks, hkv, bs, d), float("nan"), dtype=dtype)
     v_cache = torch.full_like(k_cache, float("nan"))
     used = 0
     for b, n in enumerate(nb):
-        bt[b, :n] = perm[used:used + n].int()
+        bt[b, :n] = perm[used : used + n].int()
         used += n
     # K/V of every token of every sequence, and the slot it lives in.
     slots, ks, vs = [], [], []
@@ -53,10 +62,15 @@ def make_case(q_lens, hist, hq, hkv, d, bs, dtype, device, seed=0, spare_blocks=
         store_kvcache_ref(all_k, all_v, k_cache, v_cache, all_slots)
     cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
     q = torch.randn(int(cu[-1]), hq, d, generator=g).to(dtype)
-    return dict(q=q.to(device), k_cache=k_cache, v_cache=v_cache, block_tables=bt.to(device),
-                cu_seqlens_q=cu.to(device),
-                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-                scale=d ** -0.5)
+    return dict(
+        q=q.to(device),
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_tables=bt.to(device),
+        cu_seqlens_q=cu.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        scale=d**-0.5,
+    )
 
 
 def check(out, ref, dtype):
@@ -76,7 +90,7 @@ def test_mixed_batch(bs, d, group, dtype, device):
     """Decode and prefill-with-history sequences in one batch."""
     hkv = 2
     q_lens = [1, 9, 1, 23, 4]
-    hist = [13, 62, 40, 0, 2 * bs]                 # prefix ends on a block boundary too
+    hist = [13, 62, 40, 0, 2 * bs]  # prefix ends on a block boundary too
     c = make_case(q_lens, hist, hkv * group, hkv, d, bs, dtype, device, seed=bs + group)
     ref = paged_attention_ref(**c)
     out = paged_attention(**c, max_seqlen_q=max(q_lens))
@@ -89,8 +103,9 @@ def test_mixed_batch(bs, d, group, dtype, device):
 def test_decode(group, hkv, num_splits, dtype, device):
     bs, d = (16, 64) if group % 2 else (8, 32)
     seq = [1, 17, 64, 45, 130]
-    c = make_case([1] * len(seq), [s - 1 for s in seq], hkv * group, hkv, d, bs, dtype, device,
-                  seed=group * 10 + num_splits)
+    c = make_case(
+        [1] * len(seq), [s - 1 for s in seq], hkv * group, hkv, d, bs, dtype, device, seed=group * 10 + num_splits
+    )
     ref = paged_attention_ref(**c)
     c.pop("cu_seqlens_q")
     out = paged_attention_decode(**c, num_splits=num_splits)
@@ -101,14 +116,15 @@ def test_decode(group, hkv, num_splits, dtype, device):
 def test_small_tiles(group, block_q, block_n, device):
     """Tiles much smaller than the sequences: many q blocks per sequence, and histories
     that put the diagonal right at tile edges (ctx + 1 and ctx + 2 multiples of BLOCK_N)."""
-    bq = max(block_q, 16 // group)                 # tl.dot needs M = BLOCK_Q * group >= 16
+    bq = max(block_q, 16 // group)  # tl.dot needs M = BLOCK_Q * group >= 16
     q_lens = [1, 37, 2 * bq + 1, 5, 3]
     hist = [2 * block_n - 1, block_n - 1, block_n - 2, 3 * block_n, block_n + 1]
     c = make_case(q_lens, hist, 2 * group, 2, 32, 8, torch.float32, device, seed=block_q)
     ref = paged_attention_ref(**c)
     for splits in (1, 3):
-        out = paged_attention(**c, max_seqlen_q=max(q_lens), num_splits=splits,
-                              _config=dict(BLOCK_Q=bq, BLOCK_N=block_n))
+        out = paged_attention(
+            **c, max_seqlen_q=max(q_lens), num_splits=splits, _config=dict(BLOCK_Q=bq, BLOCK_N=block_n)
+        )
         check(out, ref, torch.float32)
 
 
@@ -140,8 +156,7 @@ def test_decode_padding_rows_are_zero(num_splits, device):
     q = torch.cat([c["q"], torch.randn(2, 4, 32, device=device)])
     seq_lens = torch.cat([c["seq_lens"], torch.zeros(2, dtype=torch.int32, device=device)])
     bt = torch.cat([c["block_tables"], torch.zeros_like(c["block_tables"][:2])])
-    out = paged_attention_decode(q, c["k_cache"], c["v_cache"], bt, seq_lens, c["scale"],
-                                 num_splits=num_splits)
+    out = paged_attention_decode(q, c["k_cache"], c["v_cache"], bt, seq_lens, c["scale"], num_splits=num_splits)
     check(out[:2], ref, torch.float32)
     assert torch.equal(out[2:], torch.zeros_like(out[2:]))
 
@@ -153,8 +168,8 @@ def test_strided_q_and_out(device):
     c = make_case(q_lens, hist, hq, hkv, d, 16, torch.float32, device)
     t = c["q"].shape[0]
     qkv = torch.randn(t, (hq + 2 * hkv) * d, device=device)
-    qkv[:, :hq * d] = c["q"].reshape(t, -1)
-    c["q"] = qkv[:, :hq * d].view(t, hq, d)
+    qkv[:, : hq * d] = c["q"].reshape(t, -1)
+    c["q"] = qkv[:, : hq * d].view(t, hq, d)
     assert not c["q"].is_contiguous()
     ref = paged_attention_ref(**c)
     buf = torch.full((t, hq, d), float("nan"), device=device)
@@ -194,8 +209,8 @@ def test_cases_are_causal_sensitive(device):
 def test_store_kvcache(dtype, device):
     n, hq, hkv, d, bs, nblk = 11, 4, 3, 32, 8, 6
     qkv = torch.randn(n, (hq + 2 * hkv) * d, device=device).to(dtype)
-    key = qkv[:, hq * d:(hq + hkv) * d].view(n, hkv, d)
-    value = qkv[:, (hq + hkv) * d:].view(n, hkv, d)
+    key = qkv[:, hq * d : (hq + hkv) * d].view(n, hkv, d)
+    value = qkv[:, (hq + hkv) * d :].view(n, hkv, d)
     assert not key.is_contiguous()
     slots = torch.randperm(nblk * bs)[:n].to(device)
     slots[[2, 7]] = -1
@@ -210,18 +225,23 @@ def test_store_kvcache(dtype, device):
 def test_default_num_splits():
     cpu = torch.device("cpu")
     assert default_num_splits(256, 8, 1024, cpu) == 1
-    assert default_num_splits(1, 1, 100, cpu) == 1           # short context: no split
-    assert default_num_splits(1, 1, 8192, cpu) == 4         # 1 "SM" on CPU: 4 programs
-    assert default_num_splits(1, 1, 1536, cpu) == 2         # 3 splits of 512 keys, rounded down to 2
+    assert default_num_splits(1, 1, 100, cpu) == 1  # short context: no split
+    assert default_num_splits(1, 1, 8192, cpu) == 4  # 1 "SM" on CPU: 4 programs
+    assert default_num_splits(1, 1, 1536, cpu) == 2  # 3 splits of 512 keys, rounded down to 2
 
 
 # ----------------------------------------------------------------------------- GPU sizes
 
 
 GPU_MIXED = [(16, 128, g, torch.bfloat16) for g in (1, 2, 4, 8)] + [
-    (8, 128, 2, torch.bfloat16), (32, 64, 4, torch.bfloat16), (64, 128, 1, torch.bfloat16),
-    (16, 128, 2, torch.float16), (32, 64, 8, torch.float16),
-    (16, 128, 2, torch.float32), (8, 64, 4, torch.float32)]
+    (8, 128, 2, torch.bfloat16),
+    (32, 64, 4, torch.bfloat16),
+    (64, 128, 1, torch.bfloat16),
+    (16, 128, 2, torch.float16),
+    (32, 64, 8, torch.float16),
+    (16, 128, 2, torch.float32),
+    (8, 64, 4, torch.float32),
+]
 
 
 @pytest.mark.gpu
@@ -244,8 +264,7 @@ def test_gpu_mixed_large(bs, d, group, dtype, device):
 def test_gpu_decode_long(num_splits, group, device):
     seq = [4097, 8192, 1, 3000, 777, 6000, 16, 8000]
     hkv, d, bs = 2, 128, 16
-    c = make_case([1] * len(seq), [s - 1 for s in seq], hkv * group, hkv, d, bs,
-                  torch.bfloat16, device, seed=group)
+    c = make_case([1] * len(seq), [s - 1 for s in seq], hkv * group, hkv, d, bs, torch.bfloat16, device, seed=group)
     ref = paged_attention_ref(**c)
     c.pop("cu_seqlens_q")
     out = paged_attention_decode(**c, num_splits=num_splits, max_seqlen_k=8192)
@@ -257,11 +276,10 @@ def test_gpu_decode_long(num_splits, group, device):
 def test_gpu_decode_cuda_graph(num_splits, device):
     """Captured decode attention replays correctly after the inputs change in place."""
     b, hq, hkv, d, bs = 8, 16, 8, 128, 16
-    c = make_case([1] * b, [100 * i + 5 for i in range(b)], hq, hkv, d, bs, torch.bfloat16,
-                  device)
+    c = make_case([1] * b, [100 * i + 5 for i in range(b)], hq, hkv, d, bs, torch.bfloat16, device)
     c.pop("cu_seqlens_q")
     out = torch.empty_like(c["q"])
-    paged_attention_decode(**c, num_splits=num_splits, out=out)       # compile outside
+    paged_attention_decode(**c, num_splits=num_splits, out=out)  # compile outside
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -279,7 +297,7 @@ def test_gpu_decode_cuda_graph(num_splits, device):
 def test_gpu_store_kvcache_large(device):
     n, hkv, d, bs, nblk = 4096, 8, 128, 16, 1024
     qkv = torch.randn(n, 3 * hkv * d, device=device, dtype=torch.bfloat16)
-    key, value = qkv[:, :hkv * d].view(n, hkv, d), qkv[:, hkv * d:2 * hkv * d].view(n, hkv, d)
+    key, value = qkv[:, : hkv * d].view(n, hkv, d), qkv[:, hkv * d : 2 * hkv * d].view(n, hkv, d)
     slots = torch.randperm(nblk * bs, device=device)[:n]
     slots[::17] = -1
     kc = torch.randn(nblk, hkv, bs, d, device=device, dtype=torch.bfloat16)

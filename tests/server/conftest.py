@@ -1,5 +1,6 @@
 """A live OpenAI-compatible server for the tests: uvicorn in a background thread of this
 process, on an ephemeral 127.0.0.1 port, CPU, small KV cache."""
+
 from __future__ import annotations
 
 import json
@@ -13,12 +14,15 @@ import pytest
 API_KEY = "sk-test-key"
 MODEL_NAME = "test-model"
 # ChatML, for tokenizers that ship without a chat template
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def pick_model(tiny_models) -> str:
     import pagedllm
+
     default = pagedllm.default_model_path()
     if os.path.isfile(os.path.join(default, "model.safetensors")):
         return default
@@ -30,11 +34,12 @@ class LiveServer:
 
     def __init__(self, app):
         import uvicorn
+
         config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off", ws="none")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
 
-    def start(self) -> "LiveServer":
+    def start(self) -> LiveServer:
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:
@@ -74,6 +79,7 @@ def live(server_model):
     """The server as `pagedllm serve` runs it: the engine in its own core process."""
     from pagedllm.entrypoints.async_llm import AsyncLLM
     from pagedllm.entrypoints.server import build_app
+
     async_llm = AsyncLLM(server_model, device="cpu", num_kv_blocks=256, max_num_seqs=256)
     if not getattr(async_llm.tokenizer, "chat_template", None):
         async_llm.tokenizer.chat_template = CHAT_TEMPLATE
@@ -90,6 +96,7 @@ def live(server_model):
 @pytest.fixture(scope="module")
 def client(live):
     import openai
+
     with openai.OpenAI(base_url=live.base_url, api_key=API_KEY, max_retries=0, timeout=60) as c:
         yield c
 
@@ -97,6 +104,7 @@ def client(live):
 @pytest.fixture(scope="module")
 def http(live):
     import httpx
+
     with httpx.Client(base_url=live.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
         yield c
 
@@ -105,6 +113,7 @@ def scrape(url: str) -> list[tuple[str, dict, float]]:
     """GET /metrics -> [(name, labels, value)]."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
+
     text = httpx.get(url + "/metrics", timeout=10).text
     return [(s.name, s.labels, s.value) for fam in text_string_to_metric_families(text) for s in fam.samples]
 

@@ -1,5 +1,6 @@
 """AsyncLLM from Python, with the engine core in its own process and on a thread: streaming,
 validation before streaming, abort, slow consumers, stop strings, queue limit, shutdown."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,6 +19,7 @@ LLM_ARGS = dict(device="cpu", num_kv_blocks=128, block_size=8)
 @pytest.fixture(scope="module")
 def llm(tiny_models):
     from pagedllm import LLM
+
     return LLM(tiny_models["qwen3"], **LLM_ARGS)
 
 
@@ -33,6 +35,7 @@ def engine(request, tiny_models):
         assert a.llm is None and pid_alive(a.core_pid)
     else:
         from pagedllm import LLM
+
         a = AsyncLLM(llm=LLM(tiny_models["qwen3"], **LLM_ARGS))
     yield a
     a.shutdown()
@@ -47,8 +50,11 @@ async def _idle(engine: AsyncLLM, timeout: float = 5.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         m = engine.get_metrics()
-        if m["num_free_kv_blocks"] == m["num_kv_blocks"] and m["num_requests_running"] == 0 \
-                or time.monotonic() > deadline:
+        if (
+            m["num_free_kv_blocks"] == m["num_kv_blocks"]
+            and m["num_requests_running"] == 0
+            or time.monotonic() > deadline
+        ):
             return m
         await asyncio.sleep(0.02)
 
@@ -63,10 +69,11 @@ def test_stream_matches_offline_and_errors_come_first(engine, llm):
             async for _ in engine.generate("", GREEDY):
                 pass
         with pytest.raises(ValueError, match="outside the vocabulary"):
-            engine.add_request([10 ** 9], GREEDY)
+            engine.add_request([10**9], GREEDY)
         with pytest.raises(ValueError, match="max_model_len"):
             engine.add_request([1] * engine.max_model_len, GREEDY)
         return outs, final
+
     outs, final = asyncio.run(run())
     assert outs[-1].finished and outs[-1].outputs[0].token_ids == offline.token_ids
     assert outs[-1].outputs[0].text == offline.text and outs[-1].outputs[0].finish_reason == "length"
@@ -80,7 +87,7 @@ def test_stream_matches_offline_and_errors_come_first(engine, llm):
 def test_stop_strings_match_the_engine(engine, llm):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     base = llm.generate(["def fib"], params, use_tqdm=False)[0].outputs[0].text
-    stop = base[len(base) // 2: len(base) // 2 + 2]
+    stop = base[len(base) // 2 : len(base) // 2 + 2]
     stopped = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])
     offline = llm.generate(["def fib"], stopped, use_tqdm=False)[0].outputs[0]
     assert offline.finish_reason == "stop"
@@ -89,20 +96,21 @@ def test_stop_strings_match_the_engine(engine, llm):
         streamed = [o async for o in engine.generate("def fib", stopped)]
         final = [o async for o in engine.generate("def fib", stopped, stream=False)]
         return streamed, final[-1]
+
     streamed, final = asyncio.run(run())
     for out in (streamed[-1], final):
         o = out.outputs[0]
-        assert (o.text, o.token_ids, o.finish_reason, o.stop_reason) == \
-            (offline.text, offline.token_ids, "stop", stop)
+        assert (o.text, o.token_ids, o.finish_reason, o.stop_reason) == (offline.text, offline.token_ids, "stop", stop)
     assert "".join(o.outputs[0].delta_text for o in streamed) == offline.text
-    asyncio.run(_idle(engine))                    # the core was told to abort the rest
+    asyncio.run(_idle(engine))  # the core was told to abort the rest
 
 
 def test_a_slow_consumer_gets_merged_deltas(engine):
     async def run():
         stream = engine.add_request("import os", GREEDY)
-        await asyncio.sleep(0.5)                  # the whole request finishes meanwhile
+        await asyncio.sleep(0.5)  # the whole request finishes meanwhile
         return [o async for o in stream]
+
     outs = asyncio.run(run())
     assert len(outs) < 12
     assert "".join(o.outputs[0].delta_text for o in outs) == outs[-1].outputs[0].text
@@ -120,8 +128,9 @@ def test_abort_and_leaving_early_free_blocks(engine):
         gen = engine.generate("def g", long)
         async for _ in gen:
             break
-        await gen.aclose()                        # leaving the loop aborts the request
+        await gen.aclose()  # leaving the loop aborts the request
         return rest, await _idle(engine)
+
     rest, m = asyncio.run(run())
     assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
     assert len(rest[-1].outputs[0].token_ids) < 400
@@ -141,10 +150,11 @@ def test_queue_limit_duplicate_ids_and_shutdown(engine):
             engine.add_request("def f", long, request_id="dup")
         await stream.__anext__()
         engine.begin_shutdown()
-        outs = [o async for o in stream]          # ends cleanly
+        outs = [o async for o in stream]  # ends cleanly
         with pytest.raises(EngineShutdownError):
             engine.add_request("x", GREEDY)
         return outs
+
     outs = asyncio.run(run())
     assert outs[-1].outputs[0].finish_reason == "abort"
     engine.shutdown()

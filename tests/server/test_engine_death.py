@@ -1,6 +1,7 @@
 """The engine core process dying: open streams end with an error event, waiting requests get
 503, new requests get 503 at once, /health says 503, nothing hangs. And the other way round:
 the core never outlives the API process, even one killed with SIGKILL."""
+
 from __future__ import annotations
 
 import asyncio
@@ -26,6 +27,7 @@ LONG = {"model": MODEL_NAME, "prompt": "def f(x):", "max_tokens": 30000, "temper
 def doomed(long_context_model):
     from pagedllm.entrypoints.async_llm import AsyncLLM
     from pagedllm.entrypoints.server import build_app
+
     async_llm = AsyncLLM(long_context_model, device="cpu", num_kv_blocks=2100, max_num_seqs=4)
     srv = LiveServer(build_app(async_llm, MODEL_NAME, API_KEY)).start()
     srv.async_llm = async_llm
@@ -44,6 +46,7 @@ def test_killing_the_core_fails_in_flight_and_new_requests_promptly(doomed):
     def post_non_streamed():
         r = httpx.post(url + "/v1/completions", json=LONG, headers=headers, timeout=60)
         non_streamed.update(status=r.status_code, body=r.json())
+
     waiter = threading.Thread(target=post_non_streamed, daemon=True)
 
     with httpx.Client(base_url=url, headers=headers, timeout=60) as http:
@@ -57,7 +60,7 @@ def test_killing_the_core_fails_in_flight_and_new_requests_promptly(doomed):
                 time.sleep(0.02)
             os.kill(pid, signal.SIGKILL)
             t0 = time.monotonic()
-            rest = list(lines)                   # the stream ends: an error event, then [DONE]
+            rest = list(lines)  # the stream ends: an error event, then [DONE]
             elapsed = time.monotonic() - t0
     assert elapsed < 5, f"the stream took {elapsed:.1f} s to notice"
     assert rest[-1] == "data: [DONE]"
@@ -81,6 +84,7 @@ def test_killing_the_core_fails_in_flight_and_new_requests_promptly(doomed):
 
     async def add():
         doomed.async_llm.add_request("x")
+
     with pytest.raises(EngineShutdownError, match="died"):
         asyncio.run(add())
     t0 = time.monotonic()
@@ -100,12 +104,13 @@ if __name__ == "__main__":
 
 def test_the_core_exits_when_the_api_process_is_killed(tiny_models):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    p = subprocess.Popen([sys.executable, "-c", CHILD, tiny_models["qwen3"]], cwd=root, stdout=subprocess.PIPE,
-                         text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", CHILD, tiny_models["qwen3"]], cwd=root, stdout=subprocess.PIPE, text=True
+    )
     try:
         core = int(p.stdout.readline())
         assert pid_alive(core)
-        p.kill()                                 # SIGKILL: no atexit, no shutdown(); only the pipe's EOF
+        p.kill()  # SIGKILL: no atexit, no shutdown(); only the pipe's EOF
         p.wait(10)
         deadline = time.monotonic() + 10
         while pid_alive(core):

@@ -1,5 +1,6 @@
 """The OpenAI-compatible server through the official `openai` client (sync and async) and raw
 HTTP: answers, streaming, usage, errors, concurrency, disconnects, metrics."""
+
 from __future__ import annotations
 
 import asyncio
@@ -25,7 +26,7 @@ def test_models_and_health(live, client, http):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
     assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
-    assert httpx.get(live.url + "/health").status_code == 200          # no key needed
+    assert httpx.get(live.url + "/health").status_code == 200  # no key needed
 
 
 def test_completion_streamed_equals_non_streamed(live, client):
@@ -55,26 +56,35 @@ def test_completion_token_id_prompts_and_batches(live, client):
 
 def test_stop_strings(client):
     base = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16, **GREEDY).choices[0].text
-    stop = base[len(base) // 2: len(base) // 2 + 2]
+    stop = base[len(base) // 2 : len(base) // 2 + 2]
     assert stop.strip(), f"degenerate completion {base!r}"
     out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16, stop=[stop], **GREEDY)
     assert out.choices[0].finish_reason == "stop"
-    assert out.choices[0].text == base[:base.find(stop)]
-    streamed = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16, stop=stop, stream=True,
-                                         **GREEDY)
-    assert "".join(c.choices[0].text for c in streamed) == base[:base.find(stop)]
+    assert out.choices[0].text == base[: base.find(stop)]
+    streamed = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=16, stop=stop, stream=True, **GREEDY
+    )
+    assert "".join(c.choices[0].text for c in streamed) == base[: base.find(stop)]
 
 
 def test_chat_streamed_equals_non_streamed_with_usage(live, client):
-    messages = [{"role": "system", "content": "You write Python."},
-                {"role": "user", "content": "Write a function that adds two numbers."}]
+    messages = [
+        {"role": "system", "content": "You write Python."},
+        {"role": "user", "content": "Write a function that adds two numbers."},
+    ]
     full = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_completion_tokens=10, **GREEDY)
     msg = full.choices[0].message
     assert msg.role == "assistant" and full.choices[0].finish_reason == "length"
     prompt = live.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert full.usage.prompt_tokens == n_tokens(live, prompt) and full.usage.completion_tokens == 10
-    stream = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=10, stream=True,
-                                            stream_options={"include_usage": True}, **GREEDY)
+    stream = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=messages,
+        max_tokens=10,
+        stream=True,
+        stream_options={"include_usage": True},
+        **GREEDY,
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
@@ -84,8 +94,11 @@ def test_chat_streamed_equals_non_streamed_with_usage(live, client):
 
 
 def test_include_usage_on_completions_stream(client):
-    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=5, stream=True,
-                                            stream_options={"include_usage": True}, **GREEDY))
+    chunks = list(
+        client.completions.create(
+            model=MODEL_NAME, prompt=PROMPT, max_tokens=5, stream=True, stream_options={"include_usage": True}, **GREEDY
+        )
+    )
     assert all(c.usage is None for c in chunks[:-1])
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
 
@@ -93,12 +106,19 @@ def test_include_usage_on_completions_stream(client):
 def test_async_client_and_seeded_sampling(live):
     async def run():
         async with openai.AsyncOpenAI(base_url=live.base_url, api_key=API_KEY, max_retries=0) as c:
-            kw = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=1234,
-                      extra_body={"ignore_eos": True, "top_k": 50, "min_p": 0.01, "min_tokens": 8})
+            kw = dict(
+                model=MODEL_NAME,
+                prompt=PROMPT,
+                max_tokens=8,
+                temperature=1.0,
+                seed=1234,
+                extra_body={"ignore_eos": True, "top_k": 50, "min_p": 0.01, "min_tokens": 8},
+            )
             a, b = await asyncio.gather(c.completions.create(**kw), c.completions.create(**kw))
             s = await c.completions.create(stream=True, **kw)
             streamed = "".join([ch.choices[0].text async for ch in s])
             return a, b, streamed
+
     a, b, streamed = asyncio.run(run())
     assert a.choices[0].text == b.choices[0].text == streamed
     assert a.usage.completion_tokens == 8
@@ -121,30 +141,33 @@ def test_auth(live):
     assert httpx.get(live.url + "/metrics").status_code == 200
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"temperature": -1}, "temperature"),
-    ({"top_p": 0}, "top_p"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"temperature": "hot"}, "temperature"),
-    ({"max_tokens": "5"}, "max_tokens"),
-    ({"max_tokens": 2.5}, "max_tokens"),
-    ({"stream": "yes"}, "stream"),
-    ({"stop": [1, 2]}, "stop"),
-    ({"ignore_eos": 1}, "ignore_eos"),
-    ({"seed": 2 ** 70}, "seed"),
-    ({"prompt": ""}, "prompt"),
-    ({"prompt": []}, "prompt"),
-    ({"prompt": [1, "a"]}, "prompt"),
-    ({"prompt": [10 ** 9]}, "prompt"),
-    ({"prompt": None}, "prompt"),
-    ({"n": 2}, "n"),
-    ({"logprobs": 1}, "logprobs"),
-    ({"best_of": 3}, "best_of"),
-    ({"echo": True}, "echo"),
-    ({"suffix": "x"}, "suffix"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"stream_options": {"include_usage": True}}, "stream_options"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"max_tokens": "5"}, "max_tokens"),
+        ({"max_tokens": 2.5}, "max_tokens"),
+        ({"stream": "yes"}, "stream"),
+        ({"stop": [1, 2]}, "stop"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+        ({"seed": 2**70}, "seed"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [1, "a"]}, "prompt"),
+        ({"prompt": [10**9]}, "prompt"),
+        ({"prompt": None}, "prompt"),
+        ({"n": 2}, "n"),
+        ({"logprobs": 1}, "logprobs"),
+        ({"best_of": 3}, "best_of"),
+        ({"echo": True}, "echo"),
+        ({"suffix": "x"}, "suffix"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ],
+)
 def test_bad_completion_values_are_400_naming_the_field(http, body, param):
     req = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 2, **body}
     assert _error(http.post("/v1/completions", json=req), 400)["param"] == param
@@ -154,8 +177,9 @@ def test_openai_client_sees_bad_request_errors(client):
     with pytest.raises(openai.BadRequestError, match="n=2"):
         client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, n=2)
     with pytest.raises(openai.BadRequestError, match="logprobs"):
-        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
-                                       max_tokens=2, logprobs=True)
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2, logprobs=True
+        )
     with pytest.raises(openai.BadRequestError, match="top_p"):
         client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, top_p=5, stream=True)
 
@@ -172,8 +196,10 @@ def test_prompt_too_long_is_400(live, http):
 def test_unknown_model_is_404(client, http):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-5", prompt=PROMPT, max_tokens=2)
-    assert _error(http.post("/v1/chat/completions", json={"model": "nope", "messages": []}), 404)["code"] == \
-        "model_not_found"
+    assert (
+        _error(http.post("/v1/chat/completions", json={"model": "nope", "messages": []}), 404)["code"]
+        == "model_not_found"
+    )
     _error(http.get("/v1/no-such-route"), 404)
 
 
@@ -183,7 +209,9 @@ def test_malformed_requests_are_4xx_and_the_server_stays_healthy(live, http, cli
             resp = http.post(path, content=raw, headers={"Content-Type": "application/json"})
             _error(resp, 400)
     chat = [
-        {"messages": "hi"}, {"messages": [{"content": "no role"}]}, {"messages": [{"role": "user", "content": 5}]},
+        {"messages": "hi"},
+        {"messages": [{"content": "no role"}]},
+        {"messages": [{"role": "user", "content": 5}]},
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
         {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -3},
         {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
@@ -200,15 +228,20 @@ def test_chat_without_template_is_400(live, http):
     saved = live.tokenizer.chat_template
     live.tokenizer.chat_template = None
     try:
-        err = _error(http.post("/v1/chat/completions", json={"model": MODEL_NAME, "max_tokens": 2,
-                                                             "messages": [{"role": "user", "content": "hi"}]}), 400)
+        err = _error(
+            http.post(
+                "/v1/chat/completions",
+                json={"model": MODEL_NAME, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+            ),
+            400,
+        )
         assert "chat template" in err["message"]
     finally:
         live.tokenizer.chat_template = saved
 
 
 def test_queue_full_is_429(live, client):
-    live.async_llm.max_queue_len = 0             # nothing may wait: every new request is refused
+    live.async_llm.max_queue_len = 0  # nothing may wait: every new request is refused
     try:
         with pytest.raises(openai.RateLimitError):
             client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2)
@@ -220,15 +253,22 @@ def test_queue_full_is_429(live, client):
 # ---- load, disconnects, metrics -------------------------------------------------------------
 def test_200_concurrent_streams_complete(live):
     async def one(c, i):
-        stream = await c.completions.create(model=MODEL_NAME, prompt=f"x = {i}\n", max_tokens=4, stream=True,
-                                            temperature=0, extra_body={"ignore_eos": True},
-                                            stream_options={"include_usage": True})
+        stream = await c.completions.create(
+            model=MODEL_NAME,
+            prompt=f"x = {i}\n",
+            max_tokens=4,
+            stream=True,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+            stream_options={"include_usage": True},
+        )
         chunks = [ch async for ch in stream]
         return chunks[-1].usage.completion_tokens, chunks[-2].choices[0].finish_reason
 
     async def run():
         async with openai.AsyncOpenAI(base_url=live.base_url, api_key=API_KEY, max_retries=0, timeout=120) as c:
             return await asyncio.gather(*(one(c, i) for i in range(200)))
+
     results = asyncio.run(run())
     assert results == [(4, "length")] * 200
 
@@ -237,9 +277,11 @@ def _wait_idle(url: str, timeout: float = 5.0) -> list:
     deadline = time.monotonic() + timeout
     while True:
         samples = scrape(url)
-        idle = (metric(samples, "pagedllm:num_requests_running") == 0
-                and metric(samples, "pagedllm:num_requests_waiting") == 0
-                and metric(samples, "pagedllm:kv_cache_usage_perc") == 0)
+        idle = (
+            metric(samples, "pagedllm:num_requests_running") == 0
+            and metric(samples, "pagedllm:num_requests_waiting") == 0
+            and metric(samples, "pagedllm:kv_cache_usage_perc") == 0
+        )
         if idle or time.monotonic() > deadline:
             return samples
         time.sleep(0.05)
@@ -250,8 +292,14 @@ def test_50_disconnects_after_first_chunk_free_everything(live):
     max_tokens = min(400, live.max_model_len - 32)
 
     async def one(c, i):
-        stream = await c.completions.create(model=MODEL_NAME, prompt=f"y = {i} *", max_tokens=max_tokens,
-                                            stream=True, temperature=0, extra_body={"ignore_eos": True})
+        stream = await c.completions.create(
+            model=MODEL_NAME,
+            prompt=f"y = {i} *",
+            max_tokens=max_tokens,
+            stream=True,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         async for _ in stream:
             break
         await stream.close()
@@ -259,45 +307,55 @@ def test_50_disconnects_after_first_chunk_free_everything(live):
     async def run():
         async with openai.AsyncOpenAI(base_url=live.base_url, api_key=API_KEY, max_retries=0, timeout=120) as c:
             await asyncio.gather(*(one(c, i) for i in range(50)))
+
     asyncio.run(run())
     after = _wait_idle(live.url)
     assert metric(after, "pagedllm:num_requests_running") == 0
     assert metric(after, "pagedllm:kv_cache_usage_perc") == 0
-    aborted = (metric(after, "pagedllm:request_success_total", finished_reason="abort")
-               - metric(before, "pagedllm:request_success_total", finished_reason="abort"))
+    aborted = metric(after, "pagedllm:request_success_total", finished_reason="abort") - metric(
+        before, "pagedllm:request_success_total", finished_reason="abort"
+    )
     assert aborted == 50
-    generated = (metric(after, "pagedllm:generation_tokens_total")
-                 - metric(before, "pagedllm:generation_tokens_total"))
+    generated = metric(after, "pagedllm:generation_tokens_total") - metric(before, "pagedllm:generation_tokens_total")
     assert generated < 50 * max_tokens / 2
-    m = live.async_llm.get_metrics()                 # from the engine core process
+    m = live.async_llm.get_metrics()  # from the engine core process
     assert m["num_free_kv_blocks"] == m["num_kv_blocks"]
 
 
 def test_disconnect_of_a_non_streamed_request_aborts_it(live):
     before = scrape(live.url)
-    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": min(400, live.max_model_len - 32),
-            "ignore_eos": True}
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": min(400, live.max_model_len - 32), "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(live.base_url + "/completions", json=body,
-                   headers={"Authorization": f"Bearer {API_KEY}"}, timeout=0.1)
+        httpx.post(
+            live.base_url + "/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=0.1
+        )
     after = _wait_idle(live.url)
     assert metric(after, "pagedllm:kv_cache_usage_perc") == 0
-    aborted = (metric(after, "pagedllm:request_success_total", finished_reason="abort")
-               - metric(before, "pagedllm:request_success_total", finished_reason="abort"))
+    aborted = metric(after, "pagedllm:request_success_total", finished_reason="abort") - metric(
+        before, "pagedllm:request_success_total", finished_reason="abort"
+    )
     assert aborted == 1
 
 
 def test_metrics_exposition(live, client):
     client.completions.create(model=MODEL_NAME, prompt=PROMPT * 3, max_tokens=4, **GREEDY)
-    client.completions.create(model=MODEL_NAME, prompt=PROMPT * 3, max_tokens=4, **GREEDY)   # prefix hit
+    client.completions.create(model=MODEL_NAME, prompt=PROMPT * 3, max_tokens=4, **GREEDY)  # prefix hit
     samples = scrape(live.url)
     names = {n for n, _, _ in samples}
-    for name in ["pagedllm:num_requests_running", "pagedllm:num_requests_waiting", "pagedllm:kv_cache_usage_perc",
-                 "pagedllm:prefix_cache_queries_total", "pagedllm:prefix_cache_hits_total",
-                 "pagedllm:num_preemptions_total", "pagedllm:prompt_tokens_total",
-                 "pagedllm:generation_tokens_total", "pagedllm:time_to_first_token_seconds_bucket",
-                 "pagedllm:time_per_output_token_seconds_bucket", "pagedllm:e2e_request_latency_seconds_bucket",
-                 "pagedllm:time_to_first_token_seconds_count"]:
+    for name in [
+        "pagedllm:num_requests_running",
+        "pagedllm:num_requests_waiting",
+        "pagedllm:kv_cache_usage_perc",
+        "pagedllm:prefix_cache_queries_total",
+        "pagedllm:prefix_cache_hits_total",
+        "pagedllm:num_preemptions_total",
+        "pagedllm:prompt_tokens_total",
+        "pagedllm:generation_tokens_total",
+        "pagedllm:time_to_first_token_seconds_bucket",
+        "pagedllm:time_per_output_token_seconds_bucket",
+        "pagedllm:e2e_request_latency_seconds_bucket",
+        "pagedllm:time_to_first_token_seconds_count",
+    ]:
         assert name in names, name
     assert metric(samples, "pagedllm:prefix_cache_hits_total") > 0
     assert metric(samples, "pagedllm:generation_tokens_total") > 0
@@ -306,8 +364,11 @@ def test_metrics_exposition(live, client):
 
 
 def test_raw_sse_format(http):
-    with http.stream("POST", "/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 3,
-                                                      "stream": True, "ignore_eos": True}) as resp:
+    with http.stream(
+        "POST",
+        "/v1/completions",
+        json={"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 3, "stream": True, "ignore_eos": True},
+    ) as resp:
         assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
         events = [line for line in resp.iter_lines() if line]
     assert all(e.startswith("data: ") for e in events)

@@ -1,6 +1,7 @@
 """`python -m pagedllm serve` as a subprocess: the API key from the environment, 429 when the
 queue is full, and SIGTERM with a stream open (the stream ends cleanly, the process exits 0,
 its engine core process is gone)."""
+
 from __future__ import annotations
 
 import os
@@ -30,9 +31,28 @@ def _free_port() -> int:
 def proc_server(long_context_model, tmp_path_factory):
     port = _free_port()
     env = dict(os.environ, PAGEDLLM_API_KEY=KEY)
-    cmd = [sys.executable, "-m", "pagedllm", "serve", "--model", long_context_model, "--device", "cpu",
-           "--num-kv-blocks", "2100", "--max-num-seqs", "1", "--max-queue-len", "1", "--port", str(port),
-           "--served-model-name", "tiny", "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pagedllm",
+        "serve",
+        "--model",
+        long_context_model,
+        "--device",
+        "cpu",
+        "--num-kv-blocks",
+        "2100",
+        "--max-num-seqs",
+        "1",
+        "--max-queue-len",
+        "1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        "tiny",
+        "--log-level",
+        "warning",
+    ]
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     log = open(tmp_path_factory.mktemp("serve_log") / "server.log", "w+")
     p = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -61,9 +81,10 @@ def test_key_from_env_queue_full_and_sigterm_with_an_open_stream(proc_server):
     url = proc_server.url
     assert httpx.post(url + "/v1/completions", json={"prompt": "x"}).status_code == 401
     client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
-    long = dict(model="tiny", prompt="def f(x):", max_tokens=30000, temperature=0, stream=True,
-                extra_body={"ignore_eos": True})
-    a = client.completions.create(**long)                 # runs (max_num_seqs=1) for a long time
+    long = dict(
+        model="tiny", prompt="def f(x):", max_tokens=30000, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    a = client.completions.create(**long)  # runs (max_num_seqs=1) for a long time
     first = next(iter(a))
     assert first.choices[0].finish_reason is None
 
@@ -72,20 +93,21 @@ def test_key_from_env_queue_full_and_sigterm_with_an_open_stream(proc_server):
     def consume_b():
         for chunk in client.completions.create(**long):
             b_chunks.append(chunk)
+
     b = threading.Thread(target=consume_b, daemon=True)
-    b.start()                                             # waits: the only sequence slot is A's
+    b.start()  # waits: the only sequence slot is A's
     deadline = time.monotonic() + 10
     while metric(scrape(url), "pagedllm:num_requests_waiting") != 1:
         assert time.monotonic() < deadline, "the second request never showed up as waiting"
         time.sleep(0.02)
-    with pytest.raises(openai.RateLimitError) as e:       # the queue (length 1) is full
+    with pytest.raises(openai.RateLimitError) as e:  # the queue (length 1) is full
         client.completions.create(model="tiny", prompt="x", max_tokens=1)
     assert e.value.status_code == 429 and e.value.body["code"] == "queue_full"
 
-    children = child_pids(proc_server.pid)                # the engine core (and multiprocessing's helper)
+    children = child_pids(proc_server.pid)  # the engine core (and multiprocessing's helper)
     assert children
     proc_server.send_signal(signal.SIGTERM)
-    rest = list(a)                                        # the open stream ends cleanly ([DONE])
+    rest = list(a)  # the open stream ends cleanly ([DONE])
     assert rest and rest[-1].choices[0].finish_reason == "abort"
     assert all(c.choices[0].finish_reason is None for c in rest[:-1])
     b.join(20)

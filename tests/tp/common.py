@@ -1,5 +1,6 @@
 """Shared by the TP tests: a workload with shared prefixes, HF references, a config that
 forces preemption."""
+
 from tests.model.hf_reference import GREEDY, generate, workload  # noqa: F401  (shared with tests/model)
 from tests.model.hf_reference import reference as hf_reference  # noqa: F401
 

@@ -1,5 +1,6 @@
 """TP=2 (two processes, gloo) gives the same greedy tokens as TP=1 and as HF transformers,
 for every family, with prefix caching, chunked prefill and forced preemption."""
+
 import multiprocessing
 
 import pytest
@@ -14,7 +15,7 @@ def test_tp2_equals_tp1_and_hf(tiny_models, family):
     path = tiny_models[family]
     prompts, max_tokens = workload()
     expected = hf_reference(path, prompts, max_tokens)
-    tp1 = LLM(path, **PREEMPTING)                     # before the TP group exists in this process
+    tp1 = LLM(path, **PREEMPTING)  # before the TP group exists in this process
     assert generate(tp1, prompts, max_tokens) == expected
     del tp1
 
@@ -24,7 +25,7 @@ def test_tp2_equals_tp1_and_hf(tiny_models, family):
         assert generate(llm, prompts, max_tokens) == expected
         m = llm.get_metrics()
         assert m["num_preemptions"] > 0
-        assert m["prefix_cache_hit_tokens"] > 0          # shared prompt prefixes, resumed victims
+        assert m["prefix_cache_hit_tokens"] > 0  # shared prompt prefixes, resumed victims
         assert m["num_free_kv_blocks"] == m["num_kv_blocks"] == 9
     # close() stopped the worker cleanly and left nothing behind
     assert workers[0].exitcode == 0

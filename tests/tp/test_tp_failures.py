@@ -1,6 +1,7 @@
 """TP failure handling: bad head counts fail at start-up, a dead or failing worker makes
 the engine raise (naming the rank) within seconds instead of hanging, and workers never
 outlive the engine's process."""
+
 import multiprocessing
 import os
 import signal
@@ -21,8 +22,11 @@ def tp2(path):
 
 
 def test_head_count_not_divisible_fails_at_startup(tiny_models):
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 must divide num_attention_heads \(4\), "
-                                         r"num_key_value_heads \(2\).*not replicated"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor_parallel_size=3 must divide num_attention_heads \(4\), "
+        r"num_key_value_heads \(2\).*not replicated",
+    ):
         LLM(tiny_models["qwen3"], tensor_parallel_size=3)
     assert not multiprocessing.active_children()
 
@@ -66,7 +70,7 @@ def test_worker_killed_mid_step_fails_fast(tiny_models):
 
 def test_worker_exception_surfaces_on_rank_0_with_its_traceback(tiny_models):
     llm = tp2(tiny_models["qwen2"])
-    llm.runner.channel.send("not a StepInputs")       # the worker raises before any collective
+    llm.runner.channel.send("not a StepInputs")  # the worker raises before any collective
     with pytest.raises(RuntimeError, match=r"(?s)worker rank 1 failed:.*AttributeError"):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, **GREEDY), use_tqdm=False)
     llm.close()
@@ -82,9 +86,14 @@ def test_workers_exit_when_the_engine_process_dies(tiny_models, tmp_path):
             os._exit(0)          # no close(), no atexit: as if killed
     """)
     (tmp_path / "die.py").write_text(script)
-    out = subprocess.run([sys.executable, str(tmp_path / "die.py")], capture_output=True, text=True, timeout=120,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = subprocess.run(
+        [sys.executable, str(tmp_path / "die.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert out.returncode == 0, out.stderr
     pid = int(out.stdout.split()[-1])
     deadline = time.monotonic() + 10
@@ -94,7 +103,7 @@ def test_workers_exit_when_the_engine_process_dies(tiny_models, tmp_path):
         except ProcessLookupError:
             return
         try:
-            with open(f"/proc/{pid}/stat") as f:      # a zombie awaiting its reaper counts as gone
+            with open(f"/proc/{pid}/stat") as f:  # a zombie awaiting its reaper counts as gone
                 if f.read().split(")")[-1].split()[0] == "Z":
                     return
         except FileNotFoundError:

@@ -2,6 +2,7 @@
 on the tiny models, and in bfloat16 its logits are as close to float32 as TP=1's are.
 
 Run with `pytest -m gpu tests/tp` on a host with two GPUs (scripts/tp_gpu_check.sh)."""
+
 import pytest
 import torch
 
@@ -9,15 +10,14 @@ from pagedllm import LLM, SamplingParams
 from tests.conftest import FAMILIES
 from tests.tp.common import GREEDY, PREEMPTING, generate, hf_reference, workload
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
 
 
 def run_capturing_logits(path, tp, dtype, device="cuda", max_tokens=8, **kwargs):
     """Greedy-generate the workload; return {(prompt, generated so far): logits row (float32, CPU)}
     for every sampled row (decode rows come from the CUDA graphs)."""
     llm = LLM(path, device=device, dtype=dtype, tensor_parallel_size=tp, num_kv_blocks=128, **kwargs)
-    runner = getattr(llm.runner, "driver", llm.runner)      # rank 0's ModelRunner samples
+    runner = getattr(llm.runner, "driver", llm.runner)  # rank 0's ModelRunner samples
     rows, real_sample = [], runner.sample
 
     def spy(logits, inp):
@@ -40,7 +40,7 @@ def run_capturing_logits(path, tp, dtype, device="cuda", max_tokens=8, **kwargs)
         for r, sid in enumerate(ids):
             s = seqs[sid]
             n = len(s.prompt_token_ids)
-            key = tuple(s.prompt_token_ids), tuple(s.token_ids[n:n + seen[sid]])
+            key = tuple(s.prompt_token_ids), tuple(s.token_ids[n : n + seen[sid]])
             seen[sid] += 1
             out[key] = logits[r]
     return out
@@ -55,7 +55,7 @@ def test_tp2_equals_tp1_float32_with_graphs_and_preemption(tiny_models, family):
     assert generate(tp1, prompts, max_tokens) == expected
     tp1.close()
     with LLM(path, device="cuda", dtype="float32", tensor_parallel_size=2, **PREEMPTING) as llm:
-        assert llm.runner.graphs is not None               # decode runs as replayed graphs
+        assert llm.runner.graphs is not None  # decode runs as replayed graphs
         assert generate(llm, prompts, max_tokens) == expected
         assert llm.get_metrics()["num_preemptions"] > 0
 
@@ -72,7 +72,7 @@ def test_tp2_logits_float32_and_bfloat16(tiny_models):
     bf1 = run_capturing_logits(path, 1, "bfloat16")
     bf2 = run_capturing_logits(path, 2, "bfloat16")
     common = [k for k in bf2 if k in ref and k in bf1]
-    assert len(common) >= len(workload()[0])                # at least every prompt's first row
+    assert len(common) >= len(workload()[0])  # at least every prompt's first row
     err1 = max((bf1[k] - ref[k]).abs().max().item() for k in common)
     err2 = max((bf2[k] - ref[k]).abs().max().item() for k in common)
     scale = max(ref[k].abs().max().item() for k in common)

@@ -1,0 +1,54 @@
+"""Every environment variable pagedllm reads, in one module, read when asked (not at import).
+
+| variable | read by | meaning |
+| --- | --- | --- |
+| `PAGEDLLM_API_KEY` | `pagedllm serve`, `pagedllm bench serve` | API key when `--api-key` is not given |
+| `PAGEDLLM_LOGGING_LEVEL` | the CLI | log level (DEBUG, INFO, ...) unless `--debug` |
+| `PAGEDLLM_TP_TIMEOUT_S` | tensor parallelism | seconds a collective may take before a rank is declared stuck (300) |
+| `PAGEDLLM_SAMPLER` | the model runner | `torch`: sample with the torch path instead of the fused kernel |
+| `PAGEDLLM_COMMIT` | benchmarks | the commit recorded with a result row (else `git rev-parse`) |
+| `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `LOCAL_RANK` | tensor parallelism | set by `torchrun` |
+| `TRITON_INTERPRET` | `pagedllm.ops` | set to 1 when there is no GPU, so kernels run on CPU |
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def api_key() -> str | None:
+    return os.environ.get("PAGEDLLM_API_KEY") or None
+
+
+def logging_level(default: str) -> str:
+    return os.environ.get("PAGEDLLM_LOGGING_LEVEL", default).upper()
+
+
+def tp_timeout_s() -> float:
+    return float(os.environ.get("PAGEDLLM_TP_TIMEOUT_S", "300"))
+
+
+def sampler() -> str:
+    """ "" (the fused kernel where there is one) or "torch"."""
+    return os.environ.get("PAGEDLLM_SAMPLER", "")
+
+
+def commit() -> str | None:
+    return os.environ.get("PAGEDLLM_COMMIT") or None
+
+
+def torchrun() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) when launched by torchrun, else None."""
+    if not all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
+        return None
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def torchrun_keys() -> tuple[str, ...]:
+    """The variables a child process must not inherit to be a launch of its own."""
+    return ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+
+
+def default_triton_interpret() -> None:
+    """Kernels run through Triton's interpreter on CPU; it must be chosen before triton is imported."""
+    os.environ.setdefault("TRITON_INTERPRET", "1")
