@@ -55,7 +55,7 @@ class LLMEngine:
         self.vocab_size = vocab_size
         tracer = Tracer(trace_sink) if config.trace_blocks else None
         self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching, tracer)
-        self.inputs = InputProcessor(
+        self.input_processor = InputProcessor(
             tokenizer, vocab_size, config.max_model_len, config.block_size, config.num_kv_blocks
         )
         self.scheduler = Scheduler(
@@ -73,10 +73,10 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------
     def tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
-        return self.inputs.tokenize(prompt)
+        return self.input_processor.tokenize(prompt)
 
     def validate_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        self.inputs.validate_length(num_prompt_tokens, max_tokens)
+        self.input_processor.validate_length(num_prompt_tokens, max_tokens)
 
     def add_request(
         self,

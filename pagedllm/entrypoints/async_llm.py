@@ -41,7 +41,7 @@ from typing import Any
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.engine.sampling_params import SamplingParams, sampling_params_with_defaults
 from pagedllm.entrypoints.engine_core import EngineCoreClient
 
 logger = logging.getLogger("pagedllm")
@@ -353,6 +353,14 @@ class AsyncLLM:
                 self.core.close(10)
                 raise
         self._decoder = _fast_decoder(self.tokenizer) if self.tokenizer is not None else None
+        from pagedllm.entrypoints.model_dir import generation_defaults
+
+        # the model's sampling defaults (its generation_config.json), read here as the engine reads them
+        self.generation_defaults = (
+            llm.generation_defaults
+            if llm is not None
+            else generation_defaults(model, llm_kwargs.get("generation_config", "auto"))
+        )
         info = self.core.wait_ready(startup_timeout)
         self.core_pid = self.core.pid
         self.model_path = info["model_path"] or model
@@ -360,7 +368,7 @@ class AsyncLLM:
         self.block_size = info["block_size"]
         self.num_kv_blocks = info["num_kv_blocks"]
         self.vocab_size = info["vocab_size"]
-        self.inputs = InputProcessor(
+        self.input_processor = InputProcessor(
             self.tokenizer, self.vocab_size, self.max_model_len, self.block_size, self.num_kv_blocks
         )
         self.max_queue_len = max_queue_len
@@ -385,10 +393,14 @@ class AsyncLLM:
 
     # ---- inputs: tokenize and validate (the engine's own rules and messages) ----------------
     def tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
-        return self.inputs.tokenize(prompt)
+        return self.input_processor.tokenize(prompt)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams of a request that sets nothing: the model's generation defaults."""
+        return sampling_params_with_defaults(self.generation_defaults)
 
     def validate_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        self.inputs.validate_length(num_prompt_tokens, max_tokens)
+        self.input_processor.validate_length(num_prompt_tokens, max_tokens)
 
     # ---- caller side ---------------------------------------------------------------------
     @property

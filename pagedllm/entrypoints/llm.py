@@ -83,6 +83,7 @@ class LLM:
         seed: int = 0,
         trace_blocks: bool = False,
         async_scheduling: bool | None = None,
+        generation_config: str = "auto",
         **kwargs: Any,
     ):
         if kwargs:
@@ -158,6 +159,9 @@ class LLM:
             vocab_size=hf_config.vocab_size,
             async_scheduling=async_scheduling,
         )
+        from pagedllm.entrypoints.model_dir import generation_defaults
+
+        self.generation_defaults = generation_defaults(model, generation_config)
         self._counter = 0
 
     # ---- generation --------------------------------------------------------------------
@@ -226,6 +230,12 @@ class LLM:
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix held by free blocks (as vLLM's LLM.reset_prefix_cache)."""
         self.engine.kv.reset_prefix_cache()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams of a request that sets nothing: the model's generation defaults (vLLM's)."""
+        from pagedllm.engine.sampling_params import sampling_params_with_defaults
+
+        return sampling_params_with_defaults(self.generation_defaults)
 
     def get_tokenizer(self):
         return self.tokenizer
