@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Before/after on one GPU machine, in one call: the same benchmark for two trees, back to back,
+# so that a refactor's "no regression" is measured on one machine rather than across sessions.
+#
+#   git archive REF | gzip > .ab/before.tar.gz      # here; .ab/ is ignored and carried
+#   bash scripts/ab_gpu_check.sh throughput         # on the GPU: nano-vllm's workload, async then sync
+#   bash scripts/ab_gpu_check.sh serving            # on the GPU: scripts/serving_gpu_check.sh for each tree
+#   bash scripts/ab_gpu_check.sh tests              # on the GPU: pytest -m gpu on this tree only
+#
+# Each tree runs its own benchmark code. Rows go to $OUT/<before|after>-*.json (PAGEDLLM_COMMIT
+# names the tree: BEFORE_COMMIT for the archive, this checkout's HEAD otherwise).
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
+MODE=${1:-throughput}
+HERE=$PWD
+BEFORE=/tmp/before
+MODEL=${MODEL:-/tmp/qwen3-0.6b}
+export PYTHONUNBUFFERED=1
+python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name())' | tee -a "$OUT/env.txt"
+SITE=""
+if ! python3 -c "import fastapi, uvicorn" 2>/dev/null && ls .whl/server/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/server/*.whl && SITE=/tmp/site
+fi
+if [ "$MODE" != tests ]; then
+  mkdir -p $BEFORE && tar -xzf .ab/before.tar.gz -C $BEFORE || exit 1
+  [ -d $MODEL ] || PYTHONPATH=$HERE python3 tools/make_random_model.py --shape qwen3-0.6b --out $MODEL 2>&1 | tail -2
+fi
+run_tree() {   # $1 = tag (before|after), $2 = tree, $3 = commit
+  local tag=$1 tree=$2
+  cd "$tree" || return 1
+  export PYTHONPATH=$tree${SITE:+:$SITE} PAGEDLLM_COMMIT=$3
+  if [ "$MODE" = throughput ]; then
+    for sched in async sync; do
+      local flag=""; [ $sched = sync ] && flag="--no-async-scheduling"
+      timeout ${T_BENCH:-150} python3 benchmarks/throughput.py --model $MODEL $flag --label "$tag: $sched scheduling" \
+          --results-dir "$OUT/$tag" 2>&1 | grep -v -i warn | tail -4
+    done
+  else
+    OUT="$OUT/$tag-serving" MODEL=$MODEL T_ENGINE=${T_ENGINE:-100} T_BENCH=${T_SERVE:-100} \
+        timeout ${T_TREE:-280} bash "$HERE/scripts/serving_gpu_check.sh" 2>&1 | tail -6
+    tar -C "$OUT" -czf "$OUT/$tag-serving.tar.gz" "$tag-serving" && rm -rf "$OUT/$tag-serving"
+  fi
+  cd "$HERE"
+}
+case "$MODE" in
+  throughput|serving)
+    run_tree before $BEFORE "${BEFORE_COMMIT:-before}"
+    run_tree after "$HERE" "$(git rev-parse --short=12 HEAD 2>/dev/null || echo after)"
+    ;;
+  tests)
+    PYTHONPATH=$HERE${SITE:+:$SITE} timeout ${T_TESTS:-400} python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 \
+        | tee "$OUT/gpu_tests.log" | tail -15
+    ;;
+esac
+ls -R "$OUT" | head -30
