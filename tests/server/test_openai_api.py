@@ -152,6 +152,7 @@ def test_auth(live):
         ({"max_tokens": 2.5}, "max_tokens"),
         ({"stream": "yes"}, "stream"),
         ({"stop": [1, 2]}, "stop"),
+        ({"stop": ""}, "stop"),
         ({"ignore_eos": 1}, "ignore_eos"),
         ({"seed": 2**70}, "seed"),
         ({"prompt": ""}, "prompt"),

@@ -42,6 +42,7 @@ def greedy_model_dir(tiny_models, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def serving(greedy_model_dir):
+    """The engine on a thread of this process; its KV cache (256 tokens) is smaller than the context."""
     from pagedllm.entrypoints.async_llm import AsyncLLM
 
     async_llm = AsyncLLM(greedy_model_dir, engine_process=False, device="cpu", num_kv_blocks=32, block_size=8)

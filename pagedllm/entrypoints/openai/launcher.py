@@ -20,6 +20,7 @@ import uvicorn
 
 from pagedllm import envs
 from pagedllm.entrypoints.async_llm import AsyncLLM
+from pagedllm.entrypoints.openai.api_server import build_app
 
 logger = logging.getLogger("pagedllm")
 
@@ -90,8 +91,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def run_server(args: argparse.Namespace) -> int:
     """Load the model, serve until SIGTERM/SIGINT, then abort in-flight requests (each stream
     ends cleanly) and return 0. `args` holds the engine flags and the server flags."""
-    from pagedllm.entrypoints.args import engine_kwargs
-    from pagedllm.entrypoints.openai.api_server import build_app
+    from pagedllm.entrypoints.args import engine_kwargs  # the engine's flag table, owned by the CLI
 
     level = getattr(logging, str(args.log_level).upper(), logging.INFO)
     if not logger.handlers and not logging.getLogger().handlers:

@@ -149,8 +149,9 @@ def sampling_fields(body: dict[str, Any], chat: bool) -> tuple[dict[str, Any], s
     if stop is not None:
         if not (isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
             raise bad_request("'stop' must be a string or an array of strings", "stop")
-        if stop:
-            fields["stop"] = [stop] if isinstance(stop, str) else stop
+        stop = [stop] if isinstance(stop, str) else stop
+        if stop:  # [] is no stop string; [""] is refused by SamplingParams
+            fields["stop"] = stop
     return fields, max_name
 
 

@@ -57,8 +57,9 @@ class OutputStream(Protocol):
 
 
 class EngineClient(Protocol):
-    """What the serving layer uses of AsyncLLM. `add_request` takes a checked EngineCoreRequest
-    (its params and id are the request's own) and raises QueueFullError or EngineShutdownError."""
+    """What the serving layer uses of AsyncLLM. The server hands `add_request` a checked
+    EngineCoreRequest (which carries its params and id) and gets QueueFullError or
+    EngineShutdownError when it cannot be queued."""
 
     generation_defaults: dict[str, Any]
     input_processor: InputProcessor
@@ -183,7 +184,7 @@ class OpenAIServing:
         sub = _Submitted([], [len(r.prompt_token_ids) for r in requests])
         try:
             for r in requests:
-                sub.streams.append(self.engine.add_request(r, r.params, r.request_id, stream=parsed.stream))
+                sub.streams.append(self.engine.add_request(r, stream=parsed.stream))
         except InvalidRequestError as e:
             sub.close()
             raise invalid_request(e, parsed.prompt_param, parsed.max_tokens_param) from None
