@@ -1,59 +1,21 @@
-"""A live OpenAI-compatible server for the tests: uvicorn in a background thread of this
-process, on an ephemeral 127.0.0.1 port, CPU, small KV cache."""
+"""Server fixtures: a live OpenAI-compatible server (uvicorn in a background thread of this
+process, on an ephemeral 127.0.0.1 port, CPU, small KV cache) and clients for it. Helpers
+the tests import are in tests/server/helpers.py."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import threading
-import time
 
 import pytest
 
-API_KEY = "sk-test-key"
-MODEL_NAME = "test-model"
-# ChatML, for tokenizers that ship without a chat template
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+from tests.server import helpers
+from tests.server.helpers import API_KEY, CHAT_TEMPLATE, MODEL_NAME, LiveServer, pick_model, pid_alive
 
+metric, scrape = helpers.metric, helpers.scrape  # test_engine_death.py still imports them from here
 
-def pick_model(tiny_models) -> str:
-    import pagedllm
-
-    default = pagedllm.default_model_path()
-    if os.path.isfile(os.path.join(default, "model.safetensors")):
-        return default
-    return tiny_models["qwen3"]
-
-
-class LiveServer:
-    """uvicorn.Server on port 0 in a daemon thread; `base_url` once started."""
-
-    def __init__(self, app):
-        import uvicorn
-
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off", ws="none")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
-
-    def start(self) -> LiveServer:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the test server did not start")
-            time.sleep(0.01)
-        self.port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.base_url = self.url + "/v1"
-        return self
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)
+BLOCK_SIZE = 16
 
 
 @pytest.fixture(scope="session")
@@ -76,11 +38,16 @@ def long_context_model(tiny_models, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def live(server_model):
-    """The server as `pagedllm serve` runs it: the engine in its own core process."""
+    """The server as `pagedllm serve` runs it: the engine in its own core process. The KV cache
+    holds fewer tokens than max_model_len, so a request can be too long for the cache alone."""
     from pagedllm.entrypoints.async_llm import AsyncLLM
-    from pagedllm.entrypoints.server import build_app
+    from pagedllm.entrypoints.model_dir import load_hf_config
+    from pagedllm.entrypoints.openai.api_server import build_app
 
-    async_llm = AsyncLLM(server_model, device="cpu", num_kv_blocks=256, max_num_seqs=256)
+    num_kv_blocks = min(256, load_hf_config(server_model).max_position_embeddings // BLOCK_SIZE - 1)
+    async_llm = AsyncLLM(
+        server_model, device="cpu", block_size=BLOCK_SIZE, num_kv_blocks=num_kv_blocks, max_num_seqs=256
+    )
     if not getattr(async_llm.tokenizer, "chat_template", None):
         async_llm.tokenizer.chat_template = CHAT_TEMPLATE
     srv = LiveServer(build_app(async_llm, MODEL_NAME, API_KEY)).start()
@@ -107,42 +74,3 @@ def http(live):
 
     with httpx.Client(base_url=live.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
         yield c
-
-
-def scrape(url: str) -> list[tuple[str, dict, float]]:
-    """GET /metrics -> [(name, labels, value)]."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return [(s.name, s.labels, s.value) for fam in text_string_to_metric_families(text) for s in fam.samples]
-
-
-def metric(samples: list[tuple[str, dict, float]], name: str, **labels: str) -> float:
-    """Sum of the samples called `name` whose labels include `labels`."""
-    return sum(v for n, lab, v in samples if n == name and all(lab.get(k) == x for k, x in labels.items()))
-
-
-def pid_alive(pid: int) -> bool:
-    """Is a process with this pid running (and not a zombie)?"""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def child_pids(pid: int) -> list[int]:
-    """The live children of a process (from /proc; Linux)."""
-    out = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            out.append(int(d))
-    return out

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import API_KEY, MODEL_NAME, metric, scrape
+from tests.server.helpers import API_KEY, MODEL_NAME, metric, scrape
 
 PROMPT = "def fibonacci(n):\n    "
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
@@ -152,6 +152,7 @@ def test_auth(live):
         ({"max_tokens": 2.5}, "max_tokens"),
         ({"stream": "yes"}, "stream"),
         ({"stop": [1, 2]}, "stop"),
+        ({"stop": ""}, "stop"),
         ({"ignore_eos": 1}, "ignore_eos"),
         ({"seed": 2**70}, "seed"),
         ({"prompt": ""}, "prompt"),
@@ -188,9 +189,63 @@ def test_prompt_too_long_is_400(live, http):
     ids = [1] * (live.max_model_len + 5)
     err = _error(http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": ids, "max_tokens": 2}), 400)
     assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
-    too_many_blocks = {"model": MODEL_NAME, "prompt": [1, 2, 3], "max_tokens": 256 * 16 + 1}
-    if live.max_model_len > 256 * 16 + 8:
-        assert _error(http.post("/v1/completions", json=too_many_blocks), 400)["param"] == "max_tokens"
+    # a request that fits the context but not the whole KV cache (the fixture makes the cache the smaller)
+    kv_tokens = live.async_llm.num_kv_blocks * live.async_llm.block_size
+    assert kv_tokens < live.max_model_len - 3
+    too_many_blocks = {"model": MODEL_NAME, "prompt": [1, 2, 3], "max_tokens": kv_tokens}
+    err = _error(http.post("/v1/completions", json=too_many_blocks), 400)
+    assert err["param"] == "max_tokens" and err["code"] == "context_length_exceeded"
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": kv_tokens}
+    err = _error(http.post("/v1/chat/completions", json=chat), 400)
+    assert err["param"] == "max_completion_tokens" and err["code"] == "context_length_exceeded"
+
+
+def test_errors_from_deep_validation_name_the_field_by_attribute(live, http):
+    """Errors raised by SamplingParams and the input processor reach the client with the field as
+    the client spelled it, though their messages name another (`max_tokens`, `prompt`)."""
+    kv_tokens = live.async_llm.num_kv_blocks * live.async_llm.block_size
+    vocab = live.async_llm.input_processor.vocab_size
+    hi = [{"role": "user", "content": "hi"}]
+    long_text = " ".join(str(i) for i in range(live.max_model_len))  # at least one token per number
+    cases = [  # (path, body, param, code, a word the message must not contain)
+        (
+            "/v1/completions",
+            {"prompt": [1, 2, 3], "max_tokens": kv_tokens},
+            "max_tokens",
+            "context_length_exceeded",
+            None,
+        ),
+        ("/v1/completions", {"prompt": PROMPT, "top_p": 1.5}, "top_p", None, None),
+        ("/v1/completions", {"prompt": PROMPT, "seed": -(2**63) - 1}, "seed", None, None),
+        ("/v1/completions", {"prompt": [[1, 2], [vocab]]}, "prompt", None, None),
+        ("/v1/completions", {"prompt": PROMPT, "min_tokens": 9, "max_tokens": 2}, "min_tokens", None, None),
+        (
+            "/v1/chat/completions",
+            {"messages": hi, "max_completion_tokens": kv_tokens},
+            "max_completion_tokens",
+            "context_length_exceeded",
+            "max_completion_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": hi, "max_completion_tokens": 0},
+            "max_completion_tokens",
+            None,
+            "max_completion_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": long_text}]},
+            "messages",
+            "context_length_exceeded",
+            "messages",
+        ),
+    ]
+    for path, body, param, code, absent in cases:
+        err = _error(http.post(path, json={"model": MODEL_NAME, **body}), 400)
+        assert (err["param"], err["code"]) == (param, code), (path, body, err)
+        if absent is not None:
+            assert absent not in err["message"], err  # the field's name came from the attributes
 
 
 def test_unknown_model_is_404(client, http):

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import child_pids, metric, pid_alive, scrape
+from tests.server.helpers import child_pids, metric, pid_alive, scrape
 
 KEY = "sk-from-env"
 

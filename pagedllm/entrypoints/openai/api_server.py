@@ -1,0 +1,134 @@
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn) on top of AsyncLLM.
+
+Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health,
+GET /metrics. The engine runs in its own process (AsyncLLM's engine core), so this process only
+parses, tokenizes, detokenizes and streams; if the core dies, open streams end with an error
+event and new requests get 503.
+
+The package `pagedllm.entrypoints.openai`, one concept per module:
+
+| module | holds |
+| --- | --- |
+| `api_server.py` | `build_app`: the routes, a few lines each; `python -m` entry point |
+| `serving.py` | `OpenAIServing`: body -> answer, the async engine injected (no HTTP) |
+| `parsing.py` | JSON body -> `ParsedRequest`: field types, unsupported options, model, stream flags |
+| `chat.py` | chat messages -> prompt through the chat template |
+| `responses.py` | completion and chat objects, SSE events, usage |
+| `errors.py` | `APIError`, OpenAI's error schema, the exception handlers |
+| `auth.py` | the Bearer-key middleware |
+| `metrics.py` | Prometheus metrics (`/metrics`) |
+| `launcher.py` | `add_server_args`, `run_server`: flags, uvicorn, signals, shutdown |
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from pagedllm.entrypoints.async_llm import AsyncLLM
+from pagedllm.entrypoints.openai.auth import AuthMiddleware
+from pagedllm.entrypoints.openai.errors import error_response, install_error_handlers
+from pagedllm.entrypoints.openai.metrics import ServerMetrics
+from pagedllm.entrypoints.openai.parsing import json_body
+from pagedllm.entrypoints.openai.serving import OpenAIServing, SSEStream
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events whose `on_close` runs however the response ends. Starlette cancels
+    the body when the client disconnects but leaves the generator suspended; closing the
+    engine requests here makes the abort immediate instead of waiting for garbage collection."""
+
+    def __init__(self, stream: SSEStream):
+        super().__init__(
+            stream.events,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self.on_close = stream.close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+def _answer(result: dict[str, Any] | SSEStream) -> Any:
+    return SSEResponse(result) if isinstance(result, SSEStream) else result
+
+
+def _watcher(request: Request) -> Any:
+    """The `disconnected` callback of a non-streamed request: returns when the client has gone."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    return disconnected
+
+
+def build_app(async_llm: AsyncLLM, served_model_name: str | None = None, api_key: str | None = None) -> FastAPI:
+    """The ASGI app. It does not own async_llm (run_server shuts that down)."""
+    from pagedllm import __version__
+
+    if served_model_name is None:
+        served_model_name = os.path.basename(os.path.normpath(str(async_llm.model_path)))
+    app = FastAPI(title="pagedllm", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    serving = OpenAIServing(async_llm, served_model_name)
+    metrics = ServerMetrics(async_llm, served_model_name)
+    app.state.async_llm, app.state.served_model_name = async_llm, served_model_name
+    app.state.serving, app.state.metrics = serving, metrics
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_llm.is_running:
+            return error_response(503, "the engine is not running", "service_unavailable")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        data, content_type = metrics.render()
+        return Response(content=data, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [serving.model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> dict[str, Any]:
+        return serving.get_model(model)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        body = json_body(await request.body())
+        return _answer(await serving.create_completion(body, _watcher(request)))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        body = json_body(await request.body())
+        return _answer(await serving.create_chat_completion(body, _watcher(request)))
+
+    if api_key:
+        app.add_middleware(AuthMiddleware, api_key=api_key)
+    return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pagedllm.entrypoints.openai.api_server [flags]` = `pagedllm serve [flags]`."""
+    import argparse
+
+    from pagedllm.entrypoints.args import add_engine_args
+    from pagedllm.entrypoints.openai.launcher import add_server_args, run_server
+
+    parser = argparse.ArgumentParser(prog="python -m pagedllm.entrypoints.openai.api_server")
+    add_engine_args(parser)
+    add_server_args(parser)
+    return run_server(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

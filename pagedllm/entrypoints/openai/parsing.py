@@ -1,0 +1,210 @@
+"""Request parsing: a JSON body -> a `ParsedRequest` (prompts, the sampling fields the client
+set, stream flags), every client mistake a 400 naming the field.
+
+Bodies are read by hand rather than by pydantic models so that each mistake (malformed JSON, a
+wrong JSON type, an option pagedllm does not implement) gets OpenAI's error schema and the
+field's name. This module checks JSON shapes only; the values' rules (ranges, token ids,
+lengths) are SamplingParams' and the InputProcessor's, applied once by `serving.py`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.entrypoints.openai.errors import APIError, bad_request
+
+# body field -> JSON kind, for the fields that map one to one onto SamplingParams
+SAMPLING_FIELDS = (
+    ("temperature", "number"),
+    ("top_p", "number"),
+    ("top_k", "int"),
+    ("min_p", "number"),
+    ("min_tokens", "int"),
+    ("ignore_eos", "bool"),
+    ("seed", "int"),
+    ("stop_token_ids", "list"),
+)
+_KIND_NAMES = {
+    "bool": "a boolean",
+    "int": "an integer",
+    "number": "a number",
+    "str": "a string",
+    "list": "an array",
+    "dict": "an object",
+}
+
+
+@dataclass
+class ParsedRequest:
+    """One body, shape-checked. `fields` holds only what the client set (the model's defaults
+    fill the rest); `prompt_param` and `max_tokens_param` are the fields' names as this
+    endpoint's client spells them, for errors raised further in."""
+
+    prompts: list[Any]
+    fields: dict[str, Any] = field(default_factory=dict)
+    stream: bool = False
+    include_usage: bool = False
+    prompt_param: str = "prompt"
+    max_tokens_param: str = "max_tokens"
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a valid JSON number")
+
+
+def json_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {json_type(body)}")
+    return body
+
+
+def json_type(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, (int, float)):
+        return "a number"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, list):
+        return "an array"
+    return "an object"
+
+
+def get(body: dict[str, Any], name: str, kind: str, default: Any = None) -> Any:
+    """body[name] checked against a JSON kind: bool, int, number, str, list, dict. null = absent."""
+    v = body.get(name)
+    if v is None:
+        return default
+    ok = {
+        "bool": isinstance(v, bool),
+        "int": isinstance(v, int) and not isinstance(v, bool),
+        "number": isinstance(v, (int, float)) and not isinstance(v, bool),
+        "str": isinstance(v, str),
+        "list": isinstance(v, list),
+        "dict": isinstance(v, dict),
+    }[kind]
+    if not ok:
+        raise bad_request(f"'{name}' must be {_KIND_NAMES[kind]}, got {json_type(v)}", name)
+    return v
+
+
+def refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
+    n = get(body, "n", "int", 1)
+    if n != 1:
+        raise bad_request(f"n={n} is not supported (only n=1); send several requests instead", "n")
+    best_of = get(body, "best_of", "int", 1)
+    if best_of != 1:
+        raise bad_request("best_of is not supported", "best_of")
+    if chat:
+        if get(body, "logprobs", "bool", False):
+            raise bad_request("logprobs is not supported", "logprobs")
+        if body.get("top_logprobs") not in (None, 0):
+            raise bad_request("top_logprobs is not supported", "top_logprobs")
+        if body.get("tools") or body.get("functions"):
+            raise bad_request("tool calling is not supported", "tools" if body.get("tools") else "functions")
+        fmt = get(body, "response_format", "dict")
+        if fmt is not None and fmt.get("type", "text") != "text":
+            raise bad_request("response_format other than text is not supported", "response_format")
+    else:
+        if body.get("logprobs") is not None:
+            raise bad_request("logprobs is not supported", "logprobs")
+        if get(body, "echo", "bool", False):
+            raise bad_request("echo is not supported", "echo")
+        if get(body, "suffix", "str"):
+            raise bad_request("suffix is not supported", "suffix")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if get(body, name, "number", 0) != 0:
+            raise bad_request(f"{name} is not supported", name)
+    if get(body, "repetition_penalty", "number", 1) != 1:
+        raise bad_request("repetition_penalty is not supported", "repetition_penalty")
+    if get(body, "logit_bias", "dict"):
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    if get(body, "use_beam_search", "bool", False):
+        raise bad_request("beam search is not supported", "use_beam_search")
+
+
+def sampling_fields(body: dict[str, Any], chat: bool) -> tuple[dict[str, Any], str]:
+    """The SamplingParams fields the body sets (JSON types checked, values not) and the name the
+    client used for the token limit (`max_completion_tokens` wins over `max_tokens`)."""
+    refuse_unsupported(body, chat)
+    fields: dict[str, Any] = {}
+    max_tokens, max_name = get(body, "max_completion_tokens", "int"), "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens, max_name = get(body, "max_tokens", "int"), "max_tokens"
+    if max_tokens is not None:
+        fields["max_tokens"] = max_tokens
+    for name, kind in SAMPLING_FIELDS:
+        v = get(body, name, kind)
+        if v is not None:
+            fields[name] = v
+    stop = body.get("stop")
+    if stop is not None:
+        if not (isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
+            raise bad_request("'stop' must be a string or an array of strings", "stop")
+        stop = [stop] if isinstance(stop, str) else stop
+        if stop:  # [] is no stop string; [""] is refused by SamplingParams
+            fields["stop"] = stop
+    return fields, max_name
+
+
+def check_model(body: dict[str, Any], served_model_name: str) -> None:
+    model = get(body, "model", "str")
+    if model is not None and model != served_model_name:
+        raise APIError(
+            404,
+            f"The model '{model}' does not exist; this server serves '{served_model_name}'",
+            "invalid_request_error",
+            "model",
+            "model_not_found",
+        )
+
+
+def stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(stream, include_usage); stream_options without stream is a client mistake."""
+    stream = get(body, "stream", "bool", False)
+    opts = get(body, "stream_options", "dict")
+    include_usage = False
+    if opts is not None:
+        if not stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+        include_usage = get(opts, "include_usage", "bool", False)
+    return stream, include_usage
+
+
+def completion_prompts(body: dict[str, Any]) -> list[Any]:
+    """OpenAI's prompt forms: a string, an array of strings, an array of token ids, an array of
+    arrays of token ids."""
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise bad_request("'prompt' is required", "prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return [prompt]
+        if all(
+            isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in prompt
+        ):
+            return list(prompt)
+    raise bad_request(
+        "'prompt' must be a string, an array of strings, an array of token ids or an array of "
+        "arrays of token ids (none of them empty)",
+        "prompt",
+    )
+
+
+def parse_completion(body: dict[str, Any], served_model_name: str) -> ParsedRequest:
+    check_model(body, served_model_name)
+    stream, include_usage = stream_flags(body)
+    fields, max_name = sampling_fields(body, chat=False)
+    return ParsedRequest(completion_prompts(body), fields, stream, include_usage, "prompt", max_name)

@@ -1,0 +1,296 @@
+"""The serving logic of /v1/completions and /v1/chat/completions, without HTTP.
+
+`OpenAIServing(async_llm, served_model_name)` takes a parsed JSON body and returns the answer:
+a dict (the JSON object of a non-streamed request) or an `SSEStream`; every refusal is an
+`APIError`. The engine is injected, so a test can drive this class with a thread-mode AsyncLLM
+and no server (tests/server/test_serving.py).
+
+A request's life, validated once at the edge: body -> ParsedRequest (`parsing.py`, JSON shapes)
+-> one SamplingParams (`sampling_params_with_defaults`: the fields the client set win, the
+model's generation_config.json fills the rest) -> `input_processor.process` for every prompt
+(tokenize and every admission check; all prompts of a request are checked before any is
+queued) -> `add_request(EngineCoreRequest)` -> the final outputs or a stream of SSE events.
+A client that goes away aborts its requests: a stream through `SSEStream.close`, a
+non-streamed request through the `disconnected` watcher.
+
+max_tokens when the client sets none: the model's `max_new_tokens` when its generation_config
+sets one, else 16 (SamplingParams' default, OpenAI's for completions); chat: the room left in
+the context and the KV cache, capped by the model's `max_new_tokens` when set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pagedllm.engine.errors import InvalidRequestError
+from pagedllm.engine.input_processor import InputProcessor
+from pagedllm.engine.messages import EngineCoreRequest
+from pagedllm.engine.outputs import RequestOutput
+from pagedllm.engine.sampling_params import SamplingParams, sampling_params_with_defaults
+from pagedllm.entrypoints.async_llm import EngineShutdownError, EngineStepError, QueueFullError
+from pagedllm.entrypoints.openai.chat import parse_chat
+from pagedllm.entrypoints.openai.errors import APIError, error_body, invalid_request
+from pagedllm.entrypoints.openai.parsing import ParsedRequest, parse_completion
+from pagedllm.entrypoints.openai.responses import (
+    SSE_DONE,
+    ChatResponses,
+    CompletionResponses,
+    ResponseBuilder,
+    sse,
+)
+
+Disconnected = Callable[[], Awaitable[None]]  # returns once the client has gone away
+
+
+class OutputStream(Protocol):
+    """One engine request's outputs (AsyncLLM's OutputStream): iteration ends after the final
+    output; `close()` aborts the request if it has not finished."""
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
+
+    def close(self) -> None: ...
+
+
+class EngineClient(Protocol):
+    """What the serving layer uses of AsyncLLM. The server hands `add_request` a checked
+    EngineCoreRequest (which carries its params and id) and gets QueueFullError or
+    EngineShutdownError when it cannot be queued."""
+
+    generation_defaults: dict[str, Any]
+    input_processor: InputProcessor
+    tokenizer: Any
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+
+    @property
+    def model_path(self) -> Any: ...
+
+    @property
+    def is_dead(self) -> bool: ...
+
+    def add_request(
+        self, prompt: Any, params: SamplingParams | None = None, request_id: str | None = None, *, stream: bool = True
+    ) -> OutputStream: ...
+
+
+@dataclass
+class SSEStream:
+    """A streamed answer. `close()` aborts the engine requests that are still running; the HTTP
+    layer calls it however the response ends (a cancelled body is left suspended, not closed)."""
+
+    events: AsyncIterator[str]
+    close: Callable[[], None]
+
+
+class _Submitted:
+    """One HTTP request's engine requests (one per prompt), with their prompt lengths."""
+
+    def __init__(self, streams: list[OutputStream], prompt_lens: list[int]):
+        self.streams = streams
+        self.prompt_lens = prompt_lens
+
+    def close(self) -> None:
+        for s in self.streams:
+            s.close()
+
+
+class OpenAIServing:
+    """It does not own `async_llm` (whoever made it shuts it down)."""
+
+    def __init__(self, async_llm: EngineClient, served_model_name: str):
+        self.engine = async_llm
+        self.served_model_name = served_model_name
+        self.created = int(time.time())
+        self.kv_tokens = async_llm.num_kv_blocks * async_llm.block_size
+
+    # ---- /v1/models ----------------------------------------------------------------------
+    def model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.served_model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "pagedllm",
+            "root": self.engine.model_path,
+            "parent": None,
+            "max_model_len": self.engine.max_model_len,
+        }
+
+    def get_model(self, model: str) -> dict[str, Any]:
+        if model != self.served_model_name:
+            raise APIError(
+                404, f"The model '{model}' does not exist", "invalid_request_error", "model", "model_not_found"
+            )
+        return self.model_card()
+
+    # ---- /v1/completions and /v1/chat/completions ----------------------------------------
+    async def create_completion(
+        self, body: dict[str, Any], disconnected: Disconnected | None = None
+    ) -> dict[str, Any] | SSEStream:
+        parsed = parse_completion(body, self.served_model_name)
+        params = self.sampling_params(parsed)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        sub = self._submit(parsed, self._process(parsed, parsed.prompts, params, rid))
+        builder = CompletionResponses(rid, int(time.time()), self.served_model_name, parsed.include_usage)
+        return await self._answer(parsed, sub, builder, disconnected)
+
+    async def create_chat_completion(
+        self, body: dict[str, Any], disconnected: Disconnected | None = None
+    ) -> dict[str, Any] | SSEStream:
+        parsed = parse_chat(body, self.served_model_name, self.engine.tokenizer)
+        try:  # the length is needed for the default max_tokens; process() then only checks the ids
+            text, ids = self.engine.input_processor.tokenize(parsed.prompts[0])
+        except InvalidRequestError as e:
+            raise invalid_request(e, parsed.prompt_param, parsed.max_tokens_param) from None
+        params = self.sampling_params(parsed, room=max(1, min(self.engine.max_model_len, self.kv_tokens) - len(ids)))
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        prompt = {"prompt": text, "prompt_token_ids": ids}
+        sub = self._submit(parsed, self._process(parsed, [prompt], params, rid))
+        builder = ChatResponses(rid, int(time.time()), self.served_model_name, parsed.include_usage)
+        return await self._answer(parsed, sub, builder, disconnected)
+
+    def sampling_params(self, parsed: ParsedRequest, room: int | None = None) -> SamplingParams:
+        """The request's one SamplingParams. `room` (chat): the default max_tokens when the
+        client sets none, capped by the model's own max_new_tokens."""
+        defaults = self.engine.generation_defaults
+        fields = dict(parsed.fields)
+        if room is not None and "max_tokens" not in fields:
+            model_max = defaults.get("max_tokens")
+            fields["max_tokens"] = room if model_max is None else min(room, model_max)
+        try:
+            return sampling_params_with_defaults(defaults, **fields)
+        except InvalidRequestError as e:
+            raise invalid_request(e, parsed.prompt_param, parsed.max_tokens_param) from None
+
+    def _process(
+        self, parsed: ParsedRequest, prompts: list[Any], params: SamplingParams, base_id: str
+    ) -> list[EngineCoreRequest]:
+        """Every prompt checked by the input processor before any is queued."""
+        try:
+            return [
+                self.engine.input_processor.process(base_id if len(prompts) == 1 else f"{base_id}-{i}", p, params)
+                for i, p in enumerate(prompts)
+            ]
+        except InvalidRequestError as e:
+            raise invalid_request(e, parsed.prompt_param, parsed.max_tokens_param) from None
+
+    def _submit(self, parsed: ParsedRequest, requests: list[EngineCoreRequest]) -> _Submitted:
+        """Queue every request, or none of them."""
+        sub = _Submitted([], [len(r.prompt_token_ids) for r in requests])
+        try:
+            for r in requests:
+                sub.streams.append(self.engine.add_request(r, stream=parsed.stream))
+        except InvalidRequestError as e:
+            sub.close()
+            raise invalid_request(e, parsed.prompt_param, parsed.max_tokens_param) from None
+        except QueueFullError as e:
+            sub.close()
+            raise APIError(429, str(e), "rate_limit_error", None, "queue_full") from None
+        except EngineShutdownError as e:
+            sub.close()
+            code = "engine_dead" if self.engine.is_dead else "shutting_down"
+            raise APIError(503, str(e), "service_unavailable", None, code) from None
+        except BaseException:
+            sub.close()
+            raise
+        return sub
+
+    async def _answer(
+        self, parsed: ParsedRequest, sub: _Submitted, builder: ResponseBuilder, disconnected: Disconnected | None
+    ) -> dict[str, Any] | SSEStream:
+        if parsed.stream:
+            return SSEStream(self._events(sub, builder, parsed.include_usage), sub.close)
+        return builder.final(await self._finals(sub, disconnected), sub.prompt_lens)
+
+    # ---- waiting for the engine ----------------------------------------------------------
+    async def _finals(self, sub: _Submitted, disconnected: Disconnected | None) -> list[RequestOutput]:
+        """Wait for every final output; a client that disconnects first aborts them."""
+
+        async def last(s: OutputStream) -> RequestOutput:
+            out = None
+            async for out in s:  # noqa: B007  (the last one is the final output)
+                pass
+            assert out is not None, "a request stream ends with its final output"
+            return out
+
+        work = asyncio.ensure_future(asyncio.gather(*(last(s) for s in sub.streams)))
+        watch = asyncio.ensure_future(disconnected()) if disconnected is not None else None
+        waits: set[asyncio.Future[Any]] = {work} if watch is None else {work, watch}
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if watch is not None:
+                watch.cancel()
+            if not work.done():
+                work.cancel()
+                sub.close()
+        if not work.done() or work.cancelled():
+            raise APIError(499, "the client closed the connection", "invalid_request_error", None, "client_closed")
+        try:
+            outs = work.result()
+        except EngineStepError as e:
+            raise APIError(500, str(e), "internal_server_error") from None
+        except EngineShutdownError as e:
+            raise APIError(503, str(e), "service_unavailable", None, "engine_dead") from None
+        if any(o.outputs[0].finish_reason == "abort" for o in outs):
+            raise APIError(
+                503, "the request was aborted (the server is shutting down)", "service_unavailable", None, "aborted"
+            )
+        return outs
+
+    async def _events(self, sub: _Submitted, builder: ResponseBuilder, include_usage: bool) -> AsyncIterator[str]:
+        """The SSE events of a stream, ending with [DONE] whatever happens to the engine."""
+        completion_tokens = [0] * len(sub.streams)
+        try:
+            for event in builder.opening():
+                yield event
+            async for i, out in _merged(sub.streams):
+                completion_tokens[i] = len(out.outputs[0].token_ids)
+                for event in builder.events(i, out):
+                    yield event
+            if include_usage:
+                yield builder.usage_event(sum(sub.prompt_lens), sum(completion_tokens))
+            yield SSE_DONE
+        except EngineStepError as e:
+            yield sse(error_body(str(e), "internal_server_error"))
+            yield SSE_DONE
+        except EngineShutdownError as e:  # the engine core died mid-stream
+            yield sse(error_body(str(e), "service_unavailable", None, "engine_dead"))
+            yield SSE_DONE
+        finally:
+            sub.close()
+
+
+async def _merged(streams: list[OutputStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several streams in arrival order, until all have finished."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+
+    async def pump(i: int, s: OutputStream) -> None:
+        try:
+            async for out in s:
+                queue.put_nowait((i, out))
+        except BaseException as e:  # handed to the consumer
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                remaining -= 1
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
