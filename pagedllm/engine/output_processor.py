@@ -63,13 +63,10 @@ class RequestState:
     is the id the core knows it by (AsyncLLM gives the core ids of its own)."""
 
     def __init__(
-        self,
-        request_id: str,
-        request: EngineCoreRequest,
-        stream: bool,
-        decoder: Decoder | None,
+        self, request_id: str, core_request_id: str, request: EngineCoreRequest, stream: bool, decoder: Decoder | None
     ):
         self.request_id = request_id
+        self.core_request_id = core_request_id
         self.prompt = request.prompt
         self.prompt_token_ids = request.prompt_token_ids
         self.params: SamplingParams = request.params
@@ -110,11 +107,13 @@ class OutputProcessor:
         self.decoder: Decoder | None = fast_decoder(tokenizer) if tokenizer is not None else None
         self.requests: dict[str, RequestState] = {}  # core request id -> unfinished request
 
-    def add_request(self, request: EngineCoreRequest, stream: bool, request_id: str | None = None) -> RequestState:
-        """Track a request the core now has. Its outputs carry `request_id` (default: the core's id)."""
-        assert request.request_id not in self.requests, "the core refuses a request id in use"
-        state = RequestState(request.request_id if request_id is None else request_id, request, stream, self.decoder)
-        self.requests[request.request_id] = state
+    def add_request(self, request: EngineCoreRequest, stream: bool, core_request_id: str | None = None) -> RequestState:
+        """Track a request the core now has. Its outputs carry `request.request_id`; the core's
+        outputs for it carry `core_request_id` (default: the same)."""
+        key = request.request_id if core_request_id is None else core_request_id
+        assert key not in self.requests, "the core refuses a request id in use"
+        state = RequestState(request.request_id, key, request, stream, self.decoder)
+        self.requests[key] = state
         return state
 
     def abort_request(self, core_request_id: str) -> RequestState | None:
