@@ -5,15 +5,12 @@
     StreamRegistry (streams.py) <- output handler <---- Step per step: token ids, finish reasons,
     OutputProcessor: text, stop strings, deltas          timestamps, metrics (engine/messages.py)
 
-The parts: core_client.py starts and talks to the core; the output handler here reads the
-core's events on the event loop (an asyncio reader on the pipe) and hands them to the registry
-of live streams (streams.py), which runs them through the one output processor
-(engine/output_processor.py). A request is checked once, by `input_processor.process`, before
-anything is sent; the core trusts it.
-
-One event loop owns the output handler: the first running loop that uses this AsyncLLM. Requests
-from another loop while it runs are refused (RuntimeError); once it is closed (asyncio.run
-returned) the next loop takes over, and streams left on the old loop are aborted.
+The parts: core_client.py starts and talks to the core; output_handler.py reads the core's
+events on the event loop and hands them to the registry of live streams (streams.py), which
+runs them through the one output processor (engine/output_processor.py). A request is checked
+once, by `input_processor.process`, before anything is sent; the core trusts it. One event loop
+owns the output handler (the first running loop that uses this AsyncLLM; output_handler.py):
+requests from another loop while it runs are refused with a RuntimeError.
 
 Lifecycle (`EngineState`): RUNNING -> STOPPING (begin_shutdown: no new requests, open streams
 end with finish_reason "abort") -> STOPPED (the core said Bye or its pipe closed); RUNNING -> DEAD
@@ -40,11 +37,12 @@ from typing import Any
 
 from pagedllm.engine.errors import InvalidRequestError
 from pagedllm.engine.input_processor import InputProcessor
-from pagedllm.engine.messages import Abort, Bye, CoreEvent, EngineCoreRequest, Failed, Rejected, Shutdown, Stats, Step
+from pagedllm.engine.messages import Abort, EngineCoreRequest, Metrics, Shutdown
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.sampling_params import SamplingParams, sampling_params_with_defaults
 from pagedllm.entrypoints.core_client import EngineCoreClient
+from pagedllm.entrypoints.output_handler import OutputHandler
 from pagedllm.entrypoints.streams import RequestStream, StreamRegistry
 
 __all__ = ["AsyncLLM", "EngineShutdownError", "EngineState", "EngineStepError", "QueueFullError", "RequestStream"]
@@ -133,7 +131,7 @@ class AsyncLLM:
             try:  # meanwhile the core loads the model
                 from pagedllm.entrypoints.model_dir import load_tokenizer
 
-                self.tokenizer = load_tokenizer(llm_kwargs.get("tokenizer") or model)
+                self.tokenizer = load_tokenizer(llm_kwargs.get("tokenizer") or model)  # type: ignore[arg-type]
             except BaseException:
                 self.core.send(Shutdown())
                 self.core.close(10)
@@ -144,7 +142,7 @@ class AsyncLLM:
         self.generation_defaults = (
             llm.generation_defaults
             if llm is not None
-            else generation_defaults(model, llm_kwargs.get("generation_config", "auto"))
+            else generation_defaults(model, llm_kwargs.get("generation_config", "auto"))  # type: ignore[arg-type]
         )
         info = self.core.wait_ready(startup_timeout)
         self.core_pid = self.core.pid
@@ -163,9 +161,8 @@ class AsyncLLM:
         self.finish_callbacks: list[Callable[[RequestOutput], None]] = self.registry.finish_callbacks
         self.state = EngineState.RUNNING
         self._dead_reason: str | None = None
-        self._lock = threading.Lock()  # state and loop ownership
-        self._read_lock = threading.Lock()  # one reader at a time (a message is two reads)
-        self._loop: asyncio.AbstractEventLoop | None = None  # the loop that owns the output handler
+        self._lock = threading.Lock()  # state changes
+        self.output_handler = OutputHandler(self.core, self.registry, self._set_stats, self._core_gone, EngineStepError)
         self._ids = itertools.count()
         self._core_ids = itertools.count()
         self._last_log = time.monotonic()
@@ -212,7 +209,7 @@ class AsyncLLM:
             raise InvalidRequestError(f"n must be 1 in AsyncLLM (send several requests), got {request.params.n}", "n")
         if self.state is not EngineState.RUNNING:
             raise EngineShutdownError(self._dead_reason or "the engine is shutting down")
-        self._own(loop)
+        self.output_handler.own(loop)
         if self.max_queue_len is not None and self.registry.num_waiting >= self.max_queue_len:
             raise QueueFullError(f"the request queue is full ({self.max_queue_len} waiting); retry later")
         core_id = str(next(self._core_ids))
@@ -240,7 +237,7 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         """Abort from any thread: the stream ends with finish_reason "abort" and the core frees the
         request's blocks at its next iteration."""
-        self._on_loop(self.registry.abort_request_id, str(request_id))
+        self.output_handler.on_loop(self.registry.abort_request_id, str(request_id))
 
     def get_metrics(self) -> dict:
         """The core's latest metrics (LLMEngine.get_metrics(); at most ~20 ms old while busy)."""
@@ -248,11 +245,11 @@ class AsyncLLM:
             loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
-        if not self._owner_alive():
+        if not self.output_handler.owner_running():
             if loop is not None:
-                self._own(loop)
+                self.output_handler.own(loop)
             else:
-                self._drain(0)  # nobody reads: take what is there
+                self.output_handler.drain(0)  # nobody reads: take what is there
         return dict(self.stats.engine)
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
@@ -260,11 +257,11 @@ class AsyncLLM:
         the engine core and wait for it. New requests raise EngineShutdownError. Safe to call twice."""
         self.begin_shutdown()
         try:
-            on_loop = asyncio.get_running_loop() is self._loop
+            on_loop = asyncio.get_running_loop() is self.output_handler.loop
         except RuntimeError:
             on_loop = False
-        if on_loop or not self._owner_alive():
-            self._drain(timeout)  # nobody else reads: until Bye or EOF
+        if on_loop or not self.output_handler.owner_running():
+            self.output_handler.drain(timeout)  # nobody else reads: until Bye or EOF
         self.core.close(timeout)
         if self._owns_llm and not self.core.is_alive():
             self.llm.close()
@@ -281,7 +278,7 @@ class AsyncLLM:
             self.core.send(Shutdown())
         except (OSError, ValueError):
             pass
-        self._on_loop(self.registry.abort_all, False)  # the core aborts everything on Shutdown
+        self.output_handler.on_loop(self.registry.abort_all, False)  # the core aborts everything on Shutdown
 
     def _atexit(self) -> None:  # an interpreter exiting without shutdown(): no orphan core
         try:
@@ -295,113 +292,15 @@ class AsyncLLM:
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
 
-    # ---- the event loop that owns the output handler -------------------------------------------
-    # Reading happens on the loop itself (an asyncio reader on the pipe, as vLLM reads its ZMQ
-    # socket): a reader thread would have to win the GIL back from the busy loop after every
-    # read syscall, up to sys.getswitchinterval() each time, and fall behind the engine.
-    def _owner_alive(self) -> bool:
-        loop = self._loop
-        return loop is not None and not loop.is_closed() and loop.is_running()
-
-    def _own(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Make `loop` the owner, unless it is already; refuse if another running loop owns it."""
-        if self._loop is loop:
-            return
-        with self._lock:
-            old = self._loop
-            if old is loop:
-                return
-            if old is not None and not old.is_closed() and old.is_running():
-                raise RuntimeError(
-                    "this AsyncLLM is in use on the event loop of another thread; use it from that loop "
-                    "(asyncio.run_coroutine_threadsafe) or create another AsyncLLM"
-                )
-            self._loop = loop
-            if old is not None:
-                if not old.is_closed():
-                    old.remove_reader(self.core.fileno())
-                self.registry.abandon(old)
-            if self.state in (EngineState.RUNNING, EngineState.STOPPING):
-                loop.add_reader(self.core.fileno(), self._on_readable)
-
-    def _on_loop(self, fn: Callable[..., None], *args: Any) -> None:
-        """Run fn(*args) where the streams live: now if on the owner loop or none runs, else at its next turn."""
-        loop = self._loop
-        try:
-            here = asyncio.get_running_loop()
-        except RuntimeError:
-            here = None
-        if loop is None or here is loop or not self._owner_alive():
-            fn(*args)
-            return
-        try:
-            loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # closed meanwhile
-            fn(*args)
-
     def _abort_in_core(self, core_ids: list[str]) -> None:
         try:
             self.core.send(Abort(core_ids))
         except (OSError, ValueError):
             pass
 
-    # ---- the output handler: the core's events ---------------------------------------------------
-    def _on_readable(self) -> None:
-        if not self._read_lock.acquire(blocking=False):
-            return  # shutdown() is draining
-        try:
-            while self.core.poll(0):  # everything that is there: one pass under load
-                if not self._handle(self.core.recv()):
-                    break
-        except (EOFError, OSError):
-            self._core_gone()
-        except Exception:
-            logger.exception("reading the engine core's outputs failed")
-        finally:
-            self._read_lock.release()
-
-    def _drain(self, timeout: float | None) -> None:
-        """Read in this thread until the core says Bye or its pipe ends (shutdown), or for
-        `timeout` s (0: what is there)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if self._core_is_gone() or not self._read_lock.acquire(timeout=-1 if timeout is None else timeout):
-            return
-        try:
-            while not self._core_is_gone():
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                if not self.core.poll(left):
-                    return
-                self._handle(self.core.recv())
-        except (EOFError, OSError):
-            self._core_gone()
-        finally:
-            self._read_lock.release()
-
-    def _handle(self, msg: CoreEvent) -> bool:
-        """One event from the core; False after the last one."""
-        if isinstance(msg, Step):
-            if msg.stats is not None:
-                self._set_stats(msg.stats)
-            self.registry.apply(msg.outputs)
-        elif isinstance(msg, Stats):
-            self._set_stats(msg.stats)
-        elif isinstance(msg, Rejected):
-            self.registry.fail([msg.request_id], msg.error)
-        elif isinstance(msg, Failed):
-            self.registry.fail(msg.request_ids, EngineStepError(msg.message))
-        elif isinstance(msg, Bye):
-            self._core_gone()
-            return False
-        return True
-
-    def _core_is_gone(self) -> bool:
-        return self.state in (EngineState.STOPPED, EngineState.DEAD)
-
     def _core_gone(self) -> None:
         """Bye or EOF from the core. Expected after shutdown; otherwise it died: fail everything."""
         with self._lock:
-            if self._core_is_gone():
-                return
             expected = self.state is EngineState.STOPPING
             if not expected:
                 self.core.wait_exit(0.5)  # so that its exit code is known
@@ -412,12 +311,6 @@ class AsyncLLM:
                     else "the engine thread stopped"
                 )
             self.state = EngineState.STOPPED if expected else EngineState.DEAD
-            loop = self._loop
-        if loop is not None and not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(loop.remove_reader, self.core.fileno())
-            except RuntimeError:
-                pass
         if not expected:
             logger.error("%s; failing %d request(s) in flight", self._dead_reason, len(self.registry))
         self.stats = _Stats(
@@ -428,7 +321,7 @@ class AsyncLLM:
         else:
             self.registry.fail_all(EngineShutdownError(self._dead_reason))
 
-    def _set_stats(self, m: dict) -> None:
+    def _set_stats(self, m: Metrics) -> None:
         now = time.monotonic()
         self.stats = _Stats(m, now)
         if now - self._last_log >= LOG_INTERVAL_S:
