@@ -1,14 +1,34 @@
 """Typed messages between the API side (AsyncLLM, the server) and the engine core.
 
 They cross a process boundary (pickled over a pipe, ARCHITECTURE.md), so they hold plain data
-only: ids, numbers, strings, SamplingParams.
+only: ids, numbers, strings, SamplingParams, an InvalidRequestError. Readers use the fields by
+name; nothing is a positional tuple.
+
+    API -> core    EngineCoreRequest          a checked request (InputProcessor.process made it)
+                   Abort(request_ids)         finish these now, wherever they are
+                   Shutdown()                 abort everything, answer Bye, exit
+    core -> API    Ready(info)                once the model is loaded
+                   StartupError(error)        instead of Ready when start-up fails
+                   Step(outputs, stats)       per step: every sequence that got a token
+                   Stats(stats)               on going idle (the gauges drop to 0 at once)
+                   Rejected(request_id, error) the core refused a request (InvalidRequestError)
+                   Failed(request_ids, message) a step raised; those requests are gone
+                   Bye()                      after Shutdown, before exit
+
+`request_id` on the wire is the id the API side gave the core (AsyncLLM's internal id, never
+reused), so an output still in flight for an aborted request can never be taken for a later one's.
+Times are time.monotonic(), one clock for every process of a host.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
+from pagedllm.engine.errors import InvalidRequestError
 from pagedllm.engine.sampling_params import SamplingParams
+
+Metrics = dict[str, Any]  # LLMEngine.get_metrics(): gauges and counters by name
 
 
 @dataclass
@@ -20,3 +40,102 @@ class EngineCoreRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float  # time.monotonic(): one clock for every process of a host
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """What one step did to one sequence: the token ids it got and, once, how it ended.
+
+    `index` is the sequence's place in its request (0 .. n-1). `finish_reason` is "stop" (EOS or a
+    stop token id, which is then `stop_reason`) or "length"; stop strings are the output
+    processor's business, the core never sees text."""
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __reduce__(self) -> tuple[type[EngineCoreOutput], tuple[Any, ...]]:
+        # one tuple per output on the pipe: a step carries hundreds of them (2x cheaper than the default)
+        return (
+            EngineCoreOutput,
+            (
+                self.request_id,
+                self.index,
+                self.new_token_ids,
+                self.finish_reason,
+                self.stop_reason,
+                self.num_cached_tokens,
+                self.first_token_time,
+                self.finish_time,
+            ),
+        )
+
+
+@dataclass
+class Abort:
+    request_ids: list[str]
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+@dataclass
+class EngineCoreInfo:
+    """Sizes the API side needs to check requests as the core would, and the first metrics."""
+
+    pid: int
+    model_path: str | None
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    vocab_size: int | None
+    metrics: Metrics = field(default_factory=dict)
+
+
+@dataclass
+class Ready:
+    info: EngineCoreInfo
+
+
+@dataclass
+class StartupError:
+    error: BaseException
+
+
+@dataclass
+class Step:
+    outputs: list[EngineCoreOutput]
+    stats: Metrics | None = None  # at most every STATS_INTERVAL_S (engine_core.py), else None
+
+
+@dataclass
+class Stats:
+    stats: Metrics
+
+
+@dataclass
+class Rejected:
+    request_id: str
+    error: InvalidRequestError
+
+
+@dataclass
+class Failed:
+    request_ids: list[str]
+    message: str
+
+
+@dataclass
+class Bye:
+    pass
+
+
+CoreInput = EngineCoreRequest | Abort | Shutdown
+CoreEvent = Ready | StartupError | Step | Stats | Rejected | Failed | Bye

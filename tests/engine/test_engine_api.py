@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from pagedllm.engine import LLMEngine, SamplingParams, SchedulerConfig
+from pagedllm.engine.core import EngineCore
 from tests.engine.fake_runner import CharTokenizer, ShadowRunner, reference_generate
 
 
@@ -201,9 +202,32 @@ def test_trace_events_are_json_lines():
     assert set(events[0]) == {"event", "block_id", "seq_id", "ref_cnt", "num_free"}
 
 
-def test_detokenize_off_gives_token_ids_only():
+def test_the_core_ships_token_ids_only():
+    """EngineCore (what the server's core process runs) needs no tokenizer: its outputs are token
+    ids, one EngineCoreOutput per sequence and step; an engine without a tokenizer gives text ""."""
     engine = make_engine()
-    engine.detokenize = False  # another process turns ids into text (the server's API side)
-    engine.add_request("a", "hello", SamplingParams(max_tokens=5, ignore_eos=True))
-    out = drain(engine)["a"].outputs[0]
+    request = engine.input_processor.process("a", "hello", SamplingParams(max_tokens=5, ignore_eos=True))
+    core = EngineCore(engine.config, ShadowRunner(engine.config.block_size))
+    core.add_request(request)
+    outs = []
+    while core.has_unfinished_requests():
+        outs += core.step()
+    assert [t for o in outs for t in o.new_token_ids] == reference_generate(request.prompt_token_ids, 5)
+    assert [o.finish_reason for o in outs] == [None] * 4 + ["length"]
+    assert all(o.request_id == "a" and o.index == 0 and not hasattr(o, "text") for o in outs)
+    bare = LLMEngine(engine.config, ShadowRunner(engine.config.block_size))
+    bare.add_request("a", request.prompt_token_ids, SamplingParams(max_tokens=5, ignore_eos=True))
+    out = drain(bare)["a"].outputs[0]
     assert out.text == "" and len(out.token_ids) == 5
+
+
+def test_a_checked_request_is_queued_as_it_is():
+    engine = make_engine()
+    request = engine.input_processor.process("a", "hello", SamplingParams(max_tokens=3, ignore_eos=True))
+    assert engine.add_request(None, request, stream=False) == "a"
+    with pytest.raises(ValueError, match="already in use") as e:
+        engine.add_request(None, request)
+    assert e.value.param == "request_id"
+    out = drain(engine)["a"]
+    assert out.prompt == "hello" and out.outputs[0].token_ids == reference_generate(request.prompt_token_ids, 3)
+    assert out.metrics.arrival_time == request.arrival_time

@@ -48,6 +48,7 @@ def run(
         random.Random(order_seed).shuffle(pending)
     results = {}
     aborted = []
+    added = set()
     step = 0
     while pending or engine.has_unfinished_requests():
         # arrivals trickle in: two per step
@@ -55,8 +56,9 @@ def run(
             if pending:
                 rid, prompt, max_tokens = pending.pop(0)
                 engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+                added.add(rid)
         for rid in abort:
-            if step == 3 and rid in engine.requests:
+            if step == 3 and rid in added and rid not in results:  # queued and not finished
                 assert engine.abort_request(rid)
                 aborted.append(rid)
         for out in engine.step():

@@ -1,0 +1,182 @@
+"""EngineCore: checked requests in, token ids out, one `step()` at a time (no tokenizer).
+
+The core owns the scheduler and the KV-cache manager (the single truth for block ids and
+prefix hashes) and drives an executor (executor.py). A step returns one EngineCoreOutput per
+sequence that got a token, in scheduled order. Text, stop strings and RequestOutputs are the
+output processor's (output_processor.py), which runs on top of the core in LLMEngine and in the
+API process of the server, where this core runs in a process of its own (entrypoints/engine_core.py).
+
+Requests come from InputProcessor.process, so the core asserts their preconditions instead of
+checking them again; the one refusal it can still make is a request id already in use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import IO
+
+from pagedllm.engine.config import SchedulerConfig
+from pagedllm.engine.errors import InvalidRequestError
+from pagedllm.engine.executor import Executor, StepHandle
+from pagedllm.engine.kv_cache_manager import KVCacheManager
+from pagedllm.engine.messages import EngineCoreOutput, EngineCoreRequest, Metrics
+from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
+from pagedllm.engine.sequence import Sequence, SequenceStatus
+from pagedllm.engine.trace import Tracer
+
+
+class EngineCore:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        executor: Executor,
+        eos_token_ids: set[int] | frozenset[int] = frozenset(),
+        trace_sink: IO[str] | list[dict[str, object]] | None = None,
+        async_scheduling: bool = False,
+    ):
+        self.config = config
+        self.executor = executor
+        tracer = Tracer(trace_sink) if config.trace_blocks else None
+        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching, tracer)
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len, eos_token_ids
+        )
+        # step N+1 is launched before step N's ids are on the host (needs an executor that offers it)
+        self.async_scheduling = async_scheduling and executor.supports_async
+        self.requests: dict[str, list[Sequence]] = {}  # unfinished: request id -> its sequences, by index
+        self._index: dict[int, int] = {}  # seq_id -> the sequence's index in its request
+        self._inflight: tuple[SchedulerOutput, StepHandle] | None = None  # async: launched, not yet resolved
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    # ---- requests ----------------------------------------------------------------------
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a checked request: params.n sequences (seeds seed, seed+1, ... when n > 1)."""
+        rid = request.request_id
+        self.check_new_request_id(rid)
+        params, ids = request.params, request.prompt_token_ids
+        assert isinstance(params, SamplingParams), "InputProcessor.process checks the params"
+        assert 0 < len(ids) < self.config.max_model_len, "InputProcessor.process checks the prompt length"
+        seqs = []
+        for i in range(params.n):
+            p = params
+            if params.n > 1 and params.seed is not None:
+                p = dataclasses.replace(params, seed=params.seed + i)  # re-validated, stop list rebuilt
+            seq = Sequence(rid, ids, p, request.arrival_time)
+            self._index[seq.seq_id] = i
+            seqs.append(seq)
+        self.requests[rid] = seqs
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def check_new_request_id(self, request_id: str) -> None:
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use", "request_id")
+
+    def abort_request(self, request_id: str) -> bool:
+        """Finish a request at once, wherever it is; its blocks are free when this returns."""
+        seqs = self.requests.pop(request_id, None)
+        if seqs is None:
+            return False
+        for seq in seqs:
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+            self._index.pop(seq.seq_id, None)
+        return True
+
+    def stop_sequence(self, request_id: str, index: int) -> None:
+        """The output processor found a stop string in this sequence's text: finish it now."""
+        seqs = self.requests.get(request_id)
+        if seqs is None:
+            return
+        self.scheduler.finish(seqs[index], SequenceStatus.FINISHED_STOPPED)
+        self._forget_if_done(request_id, seqs)
+
+    def request_ids(self) -> list[str]:
+        return list(self.requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or self._inflight is not None
+
+    # ---- the loop ----------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule, execute, update. With async scheduling the step launched here runs on the
+        device while the previous step's ids are resolved, so outputs lag one launch behind."""
+        if self.async_scheduling:
+            return self._step_async()
+        sched = self.scheduler.schedule()
+        if not sched:
+            return []
+        sampled = self.executor.execute(sched)
+        return self._outputs(self.scheduler.update(sched, sampled), len(sampled))
+
+    def _step_async(self) -> list[EngineCoreOutput]:
+        sched = self.scheduler.schedule()
+        launched = None
+        if sched:
+            launched = (sched, self.executor.execute_async(sched))
+            self.scheduler.advance(sched)
+        outputs: list[EngineCoreOutput] = []
+        if self._inflight is not None:
+            prev, handle = self._inflight
+            sampled = handle.result()
+            outputs = self._outputs(self.scheduler.resolve(prev, sampled), len(sampled))
+        self._inflight = launched
+        return outputs
+
+    def _outputs(self, touched: list[Sequence], num_sampled: int) -> list[EngineCoreOutput]:
+        self.num_generation_tokens += num_sampled
+        outputs = []
+        done: list[str] = []
+        for seq in touched:
+            index = self._index.get(seq.seq_id)
+            if index is None:
+                continue  # aborted while its step ran
+            if seq.num_resolved_output_tokens == 1:
+                self.num_prompt_tokens += seq.num_prompt_tokens
+            outputs.append(
+                EngineCoreOutput(
+                    seq.request_id,
+                    index,
+                    [seq.last_resolved_token],
+                    seq.finish_reason,
+                    seq.stop_reason,
+                    seq.num_cached_tokens,
+                    seq.first_token_time,
+                    seq.finish_time,
+                )
+            )
+            if seq.status.finished:
+                done.append(seq.request_id)
+        for rid in done:
+            seqs = self.requests.get(rid)
+            if seqs is not None:
+                self._forget_if_done(rid, seqs)
+        return outputs
+
+    def _forget_if_done(self, request_id: str, seqs: list[Sequence]) -> None:
+        if all(s.status.finished for s in seqs):
+            del self.requests[request_id]
+            for s in seqs:
+                self._index.pop(s.seq_id, None)
+
+    # ---- metrics -----------------------------------------------------------------------
+    def get_metrics(self) -> Metrics:
+        kv = self.kv
+        q, h = kv.prefix_query_tokens, kv.prefix_hit_tokens
+        return {
+            "num_kv_blocks": kv.num_blocks,
+            "num_free_kv_blocks": kv.num_free_blocks,
+            "kv_cache_usage": kv.usage,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_query_tokens": q,
+            "prefix_cache_hit_tokens": h,
+            "prefix_cache_hit_rate": h / q if q else 0.0,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_generation_tokens": self.num_generation_tokens,
+            "num_requests_running": len({s.request_id for s in self.scheduler.running}),
+            "num_requests_waiting": len(
+                {s.request_id for s in self.scheduler.waiting} - {s.request_id for s in self.scheduler.running}
+            ),
+            "num_prefix_cache_evictions": kv.pool.num_evictions,
+        }

@@ -1,0 +1,237 @@
+"""The output processor: the engine core's token ids -> text, stop strings, RequestOutputs.
+
+One implementation for every front: LLMEngine (LLM.generate, the CLI) runs it in the engine's
+process after each core step; AsyncLLM runs it in the API process on the event loop, where the
+core in its own process ships token ids only (ARCHITECTURE.md). Per request a RequestState holds
+one SequenceState per sequence (parallel sampling: n of them).
+
+Two halves, so that a consumer may fall behind:
+- `process(core_outputs)` as tokens arrive: append ids, record finishes, and match stop strings
+  (only those need text this early), so the owner can stop the sequence in the core at once
+  (`ProcessedOutputs.stopped`).
+- `make_output(state)` when someone asks: decode what is new and build one RequestOutput with
+  everything since the last one (cumulative `text` / `token_ids`, `delta_text` / `delta_token_ids`).
+
+Invariants:
+- every token id is fed to its sequence's detokenizer once (`num_decoded`), in order; a request
+  that is not streamed and has no stop strings is decoded once, when it is first asked for after
+  it finished.
+- text handed out is never taken back: while a stop string may still complete, the last
+  (longest stop string - 1) characters are held back from `delta_text`.
+- stop strings: not before min_tokens output tokens, not on the token that finished the sequence
+  anyway (EOS, stop token, length), searched only where the newest token's text can complete one;
+  on a hit the text is cut before it, later tokens are dropped, finish_reason "stop" and
+  stop_reason the string.
+- the detokenizer is flushed (an incomplete character at the very end) when a sequence finishes
+  by EOS, stop token or length; not after a stop string (the text is cut) or an abort.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.engine.detokenizer import Decoder, IncrementalDetokenizer, fast_decoder
+from pagedllm.engine.messages import EngineCoreOutput, EngineCoreRequest
+from pagedllm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedllm.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SequenceState:
+    index: int
+    detok: IncrementalDetokenizer | None  # None: text is decoded once, at the end (or never)
+    token_ids: list[int] = field(default_factory=list)
+    num_decoded: int = 0  # token ids fed to detok
+    num_sent_tokens: int = 0  # token ids already in an output (delta_token_ids start here)
+    num_sent_chars: int = 0  # chars of text already in an output (delta_text starts here)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    flushed: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class RequestState:
+    """One request's output state. `request_id` is the id its outputs carry; the processor's key
+    is the id the core knows it by (AsyncLLM gives the core ids of its own)."""
+
+    def __init__(
+        self, request_id: str, core_request_id: str, request: EngineCoreRequest, stream: bool, decoder: Decoder | None
+    ):
+        self.request_id = request_id
+        self.core_request_id = core_request_id
+        self.prompt = request.prompt
+        self.prompt_token_ids = request.prompt_token_ids
+        self.params: SamplingParams = request.params
+        self.stream = stream  # False: one output, when finished
+        self.arrival_time = request.arrival_time
+        self.stops = request.params.stop_list
+        self.longest_stop = max(map(len, self.stops), default=0)
+        eager = decoder is not None and (stream or bool(self.stops))
+        self.seqs = [
+            SequenceState(i, IncrementalDetokenizer(decoder, self.prompt_token_ids) if eager and decoder else None)
+            for i in range(request.params.n)
+        ]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+    @property
+    def has_new_tokens(self) -> bool:
+        """Token ids have arrived that no output has carried yet."""
+        return any(len(s.token_ids) > s.num_sent_tokens for s in self.seqs)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+
+@dataclass
+class ProcessedOutputs:
+    touched: list[RequestState]  # requests that got tokens or finished, in order of first output
+    stopped: list[tuple[str, int]]  # (core request id, sequence index) that hit a stop string
+    finished: list[RequestState]  # requests whose last sequence finished (no longer tracked)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any):
+        """tokenizer None: outputs carry token ids only (text ""), and stop strings are not matched."""
+        self.decoder: Decoder | None = fast_decoder(tokenizer) if tokenizer is not None else None
+        self.requests: dict[str, RequestState] = {}  # core request id -> unfinished request
+
+    def add_request(self, request: EngineCoreRequest, stream: bool, core_request_id: str | None = None) -> RequestState:
+        """Track a request the core now has. Its outputs carry `request.request_id`; the core's
+        outputs for it carry `core_request_id` (default: the same)."""
+        key = request.request_id if core_request_id is None else core_request_id
+        assert key not in self.requests, "the core refuses a request id in use"
+        state = RequestState(request.request_id, key, request, stream, self.decoder)
+        self.requests[key] = state
+        return state
+
+    def abort_request(self, core_request_id: str) -> RequestState | None:
+        """Stop tracking; its unfinished sequences end with finish_reason "abort" (no flush)."""
+        state = self.requests.pop(core_request_id, None)
+        if state is not None:
+            for seq in state.seqs:
+                if not seq.finished:
+                    seq.finish_reason = "abort"
+        return state
+
+    # ---- as tokens arrive --------------------------------------------------------------
+    def process(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        touched: dict[str, RequestState] = {}
+        stopped: list[tuple[str, int]] = []
+        finished: list[RequestState] = []
+        for out in outputs:
+            state = self.requests.get(out.request_id)
+            if state is None:
+                continue  # aborted or stopped while the core still ran it
+            seq = state.seqs[out.index]
+            if seq.finished:
+                continue  # stopped by a stop string; the core has not heard yet
+            touched[out.request_id] = state
+            if self._append(state, seq, out):
+                stopped.append((out.request_id, out.index))
+            if state.finished:
+                del self.requests[out.request_id]
+                finished.append(state)
+        return ProcessedOutputs(list(touched.values()), stopped, finished)
+
+    def _append(self, state: RequestState, seq: SequenceState, out: EngineCoreOutput) -> bool:
+        """Apply one core output; True when a stop string ended the sequence."""
+        if out.new_token_ids:
+            start = len(seq.token_ids)
+            seq.token_ids.extend(out.new_token_ids)
+            seq.num_cached_tokens = out.num_cached_tokens
+            if seq.first_token_time is None:
+                seq.first_token_time = out.first_token_time
+            if state.stops and seq.detok is not None and self._match_stops(state, seq, start, out.finish_reason):
+                return True
+        if out.finish_reason is not None:
+            seq.finish_reason, seq.stop_reason, seq.finish_time = out.finish_reason, out.stop_reason, out.finish_time
+        return False
+
+    @staticmethod
+    def _match_stops(state: RequestState, seq: SequenceState, start: int, finish_reason: str | None) -> bool:
+        """Detokenize the new tokens one by one and look for a stop string in the text each adds."""
+        detok = seq.detok
+        assert detok is not None
+        last = len(seq.token_ids) - 1
+        for i in range(start, len(seq.token_ids)):
+            before = len(detok.text)
+            detok.step([seq.token_ids[i]])
+            seq.num_decoded = i + 1
+            if (finish_reason is not None and i == last) or i + 1 < state.params.min_tokens:
+                continue
+            window = max(0, before - state.longest_stop + 1)
+            hit = min(((pos, s) for s in state.stops if (pos := detok.text.find(s, window)) >= 0), default=None)
+            if hit is not None:
+                detok.text = detok.text[: hit[0]]
+                del seq.token_ids[i + 1 :]
+                seq.finish_reason, seq.stop_reason, seq.finish_time = "stop", hit[1], time.monotonic()
+                return True
+        return False
+
+    # ---- when asked ----------------------------------------------------------------------
+    def make_output(self, state: RequestState) -> RequestOutput:
+        """Everything new since the last output of this request (its first: everything)."""
+        completions = []
+        for seq in state.seqs:
+            ids = seq.token_ids
+            delta_ids = ids[seq.num_sent_tokens :]
+            seq.num_sent_tokens = len(ids)
+            text = self._text(state, seq)
+            end = len(text)
+            if state.stops and not seq.finished:  # hold back what may be the start of a stop string
+                end = max(seq.num_sent_chars, end - state.longest_stop + 1)
+            delta = text[seq.num_sent_chars : end]
+            seq.num_sent_chars = end
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=text,
+                    token_ids=list(ids),
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    delta_text=delta,
+                    delta_token_ids=delta_ids,
+                )
+            )
+        first = state.seqs[0]
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=completions,
+            finished=state.finished,
+            num_cached_tokens=first.num_cached_tokens,
+            metrics=RequestMetrics(state.arrival_time, first.first_token_time, first.finish_time),
+        )
+
+    def _text(self, state: RequestState, seq: SequenceState) -> str:
+        """The sequence's text so far: feed the detokenizer what it has not seen (once)."""
+        if self.decoder is None:
+            return ""
+        detok = seq.detok
+        if detok is None:
+            if not seq.finished:
+                return ""  # not streamed: nothing to show before the end
+            detok = seq.detok = IncrementalDetokenizer(self.decoder, state.prompt_token_ids)
+            detok.decode_all(seq.token_ids)  # decode once; decode_all's text needs no flush
+            seq.num_decoded, seq.flushed = len(seq.token_ids), True
+        elif seq.num_decoded < len(seq.token_ids):
+            detok.step(seq.token_ids[seq.num_decoded :])
+            seq.num_decoded = len(seq.token_ids)
+        if seq.finished and not seq.flushed:
+            seq.flushed = True
+            if seq.finish_reason != "abort" and not isinstance(seq.stop_reason, str):
+                detok.flush()  # EOS, stop token or length: nothing more will complete it
+        return detok.text

@@ -1,0 +1,197 @@
+"""The live request streams of one AsyncLLM: RequestStream (what a caller iterates) and the
+StreamRegistry that owns them.
+
+The registry is the only thing a stream talks to, and the only place its state changes: it
+feeds the core's outputs through the output processor (engine/output_processor.py), wakes the
+streams that have something new, finishes them, and tells the core to abort what a stream no
+longer wants (a stop string, a closed stream). Everything here runs on AsyncLLM's one event
+loop (or, when no loop runs, on the one thread that reads the core: async_llm.py).
+
+A stream keeps state, not a queue of outputs: a consumer that falls behind gets one output with
+everything new since it last looked (fewer, larger SSE chunks instead of a growing backlog), and
+text is decoded only when an output is asked for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from pagedllm.engine.errors import InvalidRequestError
+from pagedllm.engine.messages import EngineCoreOutput, EngineCoreRequest
+from pagedllm.engine.output_processor import OutputProcessor, RequestState
+from pagedllm.engine.outputs import RequestOutput
+
+logger = logging.getLogger("pagedllm")
+
+
+class RequestStream:
+    """One request's outputs as an async iterator; iteration ends after the output with
+    `finished=True` (finish_reason "abort" for an aborted request), or raises the request's error
+    (EngineShutdownError, EngineStepError, a rejected request's InvalidRequestError)."""
+
+    def __init__(self, registry: StreamRegistry, state: RequestState, core_id: str, loop: asyncio.AbstractEventLoop):
+        self.request_id = state.request_id
+        self.core_id = core_id  # the id the core knows it by (never reused)
+        self.state = state
+        self.loop = loop
+        self._registry = registry
+        self.started = False  # a token has arrived (it no longer counts as waiting)
+        self.done = False  # no more input: final or error is set
+        self.finished = False  # the consumer has seen the end
+        self.final: RequestOutput | None = None
+        self.error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        while True:
+            if self.done:
+                self.finished = True
+                if self.error is not None:
+                    raise self.error
+                assert self.final is not None
+                return self.final
+            if self.state.stream and self.state.has_new_tokens:
+                return self._registry.output(self)
+            self._waiter = self.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+    def close(self) -> None:
+        """Stop listening; abort the request if it has not finished."""
+        if not self.done:
+            self._registry.abort(self)
+        self.finished = True
+
+    def wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            try:
+                w.set_result(None)
+            except RuntimeError:  # its loop is closed: nobody is listening
+                pass
+
+
+class StreamRegistry:
+    """Live streams by request id and by core id. `num_waiting`: registered, no token yet."""
+
+    def __init__(self, processor: OutputProcessor, abort_in_core: Callable[[list[str]], None]):
+        self.processor = processor
+        self._abort_in_core = abort_in_core
+        self.by_request_id: dict[str, RequestStream] = {}
+        self.by_core_id: dict[str, RequestStream] = {}
+        self.num_waiting = 0
+        self.finish_callbacks: list[Callable[[RequestOutput], None]] = []  # each finished request's final output
+
+    def __len__(self) -> int:
+        return len(self.by_core_id)
+
+    def register(
+        self, request: EngineCoreRequest, core_id: str, stream: bool, loop: asyncio.AbstractEventLoop
+    ) -> RequestStream:
+        if request.request_id in self.by_request_id:
+            raise InvalidRequestError(f"request_id {request.request_id!r} is already in use", "request_id")
+        state = self.processor.add_request(request, stream, core_id)
+        handle = RequestStream(self, state, core_id, loop)
+        self.by_request_id[request.request_id] = handle
+        self.by_core_id[core_id] = handle
+        self.num_waiting += 1
+        return handle
+
+    def unregister(self, handle: RequestStream) -> None:
+        """Undo register() (the core never heard of it)."""
+        self.processor.abort_request(handle.core_id)
+        self._forget(handle)
+
+    # ---- from the core ---------------------------------------------------------------------
+    def apply(self, outputs: list[EngineCoreOutput]) -> None:
+        """One step's outputs: stop strings abort in the core at once; finished streams end."""
+        processed = self.processor.process(outputs)
+        if processed.stopped:
+            self._abort_in_core([core_id for core_id, _ in processed.stopped])
+        get = self.by_core_id.get
+        for state in processed.touched:
+            handle = get(state.core_request_id)
+            if handle is None:
+                continue
+            if not handle.started and state.num_output_tokens:
+                handle.started = True
+                self.num_waiting -= 1
+            if state.finished:
+                self._end(handle, self.processor.make_output(state))
+            elif state.stream:
+                handle.wake()
+
+    def fail(self, core_ids: list[str], error: BaseException) -> None:
+        for core_id in core_ids:
+            handle = self.by_core_id.get(core_id)
+            if handle is not None:
+                self.processor.abort_request(core_id)
+                self._end(handle, None, error)
+
+    def fail_all(self, error: BaseException) -> None:
+        self.fail(list(self.by_core_id), error)
+
+    # ---- from the API side -------------------------------------------------------------------
+    def output(self, handle: RequestStream) -> RequestOutput:
+        """The stream's next output: everything since the last one."""
+        return self.processor.make_output(handle.state)
+
+    def abort(self, handle: RequestStream, tell_core: bool = True) -> None:
+        """End the stream with finish_reason "abort" and free the request in the core."""
+        if handle.done or self.by_core_id.get(handle.core_id) is not handle:
+            return
+        if tell_core:
+            self._abort_in_core([handle.core_id])
+        self.processor.abort_request(handle.core_id)
+        self._end(handle, self.processor.make_output(handle.state))
+
+    def abort_all(self, tell_core: bool = True) -> None:
+        for handle in list(self.by_core_id.values()):
+            self.abort(handle, tell_core)
+
+    def abort_request_id(self, request_id: str) -> None:
+        handle = self.by_request_id.get(request_id)
+        if handle is not None:
+            self.abort(handle)
+
+    def abandon(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The streams of a loop that is gone: nobody can listen; stop their work."""
+        gone = [h for h in self.by_core_id.values() if h.loop is loop]
+        if gone:
+            self._abort_in_core([h.core_id for h in gone])
+        for handle in gone:
+            self.processor.abort_request(handle.core_id)
+            self._forget(handle)
+
+    # ---- bookkeeping -----------------------------------------------------------------------
+    def _end(self, handle: RequestStream, final: RequestOutput | None, error: BaseException | None = None) -> None:
+        if handle.done:
+            return
+        handle.done = True
+        self._forget(handle)
+        handle.final, handle.error = final, error
+        handle.wake()
+        if final is None:
+            return
+        for cb in self.finish_callbacks:
+            try:
+                cb(final)
+            except Exception:
+                logger.exception("finish callback failed")
+
+    def _forget(self, handle: RequestStream) -> None:
+        if self.by_core_id.pop(handle.core_id, None) is None:
+            return
+        if self.by_request_id.get(handle.request_id) is handle:
+            del self.by_request_id[handle.request_id]
+        if not handle.started:
+            self.num_waiting -= 1
