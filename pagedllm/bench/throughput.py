@@ -29,25 +29,17 @@ def workload(num_seqs: int = 256):
     return prompts[:num_seqs], params[:num_seqs]
 
 
+STANDARD_MAX_MODEL_LEN = 4096  # the workload's longest request (1024 + 1024 tokens) fits, as in nano-vllm's run
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="HF model directory (e.g. from tools/make_random_model.py)")
-    p.add_argument("--num-seqs", type=int, default=256, help="run the first N requests of the workload")
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="overlap scheduling with the GPU step (default: the LLM's, on with one GPU)",
-    )
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    from pagedllm.entrypoints.args import add_engine_args
+
+    add_engine_args(p, {"max_model_len": STANDARD_MAX_MODEL_LEN}, why="the standard workload")
+    p.add_argument("--num-seqs", type=int, default=256, help="run the first N requests of the workload (default: 256)")
     p.add_argument("--compare-hf", action="store_true", help="also run HF transformers' continuous batching")
     p.add_argument("--skip-pagedllm", action="store_true")
-    p.add_argument("--results-dir", default="benchmarks/results")
+    p.add_argument("--results-dir", default="benchmarks/results", help="(default: benchmarks/results)")
     p.add_argument("--out", help="also write this run's rows as JSON to this file")
     p.add_argument("--label", default="", help="free text stored with the row")
     p.add_argument(
@@ -143,18 +135,11 @@ class StepTimer:
 
 def run_pagedllm(args, prompts, params) -> dict:
     from pagedllm import LLM, SamplingParams
+    from pagedllm.entrypoints.args import LLM_DEFAULTS, engine_kwargs
 
-    llm = LLM(
-        args.model,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        block_size=args.block_size,
-        enforce_eager=args.enforce_eager,
-        tensor_parallel_size=args.tensor_parallel_size,
-        async_scheduling=args.async_scheduling,
-    )
+    kwargs = engine_kwargs(args)
+    config = {**LLM_DEFAULTS, **kwargs}
+    llm = LLM(**kwargs)
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
     timer = StepTimer(llm) if llm.runner.device.type == "cuda" else None
     if timer is not None and args.profile_steps:
@@ -172,8 +157,8 @@ def run_pagedllm(args, prompts, params) -> dict:
         "num_seqs": len(prompts),
         "num_kv_blocks": llm.runner.num_kv_blocks,
         "metrics": llm.get_metrics(),
-        "enforce_eager": args.enforce_eager,
-        "tensor_parallel_size": args.tensor_parallel_size,
+        "enforce_eager": config["enforce_eager"],
+        "tensor_parallel_size": config["tensor_parallel_size"],
         "async_scheduling": llm.engine.async_scheduling,
     }
     if timer is not None:
@@ -237,6 +222,8 @@ def run_hf(args, prompts, params) -> dict:
 def main(args) -> int:
     from pagedllm.bench.common import append_result, environment
 
+    if args.model is None:  # the bundled model's vocabulary is smaller than the workload's token ids
+        raise ValueError("bench throughput needs --model DIR, e.g. a model made by tools/make_random_model.py")
     prompts, params = workload(args.num_seqs)
     env = environment()
     rows = []
