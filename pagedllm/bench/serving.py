@@ -302,10 +302,10 @@ def run_load(base_url: str, model: str, prompts: list[list[int]], args) -> tuple
             p.join(10)
             if p.is_alive():
                 p.kill()
-    results: list[RequestResult] = [None] * len(prompts)  # type: ignore[list-item]
+    merged: list[RequestResult] = [RequestResult() for _ in prompts]
     for i, (part, _) in enumerate(parts):
-        results[i::n] = part
-    return results, max(end for _, end in parts) - t0
+        merged[i::n] = part
+    return merged, max(end for _, end in parts) - t0
 
 
 # ---- statistics ------------------------------------------------------------------------------

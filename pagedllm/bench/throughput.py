@@ -13,6 +13,8 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 TOTAL_OUTPUT_TOKENS = 133_966
 
@@ -59,13 +61,16 @@ class StepTimer:
         import torch
 
         self.torch = torch
-        self.rows = []
+        self.rows: list[dict[str, Any]] = []
         engine = llm.engine
         runner = getattr(llm.runner, "driver", None) or llm.runner  # TP: rank 0's ModelRunner
         self._step, self._launch = engine.step, runner.launch
         engine.step = self.step
         runner.launch = self.launch
-        self.cur = None
+        self.cur: dict[str, Any] = {}
+        self.window: tuple[int, int] | None = None  # engine steps START..END to profile
+        self.profile_path = ""
+        self.prof: Any = None
 
     def launch(self, inp):
         ev0, ev1 = self.torch.cuda.Event(enable_timing=True), self.torch.cuda.Event(enable_timing=True)
@@ -77,10 +82,10 @@ class StepTimer:
 
     def profile(self, window: str, path: str) -> None:
         start, end = (int(x) for x in window.split(":"))
-        self.window, self.profile_path, self.prof = (start, end), path, None
+        self.window, self.profile_path = (start, end), path
 
     def step(self):
-        window = getattr(self, "window", None)
+        window = self.window
         if window and len(self.rows) == window[0] and self.prof is None:
             self.prof = self.torch.profiler.profile(
                 activities=[self.torch.profiler.ProfilerActivity.CPU, self.torch.profiler.ProfilerActivity.CUDA]
@@ -118,9 +123,13 @@ class StepTimer:
                 "gpu_ms": gpu,
                 "host_exposed_ms": step - gpu,
             }
-        buckets = {"prefill_or_mixed": lambda r: not r["decode"]}
+        buckets: dict[str, Callable[[dict[str, Any]], bool]] = {"prefill_or_mixed": lambda r: not r["decode"]}
+
+        def decode_batch(lo: int, hi: int) -> Callable[[dict[str, Any]], bool]:
+            return lambda r: bool(r["decode"]) and lo <= r["batch"] <= hi
+
         for lo, hi in ((1, 16), (17, 64), (65, 128), (129, 200), (201, 100000)):
-            buckets[f"decode_batch_{lo}_{hi}"] = lambda r, lo=lo, hi=hi: r["decode"] and lo <= r["batch"] <= hi
+            buckets[f"decode_batch_{lo}_{hi}"] = decode_batch(lo, hi)
         out["time_by_step_kind"] = {
             name: {
                 "steps": len(rs),
@@ -176,11 +185,10 @@ def run_hf(args, prompts, params) -> dict:
         from transformers import ContinuousBatchingConfig
     except ImportError:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
-    model = (
-        AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16, attn_implementation="paged|sdpa")
-        .cuda()
-        .eval()
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        args.model, dtype=torch.bfloat16, attn_implementation="paged|sdpa"
     )
+    model = model.cuda().eval()
     gen = GenerationConfig(
         do_sample=True, temperature=0.6, top_p=1.0, top_k=0, max_new_tokens=1024, eos_token_id=-1, pad_token_id=0
     )

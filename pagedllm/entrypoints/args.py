@@ -160,9 +160,10 @@ def _kind(annotation: Any) -> type:
 
 def _build_table(cls: type = LLM) -> tuple[EngineFlag, ...]:
     """One EngineFlag per argument of `cls.__init__`; TypeError for an argument FLAG_HELP lacks."""
-    hints = typing.get_type_hints(cls.__init__)
+    init = cls.__init__  # type: ignore[misc]  # the class's own constructor, read from the class
+    hints = typing.get_type_hints(init)
     flags = []
-    for name, p in inspect.signature(cls.__init__).parameters.items():
+    for name, p in inspect.signature(init).parameters.items():
         if name == "self" or p.kind is inspect.Parameter.VAR_KEYWORD:
             continue
         if name not in FLAG_HELP:

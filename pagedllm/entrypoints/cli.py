@@ -56,7 +56,7 @@ _OPTIONAL = {
 
 def _subcommand_words(argv: list[str]) -> list[str]:
     """The leading positional words of argv (global flags skipped): which parsers to fill."""
-    words = []
+    words: list[str] = []
     for a in argv:
         if a == "--":
             break
@@ -87,7 +87,7 @@ def _fill_optional(p: argparse.ArgumentParser, path: tuple[str, ...], wanted: li
 # ---- the parser ---------------------------------------------------------------------------
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     wanted = _subcommand_words(list(argv or []))
-    debug = argparse.ArgumentParser(add_help=False)
+    debug = _Parser(add_help=False)
     debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks and DEBUG logs")
     parser = _Parser(
         prog="pagedllm",

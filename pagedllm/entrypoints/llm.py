@@ -81,7 +81,7 @@ class LLM:
         from pagedllm.worker.model_runner import resolve_device, resolve_dtype
 
         dev = resolve_device(device)
-        runner_kwargs = dict(
+        runner_kwargs: dict[str, Any] = dict(
             device=dev,
             dtype=resolve_dtype(dtype, hf_config, dev),
             block_size=block_size,
@@ -94,6 +94,7 @@ class LLM:
             enforce_eager=enforce_eager,
             seed=seed,
         )
+        self.runner: Any  # a ModelRunner or a TPExecutor: both are pagedllm.engine.executor.Executor
         if tensor_parallel_size > 1:
             from pagedllm.worker.tp_executor import TPExecutor
 
