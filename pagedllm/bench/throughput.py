@@ -3,6 +3,8 @@
 random.seed(0); 256 requests of randint(100, 1024) random token ids, each with
 SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, 1024)):
 133,966 output tokens in all. One warm-up request, then `generate` over all of them is timed.
+--model DIR is required (the token ids go up to 10000: e.g. a model from tools/make_random_model.py);
+the engine flags are pagedllm's own (entrypoints/args.py), with max_model_len 4096 by default here.
 """
 
 from __future__ import annotations

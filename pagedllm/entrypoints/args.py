@@ -7,6 +7,8 @@ signature (`block_size: int = 16` -> `--block-size`, a positive integer, "defaul
 -> `--x/--no-x`); only the help text, and a parser where the annotation says too little, are
 written here. An LLM argument without an entry in FLAG_HELP fails at import (and in
 tests/test_engine_args.py), so the table cannot fall behind the class.
+
+Also here, for every command alike: CLIError and the exit codes (2 usage, 1 run time).
 """
 
 from __future__ import annotations

@@ -133,6 +133,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in prompt order. Without sampling_params each
+        request gets `get_default_sampling_params()` (the model's generation defaults)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -154,7 +156,7 @@ class LLM:
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
         ]
         self._counter += len(requests)
-        for r in requests:
+        for r in requests:  # the checked request, passed on as its text and token ids
             self.engine.add_request(
                 r.request_id,
                 {"prompt": r.prompt, "prompt_token_ids": r.prompt_token_ids},
