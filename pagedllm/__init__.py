@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import os
-
 __version__ = "0.1.0"
 
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402  (torch-free)
 from pagedllm.engine.sampling_params import SamplingParams  # noqa: E402
-
-
-def default_model_path() -> str:
-    """The small Qwen3-architecture model trained on the Python standard library, shipped in the package."""
-    return os.path.join(os.path.dirname(__file__), "default_model")
+from pagedllm.entrypoints.model_dir import default_model_path  # noqa: E402  (the one reader of model directories)
 
 
 def __getattr__(name: str):

@@ -51,3 +51,12 @@ def test_step_timer_times_rank_0_under_tensor_parallelism(tiny_models, monkeypat
         timer = throughput.StepTimer(llm)
         llm.generate([[1, 2, 3]] * 3, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
         assert timer.summary()["time_by_step_kind"]["decode_batch_1_16"]["steps"] == 3
+
+
+def test_bench_throughput_needs_a_model_for_its_token_ids():
+    import argparse
+
+    p = argparse.ArgumentParser()
+    throughput.add_args(p)
+    with pytest.raises(ValueError, match="--model"):
+        throughput.main(p.parse_args(["--skip-pagedllm"]))

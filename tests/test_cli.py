@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from pagedllm.entrypoints import cli
+from pagedllm.entrypoints import cli, cli_generate, model_dir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINE = ["--device", "cpu", "--num-kv-blocks", "64"]
@@ -91,59 +91,33 @@ def test_version_subprocess():
     assert r.stdout.strip() == f"pagedllm {pagedllm.__version__}"
 
 
-def test_engine_args_map_to_llm_arguments():
-    from pagedllm.entrypoints.llm import LLM_ARGUMENTS
+def test_sampling_flags_over_model_defaults_over_samplingparams(tmp_path):
+    from pagedllm.entrypoints.model_dir import generation_defaults
 
-    p = cli.add_engine_args(argparse.ArgumentParser())
-    args = p.parse_args(
-        [
-            "--model",
-            "m",
-            "--no-enable-prefix-caching",
-            "-tp",
-            "2",
-            "--kv-cache-memory-bytes",
-            "512MiB",
-            "--block-size",
-            "32",
-            "--enforce-eager",
-            "--dtype",
-            "float32",
-        ]
-    )
-    kw = cli.engine_kwargs(args)
-    assert kw == {
-        "model": "m",
-        "enable_prefix_caching": False,
-        "tensor_parallel_size": 2,
-        "kv_cache_memory_bytes": 512 << 20,
-        "block_size": 32,
-        "enforce_eager": True,
-        "dtype": "float32",
-    }
-    # every LLM argument has a flag, and nothing else is produced
-    assert set(cli._ENGINE_DESTS) == set(LLM_ARGUMENTS) | {"model"}
-    assert cli.engine_kwargs(p.parse_args(["--model", "m"])) == {"model": "m"}  # LLM's defaults apply
-    for flag, value in (("--async-scheduling", True), ("--no-async-scheduling", False)):
-        assert cli.engine_kwargs(p.parse_args(["--model", "m", flag]))["async_scheduling"] is value
-
-
-def test_sampling_defaults_come_from_generation_config(tmp_path):
     p = argparse.ArgumentParser()
-    cli.add_generate_args(p)
-    assert cli.sampling_params_from_args(p.parse_args([]), str(tmp_path)).temperature == 1.0
+    cli_generate.add_generate_args(p)
+    p.add_argument("--seed", type=int, default=None)  # an engine flag; generate gives it to each request too
+    sp = cli_generate.sampling_params_from_args(p.parse_args([]), generation_defaults(str(tmp_path)))
+    assert (sp.temperature, sp.max_tokens, sp.seed) == (1.0, 16, None)
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "top_p": 0.95, "do_sample": True}))
-    sp = cli.sampling_params_from_args(p.parse_args([]), str(tmp_path))
-    assert (sp.temperature, sp.top_p, sp.max_tokens) == (0.7, 0.95, cli.DEFAULT_MAX_TOKENS)
-    sp = cli.sampling_params_from_args(p.parse_args(["--temperature", "0", "--top-k", "5"]), str(tmp_path))
+    defaults = generation_defaults(str(tmp_path))
+    sp = cli_generate.sampling_params_from_args(p.parse_args([]), defaults)
+    assert (sp.temperature, sp.top_p, sp.max_tokens) == (0.7, 0.95, 16)  # max_tokens: SamplingParams' 16
+    sp = cli_generate.sampling_params_from_args(p.parse_args(["--temperature", "0", "--top-k", "5"]), defaults)
     assert (sp.temperature, sp.top_p, sp.top_k) == (0, 0.95, 5)
+    sp = cli_generate.sampling_params_from_args(p.parse_args(["--seed", "7", "--max-tokens", "3"]), defaults)
+    assert (sp.seed, sp.max_tokens) == (7, 3)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 40}))
+    sp = cli_generate.sampling_params_from_args(p.parse_args([]), generation_defaults(str(tmp_path)))
+    assert sp.max_tokens == 40  # the model's max_new_tokens is the default when it sets one
+    assert cli_generate.sampling_params_from_args(p.parse_args([]), {}).max_tokens == 16
 
 
 # ---- generate -----------------------------------------------------------------------------
 def test_generate_one_prompt_streams(model, reference, capsys, monkeypatch):
     writes = []
-    real_write = cli._write
-    monkeypatch.setattr(cli, "_write", lambda s: (writes.append(s), real_write(s)))
+    real_write = cli_generate._write
+    monkeypatch.setattr(cli_generate, "_write", lambda s: (writes.append(s), real_write(s)))
     prompt = PROMPTS[0]
     rc = cli.main(["generate", prompt, "--model", model, *ENGINE, "--temperature", "0", "--max-tokens", "12"])
     out, err = capsys.readouterr()
@@ -188,7 +162,7 @@ def test_generate_batch_from_stdin_plain(model, reference, capsys, monkeypatch):
     out, err = capsys.readouterr()
     assert rc == 0, err
     expected = [p + reference[p].text + "\n" for p in (PROMPTS[0], PROMPTS[2])]
-    assert out == cli.BATCH_SEPARATOR.join(expected)
+    assert out == cli_generate.BATCH_SEPARATOR.join(expected)
 
 
 def test_generate_stdin_json_subprocess(model, reference):
@@ -259,7 +233,7 @@ def test_runtime_errors_are_one_line(model, tmp_path, capsys, monkeypatch):
         assert needle in one_error_line(err), err
         assert out == ""
     # the default model is used when --model is omitted; if it is missing the error says so
-    monkeypatch.setattr(cli, "default_model_path", lambda: str(tmp_path / "no_default"))
+    monkeypatch.setattr(model_dir, "default_model_path", lambda: str(tmp_path / "no_default"))
     assert cli.main(["generate", "hi"]) == 1
     assert "--model" in one_error_line(capsys.readouterr().err)
 

@@ -8,6 +8,8 @@ import os
 import re
 import subprocess
 
+from pagedllm import envs
+
 
 def git_commit() -> str:
     try:
@@ -34,7 +36,7 @@ def environment() -> dict:
     import torch
 
     env = {
-        "commit": os.environ.get("PAGEDLLM_COMMIT") or git_commit(),
+        "commit": envs.commit() or git_commit(),
         "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

@@ -302,10 +302,10 @@ def run_load(base_url: str, model: str, prompts: list[list[int]], args) -> tuple
             p.join(10)
             if p.is_alive():
                 p.kill()
-    results: list[RequestResult] = [None] * len(prompts)  # type: ignore[list-item]
+    merged: list[RequestResult] = [RequestResult() for _ in prompts]
     for i, (part, _) in enumerate(parts):
-        results[i::n] = part
-    return results, max(end for _, end in parts) - t0
+        merged[i::n] = part
+    return merged, max(end for _, end in parts) - t0
 
 
 # ---- statistics ------------------------------------------------------------------------------
@@ -440,13 +440,13 @@ def server_model_name(base_url: str, api_key: str | None) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from pagedllm import default_model_path
+    from pagedllm import default_model_path, envs
 
     if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
         raise ValueError("--num-prompts, --input-len and --output-len must be >= 1")
     if not args.request_rate > 0:
         raise ValueError("--request-rate must be > 0 (inf for all at once)")
-    args.api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY")
+    args.api_key = args.api_key or envs.api_key()
     if args.launch and not args.model:
         raise ValueError("--launch needs --model")
     tokenizer_dir = args.tokenizer or args.model or default_model_path()

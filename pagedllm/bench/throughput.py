@@ -3,6 +3,8 @@
 random.seed(0); 256 requests of randint(100, 1024) random token ids, each with
 SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, 1024)):
 133,966 output tokens in all. One warm-up request, then `generate` over all of them is timed.
+--model DIR is required (the token ids go up to 10000: e.g. a model from tools/make_random_model.py);
+the engine flags are pagedllm's own (entrypoints/args.py), with max_model_len 4096 by default here.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 TOTAL_OUTPUT_TOKENS = 133_966
 
@@ -29,25 +33,17 @@ def workload(num_seqs: int = 256):
     return prompts[:num_seqs], params[:num_seqs]
 
 
+STANDARD_MAX_MODEL_LEN = 4096  # the workload's longest request (1024 + 1024 tokens) fits, as in nano-vllm's run
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="HF model directory (e.g. from tools/make_random_model.py)")
-    p.add_argument("--num-seqs", type=int, default=256, help="run the first N requests of the workload")
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="overlap scheduling with the GPU step (default: the LLM's, on with one GPU)",
-    )
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    from pagedllm.entrypoints.args import add_engine_args
+
+    add_engine_args(p, {"max_model_len": STANDARD_MAX_MODEL_LEN}, why="the standard workload")
+    p.add_argument("--num-seqs", type=int, default=256, help="run the first N requests of the workload (default: 256)")
     p.add_argument("--compare-hf", action="store_true", help="also run HF transformers' continuous batching")
     p.add_argument("--skip-pagedllm", action="store_true")
-    p.add_argument("--results-dir", default="benchmarks/results")
+    p.add_argument("--results-dir", default="benchmarks/results", help="(default: benchmarks/results)")
     p.add_argument("--out", help="also write this run's rows as JSON to this file")
     p.add_argument("--label", default="", help="free text stored with the row")
     p.add_argument(
@@ -67,13 +63,16 @@ class StepTimer:
         import torch
 
         self.torch = torch
-        self.rows = []
+        self.rows: list[dict[str, Any]] = []
         engine = llm.engine
         runner = getattr(llm.runner, "driver", None) or llm.runner  # TP: rank 0's ModelRunner
         self._step, self._launch = engine.step, runner.launch
         engine.step = self.step
         runner.launch = self.launch
-        self.cur = None
+        self.cur: dict[str, Any] = {}
+        self.window: tuple[int, int] | None = None  # engine steps START..END to profile
+        self.profile_path = ""
+        self.prof: Any = None
 
     def launch(self, inp):
         ev0, ev1 = self.torch.cuda.Event(enable_timing=True), self.torch.cuda.Event(enable_timing=True)
@@ -85,10 +84,10 @@ class StepTimer:
 
     def profile(self, window: str, path: str) -> None:
         start, end = (int(x) for x in window.split(":"))
-        self.window, self.profile_path, self.prof = (start, end), path, None
+        self.window, self.profile_path = (start, end), path
 
     def step(self):
-        window = getattr(self, "window", None)
+        window = self.window
         if window and len(self.rows) == window[0] and self.prof is None:
             self.prof = self.torch.profiler.profile(
                 activities=[self.torch.profiler.ProfilerActivity.CPU, self.torch.profiler.ProfilerActivity.CUDA]
@@ -126,9 +125,13 @@ class StepTimer:
                 "gpu_ms": gpu,
                 "host_exposed_ms": step - gpu,
             }
-        buckets = {"prefill_or_mixed": lambda r: not r["decode"]}
+        buckets: dict[str, Callable[[dict[str, Any]], bool]] = {"prefill_or_mixed": lambda r: not r["decode"]}
+
+        def decode_batch(lo: int, hi: int) -> Callable[[dict[str, Any]], bool]:
+            return lambda r: bool(r["decode"]) and lo <= r["batch"] <= hi
+
         for lo, hi in ((1, 16), (17, 64), (65, 128), (129, 200), (201, 100000)):
-            buckets[f"decode_batch_{lo}_{hi}"] = lambda r, lo=lo, hi=hi: r["decode"] and lo <= r["batch"] <= hi
+            buckets[f"decode_batch_{lo}_{hi}"] = decode_batch(lo, hi)
         out["time_by_step_kind"] = {
             name: {
                 "steps": len(rs),
@@ -143,18 +146,11 @@ class StepTimer:
 
 def run_pagedllm(args, prompts, params) -> dict:
     from pagedllm import LLM, SamplingParams
+    from pagedllm.entrypoints.args import LLM_DEFAULTS, engine_kwargs
 
-    llm = LLM(
-        args.model,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        block_size=args.block_size,
-        enforce_eager=args.enforce_eager,
-        tensor_parallel_size=args.tensor_parallel_size,
-        async_scheduling=args.async_scheduling,
-    )
+    kwargs = engine_kwargs(args)
+    config = {**LLM_DEFAULTS, **kwargs}
+    llm = LLM(**kwargs)
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
     timer = StepTimer(llm) if llm.runner.device.type == "cuda" else None
     if timer is not None and args.profile_steps:
@@ -172,8 +168,8 @@ def run_pagedllm(args, prompts, params) -> dict:
         "num_seqs": len(prompts),
         "num_kv_blocks": llm.runner.num_kv_blocks,
         "metrics": llm.get_metrics(),
-        "enforce_eager": args.enforce_eager,
-        "tensor_parallel_size": args.tensor_parallel_size,
+        "enforce_eager": config["enforce_eager"],
+        "tensor_parallel_size": config["tensor_parallel_size"],
         "async_scheduling": llm.engine.async_scheduling,
     }
     if timer is not None:
@@ -191,11 +187,10 @@ def run_hf(args, prompts, params) -> dict:
         from transformers import ContinuousBatchingConfig
     except ImportError:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
-    model = (
-        AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16, attn_implementation="paged|sdpa")
-        .cuda()
-        .eval()
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        args.model, dtype=torch.bfloat16, attn_implementation="paged|sdpa"
     )
+    model = model.cuda().eval()
     gen = GenerationConfig(
         do_sample=True, temperature=0.6, top_p=1.0, top_k=0, max_new_tokens=1024, eos_token_id=-1, pad_token_id=0
     )
@@ -237,6 +232,8 @@ def run_hf(args, prompts, params) -> dict:
 def main(args) -> int:
     from pagedllm.bench.common import append_result, environment
 
+    if args.model is None:  # the bundled model's vocabulary is smaller than the workload's token ids
+        raise ValueError("bench throughput needs --model DIR, e.g. a model made by tools/make_random_model.py")
     prompts, params = workload(args.num_seqs)
     env = environment()
     rows = []

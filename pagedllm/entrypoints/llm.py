@@ -3,63 +3,17 @@
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import os
 from collections.abc import Sequence
 from typing import Any
 
 from pagedllm.engine import LLMEngine, RequestOutput, SamplingParams, SchedulerConfig
+from pagedllm.engine.errors import InvalidRequestError
+from pagedllm.engine.sampling_params import sampling_params_with_defaults
+from pagedllm.entrypoints.model_dir import eos_token_ids, generation_defaults, load_hf_config, load_tokenizer
 
 logger = logging.getLogger("pagedllm")
-
-
-def _load_hf_config(model: str):
-    if not os.path.isdir(model):
-        raise ValueError(
-            f"model directory {model!r} does not exist (pagedllm loads local Hugging Face "
-            "directories; no hub downloads)"
-        )
-    if not os.path.isfile(os.path.join(model, "config.json")):
-        raise ValueError(f"model directory {model!r} has no config.json")
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(model)
-    except (ValueError, KeyError) as e:
-        with open(os.path.join(model, "config.json")) as f:
-            archs = json.load(f).get("architectures")
-        from pagedllm.model.registry import SUPPORTED_ARCHITECTURES
-
-        raise ValueError(f"unsupported architecture {archs}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}") from e
-
-
-def _load_tokenizer(path: str):
-    if not any(
-        os.path.isfile(os.path.join(path, f))
-        for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    ):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
-
-
-def _eos_ids(model: str, hf_config, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    path = os.path.join(model, "generation_config.json")
-    candidates = [getattr(hf_config, "eos_token_id", None)]
-    if os.path.isfile(path):
-        with open(path) as f:
-            candidates.append(json.load(f).get("eos_token_id"))
-    if tokenizer is not None:
-        candidates.append(tokenizer.eos_token_id)
-    for c in candidates:
-        if isinstance(c, int):
-            ids.add(c)
-        elif isinstance(c, list):
-            ids.update(x for x in c if isinstance(x, int))
-    return ids
 
 
 class LLM:
@@ -87,24 +41,34 @@ class LLM:
         **kwargs: Any,
     ):
         if kwargs:
-            raise ValueError(f"unknown LLM argument(s): {', '.join(sorted(kwargs))}")
+            unknown = sorted(kwargs)
+            raise InvalidRequestError(f"unknown LLM argument(s): {', '.join(unknown)}", unknown[0])
         if not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+            raise InvalidRequestError(
+                f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}", "gpu_memory_utilization"
+            )
         if tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+            raise InvalidRequestError(
+                f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}", "tensor_parallel_size"
+            )
         if async_scheduling not in (None, True, False):
-            raise ValueError(f"async_scheduling must be True, False or None (auto), got {async_scheduling!r}")
+            raise InvalidRequestError(
+                f"async_scheduling must be True, False or None (auto), got {async_scheduling!r}", "async_scheduling"
+            )
         model = os.fspath(model)
-        hf_config = _load_hf_config(model)
+        hf_config = load_hf_config(model)
+        self.generation_defaults = generation_defaults(model, generation_config)
         from pagedllm.model.registry import resolve
 
         resolve(hf_config)  # fail early with the supported list
-        self.tokenizer = _load_tokenizer(tokenizer or model)
+        self.tokenizer = load_tokenizer(tokenizer or model)
         limit = getattr(hf_config, "max_position_embeddings", 4096)
         if max_model_len is None:
             max_model_len = limit
         elif max_model_len > limit:
-            raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}")
+            raise InvalidRequestError(
+                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}", "max_model_len"
+            )
         SchedulerConfig(
             num_kv_blocks=1,
             block_size=block_size,
@@ -117,7 +81,7 @@ class LLM:
         from pagedllm.worker.model_runner import resolve_device, resolve_dtype
 
         dev = resolve_device(device)
-        runner_kwargs = dict(
+        runner_kwargs: dict[str, Any] = dict(
             device=dev,
             dtype=resolve_dtype(dtype, hf_config, dev),
             block_size=block_size,
@@ -130,6 +94,7 @@ class LLM:
             enforce_eager=enforce_eager,
             seed=seed,
         )
+        self.runner: Any  # a ModelRunner or a TPExecutor: both are pagedllm.engine.executor.Executor
         if tensor_parallel_size > 1:
             from pagedllm.worker.tp_executor import TPExecutor
 
@@ -155,13 +120,10 @@ class LLM:
             config,
             self.runner,
             self.tokenizer,
-            _eos_ids(model, hf_config, self.tokenizer),
+            eos_token_ids(model, hf_config, self.tokenizer),
             vocab_size=hf_config.vocab_size,
             async_scheduling=async_scheduling,
         )
-        from pagedllm.entrypoints.model_dir import generation_defaults
-
-        self.generation_defaults = generation_defaults(model, generation_config)
         self._counter = 0
 
     # ---- generation --------------------------------------------------------------------
@@ -171,34 +133,38 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in prompt order. Without sampling_params each
+        request gets `get_default_sampling_params()` (the model's generation defaults)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
-                raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
-        # tokenize and validate everything before anything is queued: a bad prompt leaves the
-        # engine untouched; the requests then carry their token ids (no second tokenization)
-        tokenized = []
-        for prompt, p in zip(prompts, params, strict=False):
-            if not isinstance(p, SamplingParams):
-                raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
-            text, token_ids = self.engine.tokenize(prompt)
-            self.engine.validate_length(len(token_ids), p.max_tokens)
-            tokenized.append(
-                {"prompt": text, "prompt_token_ids": token_ids} if text is not None else {"prompt_token_ids": token_ids}
+                raise InvalidRequestError(
+                    f"sampling_params has {len(params)} entries for {len(prompts)} prompts", "sampling_params"
+                )
+        # every request is checked (InputProcessor.process) before any is queued: a bad prompt
+        # leaves the engine untouched, and the requests carry their token ids from here on
+        first = self._counter
+        requests = [
+            self.engine.input_processor.process(f"gen-{first + i}", prompt, p)
+            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
+        ]
+        self._counter += len(requests)
+        for r in requests:  # the checked request, passed on as its text and token ids
+            self.engine.add_request(
+                r.request_id,
+                {"prompt": r.prompt, "prompt_token_ids": r.prompt_token_ids},
+                r.params,
+                arrival_time=r.arrival_time,
+                stream=False,
             )
-        ids = []
-        for prompt, p in zip(tokenized, params, strict=False):
-            ids.append(f"gen-{self._counter}")
-            self._counter += 1
-            self.engine.add_request(ids[-1], prompt, p, stream=False)
-        return self._run(ids, use_tqdm)
+        return self._run([r.request_id for r in requests], use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         wanted = set(request_ids)
@@ -232,9 +198,8 @@ class LLM:
         self.engine.kv.reset_prefix_cache()
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """SamplingParams of a request that sets nothing: the model's generation defaults (vLLM's)."""
-        from pagedllm.engine.sampling_params import sampling_params_with_defaults
-
+        """SamplingParams of a request that sets nothing: the model's generation defaults (its
+        generation_config.json, unless LLM(generation_config="vllm")), then SamplingParams' own."""
         return sampling_params_with_defaults(self.generation_defaults)
 
     def get_tokenizer(self):

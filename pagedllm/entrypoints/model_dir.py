@@ -34,6 +34,18 @@ def default_model_path() -> str:
     return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "default_model")
 
 
+def bundled_model_path() -> str:
+    """default_model_path(), refused with a clear message when this installation lacks the model."""
+    path = default_model_path()
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise InvalidRequestError(
+            f"the bundled default model is missing from {path} (this installation has no "
+            "model.safetensors/config.json there); pass a model directory (--model DIR)",
+            "model",
+        )
+    return path
+
+
 def load_hf_config(model: str) -> Any:
     if not os.path.isdir(model):
         raise InvalidRequestError(

@@ -4,6 +4,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.errors import InvalidRequestError
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +80,16 @@ def test_bad_input_raises_and_llm_keeps_working(llm):
         llm.generate([[1] * 600], use_tqdm=False)
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate([[1], [2]], [SamplingParams()], use_tqdm=False)
+    # every prompt is checked before any is queued; the error names the field at fault
+    for prompts, params, param in (
+        ([[1, 2], [1, 2, 10**6]], None, "prompt"),
+        ([[1, 2], [1] * 600], None, "prompt"),
+        ([[1, 2], [1, 2]], [SamplingParams(), "greedy"], "sampling_params"),
+        ([[1, 2]], [SamplingParams(), SamplingParams()], "sampling_params"),
+    ):
+        with pytest.raises(InvalidRequestError) as e:
+            llm.generate(prompts, params, use_tqdm=False)
+        assert e.value.param == param, e.value
     # nothing from the failed calls is left queued
     assert not llm.engine.has_unfinished_requests()
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -93,6 +104,23 @@ def test_unknown_keyword_and_bad_paths(tiny_models, tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
     with pytest.raises(ValueError, match="supported: .*Qwen3ForCausalLM"):
         LLM(str(tmp_path))
+
+
+def test_llm_argument_errors_name_the_argument(tiny_models, tmp_path):
+    for kwargs, param in (
+        ({"bogus": 1}, "bogus"),
+        ({"gpu_memory_utilization": 2.0}, "gpu_memory_utilization"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+        ({"async_scheduling": "yes"}, "async_scheduling"),
+        ({"max_model_len": 10**6}, "max_model_len"),
+        ({"generation_config": str(tmp_path)}, "generation_config"),
+    ):
+        with pytest.raises(InvalidRequestError) as e:
+            LLM(tiny_models["qwen3"], device="cpu", num_kv_blocks=16, **kwargs)
+        assert e.value.param == param, e.value
+    with pytest.raises(InvalidRequestError) as e:
+        LLM(str(tmp_path / "nope"))
+    assert e.value.param == "model"
 
 
 def test_prompt_forms_and_output_shape(llm):
@@ -119,10 +147,14 @@ def test_incremental_detokenizer_never_splits_multibyte_characters(llm):
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
     # byte tokens of a single multi-byte char: nothing is emitted until it is complete
-    byte_ids = [
-        tok.convert_tokens_to_ids(t) for t in tok.convert_ids_to_tokens(tok.encode("你", add_special_tokens=False))
-    ]
+    char = "你"
+    byte_level = tok.backend_tokenizer.pre_tokenizer.pre_tokenize_str(char)[0][0]  # one symbol per UTF-8 byte
+    byte_ids = [tok.convert_tokens_to_ids(b) for b in byte_level]
     assert len(ids) > 0 and len(byte_ids) >= 1
+    assert len(byte_ids) == len(char.encode("utf-8")) == 3 and None not in byte_ids
+    assert tok.decode(byte_ids) == char
+    detok = IncrementalDetokenizer(tok, [])
+    assert [detok.step([i]) for i in byte_ids] == ["", "", char]
 
 
 def test_async_scheduling_keeps_seeded_sampling_and_stops(tiny_models):

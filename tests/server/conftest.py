@@ -10,10 +10,8 @@ import shutil
 
 import pytest
 
-from tests.server import helpers
 from tests.server.helpers import API_KEY, CHAT_TEMPLATE, MODEL_NAME, LiveServer, pick_model, pid_alive
 
-metric, scrape = helpers.metric, helpers.scrape  # test_engine_death.py still imports them from here
 
 BLOCK_SIZE = 16
 

@@ -10,7 +10,7 @@ import pytest
 
 from pagedllm import SamplingParams
 from pagedllm.entrypoints.async_llm import AsyncLLM, EngineShutdownError, QueueFullError
-from tests.server.conftest import pid_alive
+from tests.server.helpers import pid_alive
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 LLM_ARGS = dict(device="cpu", num_kv_blocks=128, block_size=8)

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from pagedllm.entrypoints.async_llm import EngineShutdownError
-from tests.server.conftest import API_KEY, MODEL_NAME, LiveServer, metric, pid_alive, scrape
+from tests.server.helpers import API_KEY, MODEL_NAME, LiveServer, metric, pid_alive, scrape
 
 LONG = {"model": MODEL_NAME, "prompt": "def f(x):", "max_tokens": 30000, "temperature": 0, "ignore_eos": True}
 
@@ -26,7 +26,7 @@ LONG = {"model": MODEL_NAME, "prompt": "def f(x):", "max_tokens": 30000, "temper
 @pytest.fixture(scope="module")
 def doomed(long_context_model):
     from pagedllm.entrypoints.async_llm import AsyncLLM
-    from pagedllm.entrypoints.server import build_app
+    from pagedllm.entrypoints.openai.api_server import build_app
 
     async_llm = AsyncLLM(long_context_model, device="cpu", num_kv_blocks=2100, max_num_seqs=4)
     srv = LiveServer(build_app(async_llm, MODEL_NAME, API_KEY)).start()
