@@ -6,7 +6,7 @@ import multiprocessing
 import pytest
 
 from pagedllm import LLM
-from tests.conftest import FAMILIES
+from tests.helpers import FAMILIES
 from tests.tp.common import PREEMPTING, generate, hf_reference, workload
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from tests.conftest import FAMILIES
+from tests.helpers import FAMILIES
 from tests.tp.common import GREEDY, PREEMPTING, generate, hf_reference, workload
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
