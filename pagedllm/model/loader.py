@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import glob
 import os
-
 from typing import TYPE_CHECKING
 
 import torch

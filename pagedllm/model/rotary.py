@@ -45,8 +45,6 @@ class RotaryEmbedding(nn.Module):
         # [max_position, head_dim]: cos in the first half, sin in the second (fp32)
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hkv, D] -> rotated (same dtype; on GPU rotated in place)."""
         return self.kernels.apply_rotary(q, k, self.cos_sin_cache, positions)

@@ -188,9 +188,7 @@ class ModelRunner:
             decode_only=False,
             no_history=True,
         )
-        hidden = self.model(
-            torch.from_numpy(ids).to(self.device), torch.from_numpy(positions).to(self.device), meta
-        )
+        hidden = self.model(torch.from_numpy(ids).to(self.device), torch.from_numpy(positions).to(self.device), meta)
         self.model.compute_logits(hidden[cu[1:] - 1])
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)

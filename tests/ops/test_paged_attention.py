@@ -12,6 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from pagedllm.ops import PAD_SLOT_ID  # noqa: E402
 from pagedllm.ops.attention_ref import (  # noqa: E402
     gather_kv,
     paged_attention_ref,
@@ -22,7 +23,6 @@ from pagedllm.ops.paged_attention import (  # noqa: E402
     paged_attention,
     paged_attention_decode,
 )
-from pagedllm.ops import PAD_SLOT_ID  # noqa: E402
 from pagedllm.ops.store_kv import store_kvcache  # noqa: E402
 
 TOL = {
