@@ -19,6 +19,7 @@ from pagedllm.model.registry import build_model
 from pagedllm.ops import PAD_SLOT_ID
 from pagedllm.ops.kernels import kernels_for
 from pagedllm.worker.sampler import SamplingTensors, sample
+from pagedllm.worker.step_handle import StepHandle
 from pagedllm.worker.step_inputs import StepInputs, build_step_inputs
 
 if TYPE_CHECKING:
@@ -395,26 +396,3 @@ class ModelRunner:
             seeds=self._row_seeds(inp) if philox else None,
         )
         return sample(logits, t)
-
-
-class StepHandle:
-    """The sampled ids of a launched step: one device-to-host copy into pinned memory,
-    waited for only in result()."""
-
-    def __init__(self, sampled: torch.Tensor | None, host_buffers: list[torch.Tensor]):
-        self.event = None
-        if sampled is None:
-            self.host, self.n = None, 0
-        elif sampled.is_cuda:
-            host_buffers.append(host_buffers.pop(0))  # alternate: the previous step's is still being read
-            self.host, self.n = host_buffers[-1], sampled.numel()
-            self.host[: self.n].copy_(sampled, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.host, self.n = sampled, sampled.numel()
-
-    def result(self) -> list[int]:
-        if self.event is not None:
-            self.event.synchronize()
-        return [] if self.host is None else self.host[: self.n].tolist()
