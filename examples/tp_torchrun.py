@@ -27,9 +27,10 @@ def main() -> None:
     p.add_argument("--enforce-eager", action="store_true")
     args = p.parse_args()
 
-    import os
+    from pagedllm import envs
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    launched = envs.torchrun()  # (rank, world size, local rank) under torchrun
+    world = launched[1] if launched is not None else 1
     with LLM(
         args.model,
         tensor_parallel_size=world,

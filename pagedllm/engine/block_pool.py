@@ -11,6 +11,8 @@ Invariants (checked by `check_invariants`, exercised by the property tests):
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import xxhash
 
@@ -59,6 +61,7 @@ class FreeBlockQueue:
 
     def append(self, block: Block) -> None:
         last = self.tail.prev
+        assert last is not None  # the sentinels are always linked
         last.next = block
         block.prev, block.next = last, self.tail
         self.tail.prev = block
@@ -68,18 +71,21 @@ class FreeBlockQueue:
         if self.size == 0:
             raise RuntimeError("no free KV blocks")
         block = self.head.next
+        assert block is not None and block is not self.tail
         self.remove(block)
         return block
 
     def remove(self, block: Block) -> None:
-        block.prev.next = block.next
-        block.next.prev = block.prev
+        prev, nxt = block.prev, block.next
+        assert prev is not None and nxt is not None, f"{block} is not in the free queue"
+        prev.next = nxt
+        nxt.prev = prev
         block.prev = block.next = None
         self.size -= 1
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Block]:
         b = self.head.next
-        while b is not self.tail:
+        while b is not None and b is not self.tail:
             yield b
             b = b.next
 
@@ -100,6 +106,7 @@ class BlockPool:
         return len(self.free_queue)
 
     def _trace(self, kind: str, block: Block, seq_id: int | None) -> None:
+        assert self.tracer is not None  # callers check first: no tracer, no cost
         self.tracer.event(kind, block.block_id, seq_id, block.ref_cnt, len(self.free_queue))
 
     def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> Block | None:
@@ -144,10 +151,12 @@ class BlockPool:
             self._trace("RELEASE", block, seq_id)
 
     def _uncache(self, block: Block) -> None:
-        same = self.cached[block.block_hash]
+        h = block.block_hash
+        assert h is not None
+        same = self.cached[h]
         del same[block.block_id]
         if not same:
-            del self.cached[block.block_hash]
+            del self.cached[h]
 
     def register(self, block: Block, block_hash: int, token_ids: tuple[int, ...]) -> None:
         """Make a block whose KV has been written findable under its hash."""

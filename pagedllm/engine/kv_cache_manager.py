@@ -10,6 +10,8 @@ of a sequence is never served from the cache (its logits are needed).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from pagedllm.engine.block_pool import Block, BlockPool, hash_block
 from pagedllm.engine.sequence import Sequence
 from pagedllm.engine.trace import Tracer
@@ -22,8 +24,8 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         tracer: Tracer | None = None,
-        hash_fn=hash_block,
-    ):
+        hash_fn: Callable[[int | None, tuple[int, ...]], int] = hash_block,
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size

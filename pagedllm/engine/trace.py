@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import IO
+from typing import IO, Any
 
 
 class Tracer:
-    def __init__(self, sink: IO[str] | list | None = None):
+    def __init__(self, sink: IO[str] | list[dict[str, Any]] | None = None) -> None:
         self.sink = sys.stderr if sink is None else sink
 
     def event(self, kind: str, block_id: int, seq_id: int | None, ref_cnt: int, num_free: int) -> None:

@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.model.parallel import all_reduce, gather_last_dim, tp_rank, tp_size
+from pagedllm.model.parallel import ShardedModule, all_reduce, gather_last_dim, tp_rank, tp_size
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(ShardedModule):
     def __init__(self, vocab_size: int, hidden: int):
         super().__init__()
         self.tp_size, self.tp_rank = tp_size(), tp_rank()
@@ -17,11 +17,10 @@ class VocabParallelEmbedding(nn.Module):
         self.per_rank = -(-vocab_size // self.tp_size)  # last rank padded
         self.start = self.tp_rank * self.per_rank
         self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    def load_weight(self, name: str, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
         part = loaded[self.start : self.start + self.per_rank]
-        param.data[: part.shape[0]].copy_(part)
+        self.get_parameter(name).data[: part.shape[0]].copy_(part)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

@@ -3,7 +3,7 @@
 ColumnParallelLinear splits the output features across ranks (no communication);
 RowParallelLinear splits the input features and all-reduces the partial sums. Packed
 projections (qkv, gate_up) are column-parallel layers whose checkpoint shards are loaded
-into their slice of the packed weight by `weight_loader(param, tensor, shard_id)`.
+into their slice of the packed weight by `load_weight(name, tensor, shard_id)`.
 """
 
 from __future__ import annotations
@@ -12,22 +12,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.model.parallel import all_reduce, divide, tp_rank, tp_size
+from pagedllm.model.parallel import ShardedModule, all_reduce, divide, tp_rank, tp_size
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(ShardedModule):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.tp_size, self.tp_rank = tp_size(), tp_rank()
         self.out_per_rank = divide(out_features, self.tp_size, "output features")
         self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        self.bias = None
-        if bias:
-            self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
+        self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False) if bias else None
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    def load_weight(self, name: str, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+        param = self.get_parameter(name)
         n = param.shape[0]
         param.data.copy_(loaded.narrow(0, self.tp_rank * n, n))
 
@@ -46,9 +43,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         sizes = [s // self.tp_size for s in self.output_sizes]
         return sum(sizes[:shard_id]), sizes[shard_id]
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        offset, size = self.shard_range(shard_id)
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+    def shard_index(self, shard_id: int | str | None) -> int:
+        assert isinstance(shard_id, int), shard_id
+        return shard_id
+
+    def load_weight(self, name: str, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+        offset, size = self.shard_range(self.shard_index(shard_id))
+        self.get_parameter(name).data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
@@ -60,23 +61,23 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         divide(num_kv_heads, tp, "num_key_value_heads")
         super().__init__(hidden, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], bias)
 
-    def weight_loader(self, param, loaded, shard_id=None) -> None:
-        super().weight_loader(param, loaded, {"q": 0, "k": 1, "v": 2}[shard_id])
+    def shard_index(self, shard_id: int | str | None) -> int:
+        return {"q": 0, "k": 1, "v": 2}[str(shard_id)]
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(ShardedModule):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.tp_size, self.tp_rank = tp_size(), tp_rank()
         self.in_per_rank = divide(in_features, self.tp_size, "input features")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        self.bias = None
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
-            self.bias.weight_loader = lambda p, w, s=None: p.data.copy_(w)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    def load_weight(self, name: str, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+        param = self.get_parameter(name)
+        if name == "bias":  # added once, after the all-reduce: every rank holds all of it
+            param.data.copy_(loaded)
+            return
         n = param.shape[1]
         param.data.copy_(loaded.narrow(1, self.tp_rank * n, n))
 

@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import glob
 import os
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
-from torch import nn
+
+from pagedllm.model.parallel import ShardedModule
+
+if TYPE_CHECKING:
+    from pagedllm.model.decoder import DecoderForCausalLM
 
 
 def checkpoint_files(model_dir: str) -> list[str]:
@@ -18,16 +23,16 @@ def checkpoint_files(model_dir: str) -> list[str]:
     return files
 
 
-def load_weights(model: nn.Module, model_dir: str) -> None:
+def load_weights(model: DecoderForCausalLM, model_dir: str) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
-    packed = getattr(model, "packed_modules", {})
+    packed = model.packed_modules
     loaded: set[str] = set()
     for path in checkpoint_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
                 if "rotary_emb.inv_freq" in name:
                     continue
-                if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
+                if name == "lm_head.weight" and model.tie_word_embeddings:
                     continue
                 target, shard = name, None
                 for ckpt_part, (packed_part, shard_id) in packed.items():
@@ -38,15 +43,16 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
                 if param is None:
                     raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
                 tensor = f.get_tensor(name)
-                loader = getattr(param, "weight_loader", None)
+                owner_name, _, param_name = target.rpartition(".")
+                owner = model.get_submodule(owner_name)
                 with torch.no_grad():
-                    if loader is None:
+                    if isinstance(owner, ShardedModule):  # this rank's slice / the packed shard
+                        owner.load_weight(param_name, tensor, shard)
+                    else:  # replicated (norms)
                         param.data.copy_(tensor)
-                    else:
-                        loader(param, tensor, shard)
                 loaded.add(target)
     missing = {n for n in params if n not in loaded}
-    if getattr(model, "tie_word_embeddings", False):
+    if model.tie_word_embeddings:
         missing.discard("lm_head.weight")
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks weights for {sorted(missing)[:5]}")

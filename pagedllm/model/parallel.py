@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 _group = None
 
@@ -38,6 +39,16 @@ def gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(tp_size())]
     dist.all_gather(parts, x.contiguous(), group=_group)
     return torch.cat(parts, dim=-1)
+
+
+class ShardedModule(nn.Module):
+    """A layer whose parameters hold this rank's slice of checkpoint tensors. The loader
+    (loader.py) hands each checkpoint tensor to the layer that owns the parameter."""
+
+    def load_weight(self, name: str, loaded: torch.Tensor, shard_id: int | str | None) -> None:
+        """Copy this rank's part of `loaded` (for packed parameters: of shard `shard_id`) into
+        parameter `name` of this layer."""
+        raise NotImplementedError
 
 
 def divide(n: int, d: int, what: str) -> int:

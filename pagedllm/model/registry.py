@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pagedllm.model.decoder import DecoderForCausalLM, FamilyTraits
+from pagedllm.ops.kernels import Kernels
 
 _REGISTRY: dict[str, FamilyTraits] = {
     "Qwen3ForCausalLM": FamilyTraits(qk_norm=True),
@@ -24,5 +25,6 @@ def resolve(cfg) -> FamilyTraits:
     )
 
 
-def build_model(cfg) -> DecoderForCausalLM:
-    return DecoderForCausalLM(cfg, resolve(cfg))
+def build_model(cfg, kernels: Kernels) -> DecoderForCausalLM:
+    """The model for this config, running `kernels` (ops/kernels.py: kernels_for(device))."""
+    return DecoderForCausalLM(cfg, resolve(cfg), kernels)

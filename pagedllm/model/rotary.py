@@ -1,5 +1,6 @@
 """Rotary position embedding (neox / rotate-half layout, as HF Llama and Qwen), with the
-"llama3" and "linear" scaling types."""
+"llama3" and "linear" scaling types. The rotation itself is ops/fused_ref.py's (its Triton
+kernel's on GPU)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import math
 import torch
 from torch import nn
 
+from pagedllm.ops.kernels import Kernels
+
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if kind == "default":
+    if kind == "default" or scaling is None:
         return inv_freq
     if kind == "linear":
         return inv_freq / scaling["factor"]
@@ -31,24 +34,17 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None = None):
+    cos_sin_cache: torch.Tensor
+
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None, kernels: Kernels):
         super().__init__()
+        self.kernels = kernels
         inv_freq = _inv_freq(head_dim, theta, scaling)
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         # [max_position, head_dim]: cos in the first half, sin in the second (fp32)
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hkv, D] -> rotated (same dtype)."""
-        if q.is_cuda:  # fused Triton kernel, rotates in place
-            from pagedllm.ops.fused import apply_rotary
-
-            return apply_rotary(q, k, self.cos_sin_cache, positions)
-        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, Hq, D], k: [T, Hkv, D] -> rotated (same dtype; on GPU rotated in place)."""
+        return self.kernels.apply_rotary(q, k, self.cos_sin_cache, positions)

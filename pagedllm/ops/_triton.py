@@ -10,12 +10,12 @@ imported triton without TRITON_INTERPRET cannot interpret kernels afterwards).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from pagedllm import envs
+
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    envs.default_triton_interpret()
 
 try:
     import triton

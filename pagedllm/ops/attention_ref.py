@@ -12,9 +12,9 @@ import torch
 def store_kvcache_ref(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """key/value: [N, Hkv, D]; caches: [num_blocks, Hkv, block_size, D]; slot -1 is skipped."""
+    """key/value: [N, Hkv, D]; caches: [num_blocks, Hkv, block_size, D]; a PAD_SLOT_ID (negative) slot is skipped."""
     block_size = k_cache.shape[2]
-    keep = slot_mapping >= 0
+    keep = slot_mapping >= 0  # not PAD_SLOT_ID
     slots = slot_mapping[keep].long()
     blocks, offsets = slots // block_size, slots % block_size
     k_cache[blocks, :, offsets] = key[keep].to(k_cache.dtype)

@@ -1,6 +1,7 @@
 """Write new tokens' K/V into the paged cache through slot_mapping (Triton).
 
-One program per token stores all KV heads of that token; slot -1 (padding) is skipped.
+One program per token stores all KV heads of that token; a PAD_SLOT_ID slot (any negative
+slot) is skipped.
 key/value may be strided views of a fused qkv projection; only the last dim must be
 contiguous. Reference: `attention_ref.store_kvcache_ref`.
 """
@@ -37,7 +38,7 @@ if HAS_TRITON:
     ):
         tok = tl.program_id(0)
         slot = tl.load(slot_ptr + tok).to(tl.int64)
-        if slot < 0:
+        if slot < 0:  # PAD_SLOT_ID
             return
         blk = slot // block_size
         off = slot % block_size
@@ -56,7 +57,7 @@ if HAS_TRITON:
 def store_kvcache(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """key/value: [N, Hkv, D]; caches: [num_blocks, Hkv, block_size, D]; slot -1 is skipped."""
+    """key/value: [N, Hkv, D]; caches: [num_blocks, Hkv, block_size, D]; a PAD_SLOT_ID (negative) slot is skipped."""
     require_triton()
     n, hkv, d = key.shape
     assert value.shape == key.shape and slot_mapping.shape[0] == n

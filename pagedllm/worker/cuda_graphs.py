@@ -3,16 +3,25 @@
 At start-up the decode forward (model + LM head) is captured once per batch size of a
 ladder (1, 2, 4, 8, 16, 32, 48, ... up to max_num_seqs). A step of B sequences copies its
 inputs into the static buffers, pads to the next captured size (padding rows store nothing:
-slot -1) and replays. All graphs share one memory pool.
+slot PAD_SLOT_ID) and replays. All graphs share one memory pool. The AttentionMetadata a graph
+was captured with views the static buffers, so a replay reads the step's copied-in values.
 """
 
 from __future__ import annotations
 
 import bisect
+from typing import TYPE_CHECKING
 
 import torch
 
-from pagedllm.model.context import AttentionMetadata, set_attention_metadata
+from pagedllm.model.attention_metadata import AttentionMetadata
+from pagedllm.ops import PAD_SLOT_ID
+from pagedllm.worker.step_inputs import StepInputs
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
+
+    from pagedllm.worker.model_runner import ModelRunner
 
 
 def batch_size_ladder(max_num_seqs: int) -> list[int]:
@@ -21,7 +30,7 @@ def batch_size_ladder(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, runner):
+    def __init__(self, runner: ModelRunner):
         self.runner = runner
         dev = runner.device
         self.sizes = batch_size_ladder(runner.max_num_seqs)
@@ -29,7 +38,7 @@ class DecodeGraphs:
         self.max_blocks = -(-runner.max_model_len // runner.block_size)
         self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(max_bs, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((max_bs,), PAD_SLOT_ID, dtype=torch.int64, device=dev)
         self.block_tables = torch.zeros(max_bs, self.max_blocks, dtype=torch.int32, device=dev)
         self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
         self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
@@ -54,7 +63,7 @@ class DecodeGraphs:
         self.turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
-        self.pool = None
+        self.pool: _POOL_HANDLE | None = None
         self._capture_all()
 
     def _meta(self, bs: int) -> AttentionMetadata:
@@ -70,11 +79,8 @@ class DecodeGraphs:
         )
 
     def _forward(self, bs: int) -> torch.Tensor:
-        set_attention_metadata(self._meta(bs))
-        hidden = self.runner.model(self.input_ids[:bs], self.positions[:bs])
-        logits = self.runner.model.compute_logits(hidden)
-        set_attention_metadata(None)
-        return logits
+        hidden = self.runner.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
+        return self.runner.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -89,19 +95,19 @@ class DecodeGraphs:
             self.graphs[bs] = g
         torch.cuda.synchronize()
 
-    def can_run(self, inp) -> bool:
+    def can_run(self, inp: StepInputs) -> bool:
         return inp.num_seqs <= self.sizes[-1] and inp.block_tables.shape[1] <= self.max_blocks
 
-    def run(self, inp, fix=None) -> torch.Tensor:
+    def run(self, inp: StepInputs, fix=None) -> torch.Tensor:
         bs = inp.num_seqs
         padded = self.sizes[bisect.bisect_left(self.sizes, bs)]
         self.turn ^= 1
         h = self.host[self.turn]
         self.copied[self.turn].synchronize()  # normally long done: it is two steps old
         h["input_ids"][:bs].numpy()[:] = inp.input_ids
-        h["input_ids"][bs:padded].fill_(0)  # stale rows may hold an old step's PLACEHOLDER (-1)
+        h["input_ids"][bs:padded].fill_(0)  # stale rows may hold an old step's PLACEHOLDER
         h["positions"][:bs].numpy()[:] = inp.positions
-        h["slot_mapping"][:padded].fill_(-1)
+        h["slot_mapping"][:padded].fill_(PAD_SLOT_ID)
         h["slot_mapping"][:bs].numpy()[:] = inp.slot_mapping
         h["seq_lens"][:padded].fill_(1)
         h["seq_lens"][:bs].numpy()[:] = inp.seq_lens

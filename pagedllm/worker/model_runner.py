@@ -1,22 +1,29 @@
 """ModelRunner: owns the device, the weights and the one KV tensor; turns a step's inputs
-into sampled token ids. It never decides policy: the scheduler does."""
+into sampled token ids. It never decides policy: the scheduler does. It is an Executor
+(engine/executor.py) on its own, and rank r's model under TPExecutor."""
 
 from __future__ import annotations
 
 import logging
-import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from pagedllm.engine.scheduler import SchedulerOutput
-from pagedllm.model.attention import Attention, TorchBackend, TritonBackend
-from pagedllm.model.context import AttentionMetadata, set_attention_metadata
+from pagedllm import envs
+from pagedllm.engine.scheduler import PLACEHOLDER, SchedulerOutput
+from pagedllm.model.attention_metadata import AttentionMetadata
 from pagedllm.model.loader import load_weights
 from pagedllm.model.parallel import agree_min, tp_rank
 from pagedllm.model.registry import build_model
+from pagedllm.ops import PAD_SLOT_ID
+from pagedllm.ops.kernels import kernels_for
 from pagedllm.worker.sampler import SamplingTensors, sample
+from pagedllm.worker.step_handle import StepHandle
 from pagedllm.worker.step_inputs import StepInputs, build_step_inputs
+
+if TYPE_CHECKING:
+    from pagedllm.worker.cuda_graphs import DecodeGraphs
 
 logger = logging.getLogger("pagedllm")
 
@@ -67,6 +74,8 @@ def available_ram_bytes() -> int:
 
 
 class ModelRunner:
+    supports_async = True  # execute_async: launch now, read the ids later (CPU: already there)
+
     def __init__(
         self,
         hf_config,
@@ -96,24 +105,23 @@ class ModelRunner:
         torch.set_default_dtype(dtype)
         try:
             with torch.device(device):
-                self.model = build_model(hf_config)
+                self.model = build_model(hf_config, kernels_for(device))
         finally:
             torch.set_default_dtype(default_dtype)
         load_weights(self.model, model_dir)
         self.model.eval()
-        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        for layer in self.attn_layers:  # per instance: CPU and GPU engines can live side by side
-            layer.backend = TritonBackend if device.type == "cuda" else TorchBackend
+        self.attn_layers = self.model.attention_layers()
         a = self.attn_layers[0]
         self.num_kv_heads, self.head_dim = a.num_kv_heads, a.head_dim
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.peak_activation_bytes = 0  # measured by the profiling run (CUDA, when it sizes the KV)
         self.num_kv_blocks = self._size_kv_cache(num_kv_blocks, kv_cache_memory_bytes, gpu_memory_utilization)
         self.is_driver = tp_rank() == 0  # with TP, rank 0 alone samples
         self.num_kv_blocks = agree_min(self.num_kv_blocks)  # TP: the same block ids on every rank
         self._allocate_kv_cache()
         # CUDA: Philox noise keyed per row (fused Gumbel-max kernel); PAGEDLLM_SAMPLER=torch
         # falls back to torch's generators
-        self.philox_sampling = device.type == "cuda" and os.environ.get("PAGEDLLM_SAMPLER", "") != "torch"
+        self.philox_sampling = device.type == "cuda" and envs.sampler() != "torch"
         if device.type == "cuda":
             self._warm_up_kernels()
         self._generators: dict[int, torch.Generator] = {}  # CPU: seeded requests' noise
@@ -123,7 +131,7 @@ class ModelRunner:
         self._host_ids = [
             torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=device.type == "cuda") for _ in range(2)
         ]
-        self.graphs = None
+        self.graphs: DecodeGraphs | None = None
         if not self.enforce_eager:
             from pagedllm.worker.cuda_graphs import DecodeGraphs
 
@@ -172,7 +180,7 @@ class ModelRunner:
         ids = np.random.randint(0, self.vocab_size, size=n)
         # no KV is bound yet: attention runs over the new tokens only (block_tables unused)
         meta = self._metadata_from(
-            slot_mapping=np.full(n, -1),
+            slot_mapping=np.full(n, PAD_SLOT_ID),
             block_tables=np.zeros((num_seqs, 1), np.int32),
             cu=cu,
             seq_lens=lens.astype(np.int32),
@@ -181,8 +189,7 @@ class ModelRunner:
             decode_only=False,
             no_history=True,
         )
-        set_attention_metadata(meta)
-        hidden = self.model(torch.from_numpy(ids).to(self.device), torch.from_numpy(positions).to(self.device))
+        hidden = self.model(torch.from_numpy(ids).to(self.device), torch.from_numpy(positions).to(self.device), meta)
         self.model.compute_logits(hidden[cu[1:] - 1])
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
@@ -203,9 +210,10 @@ class ModelRunner:
         n_layers = len(self.attn_layers)
         shape = (2, n_layers, self.num_kv_blocks, self.num_kv_heads, self.block_size, self.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        for i, layer in enumerate(self.attn_layers):
-            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-        peak = getattr(self, "peak_activation_bytes", 0)
+        self.model.bind_kv_cache(
+            [self.kv_cache[0, i] for i in range(n_layers)], [self.kv_cache[1, i] for i in range(n_layers)]
+        )
+        peak = self.peak_activation_bytes
         logger.info(
             "KV cache: %d blocks x %d tokens = %.3f GiB; weights %.3f GiB; peak activations %.3f GiB",
             self.num_kv_blocks,
@@ -220,7 +228,7 @@ class ModelRunner:
         """Compile the attention kernel's prefill-with-history variant (a step mixing one
         decode row with a chunk over a cached prefix) and the sampling kernel at start-up, so
         the first real requests do not wait for Triton. The profiling run covered the other
-        kernels, the CUDA graphs cover decode. Writes nothing to the KV cache (all slots -1)."""
+        kernels, the CUDA graphs cover decode. Writes nothing to the KV cache (all slots PAD_SLOT_ID)."""
         hist, chunk = self.block_size, 8
         lens_q = np.array([1, chunk])
         seq_lens = (hist + lens_q).astype(np.int32)
@@ -229,7 +237,7 @@ class ModelRunner:
         nb = -(-int(seq_lens.max()) // self.block_size)
         table = (np.arange(nb) % self.num_kv_blocks).astype(np.int32)
         meta = self._metadata_from(
-            slot_mapping=np.full(len(positions), -1),
+            slot_mapping=np.full(len(positions), PAD_SLOT_ID),
             cu=cu,
             seq_lens=seq_lens,
             block_tables=np.stack([table, table]),
@@ -238,11 +246,9 @@ class ModelRunner:
             decode_only=False,
             no_history=False,
         )
-        set_attention_metadata(meta)
         ids = torch.zeros(len(positions), dtype=torch.int64, device=self.device)
-        hidden = self.model(ids, self._to_device(positions))
+        hidden = self.model(ids, self._to_device(positions), meta)
         logits = self.model.compute_logits(hidden[cu[1:] - 1])
-        set_attention_metadata(None)
         if self.philox_sampling and self.is_driver and logits is not None:  # the sampling kernel too
             from pagedllm.ops.sampling import gumbel_sample
 
@@ -263,7 +269,9 @@ class ModelRunner:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
 
-    def _metadata_from(self, *, slot_mapping, block_tables, cu, seq_lens, max_q, max_k, decode_only, no_history):
+    def _metadata_from(
+        self, *, slot_mapping, block_tables, cu, seq_lens, max_q, max_k, decode_only, no_history
+    ) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self._to_device(slot_mapping),
             block_tables=self._to_device(block_tables),
@@ -288,6 +296,9 @@ class ModelRunner:
             sampled = self.launch(build_step_inputs(out, self.block_size, self.vocab_size))
         return StepHandle(sampled, self._host_ids)
 
+    def close(self) -> None:
+        """Nothing to stop: the weights, the KV tensor and the CUDA graphs go with this object."""
+
     def launch(self, inp: StepInputs) -> torch.Tensor | None:
         """Queue one step's work on the device; the sampled ids stay there (None if none)."""
         for seq_id in inp.finished_seq_ids:
@@ -295,6 +306,7 @@ class ModelRunner:
         for src, dst in inp.blocks_to_copy:
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
         fix = self._placeholder_sources(inp)
+        logits: torch.Tensor | None
         if self.graphs is not None and inp.decode_only and self.graphs.can_run(inp):
             logits = self.graphs.run(inp, fix)
         else:
@@ -308,7 +320,7 @@ class ModelRunner:
     def _placeholder_sources(self, inp: StepInputs):
         """Async scheduling: input rows whose token id is still a PLACEHOLDER, and where the
         previous step's sampled tensor holds it: (rows, sources) on the device, or None."""
-        rows = np.flatnonzero(inp.input_ids < 0)
+        rows = np.flatnonzero(inp.input_ids == PLACEHOLDER)
         if rows.size == 0:
             return None
         seq_index = np.searchsorted(inp.cu_seqlens_q, rows, side="right") - 1
@@ -319,6 +331,7 @@ class ModelRunner:
     def fill_placeholders(self, input_ids: torch.Tensor, fix) -> None:
         if fix is not None:
             rows, src = fix
+            assert self._last_sampled is not None, "a PLACEHOLDER input with no step launched before"
             input_ids[rows] = self._last_sampled[src]
 
     def forward(self, inp: StepInputs, fix=None) -> torch.Tensor | None:
@@ -332,11 +345,9 @@ class ModelRunner:
             decode_only=inp.decode_only,
             no_history=inp.no_history,
         )
-        set_attention_metadata(meta)
         input_ids = self._to_device(inp.input_ids)
         self.fill_placeholders(input_ids, fix)
-        hidden = self.model(input_ids, self._to_device(inp.positions))
-        set_attention_metadata(None)
+        hidden = self.model(input_ids, self._to_device(inp.positions), meta)
         if len(inp.logits_indices) == 0:
             return None
         return self.model.compute_logits(hidden[self._to_device(inp.logits_indices)])
@@ -353,8 +364,8 @@ class ModelRunner:
             base[seeded] = row_seeds(own, inp.positions[inp.logits_indices][seeded])
         return self._to_device(base)
 
-    def _torch_generators(self, inp: StepInputs) -> list:
-        gens = []
+    def _torch_generators(self, inp: StepInputs) -> list[torch.Generator | None]:
+        gens: list[torch.Generator | None] = []
         for seq_id, seed in zip(inp.sample_seq_ids, inp.seeds, strict=False):
             if seed is None:
                 gens.append(None)
@@ -385,26 +396,3 @@ class ModelRunner:
             seeds=self._row_seeds(inp) if philox else None,
         )
         return sample(logits, t)
-
-
-class StepHandle:
-    """The sampled ids of a launched step: one device-to-host copy into pinned memory,
-    waited for only in result()."""
-
-    def __init__(self, sampled: torch.Tensor | None, host_buffers: list[torch.Tensor]):
-        self.event = None
-        if sampled is None:
-            self.host, self.n = None, 0
-        elif sampled.is_cuda:
-            host_buffers.append(host_buffers.pop(0))  # alternate: the previous step's is still being read
-            self.host, self.n = host_buffers[-1], sampled.numel()
-            self.host[: self.n].copy_(sampled, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.host, self.n = sampled, sampled.numel()
-
-    def result(self) -> list[int]:
-        if self.event is not None:
-            self.event.synchronize()
-        return [] if self.host is None else self.host[: self.n].tolist()

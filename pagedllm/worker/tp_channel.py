@@ -54,7 +54,9 @@ class ShmChannel:
             slot = self.step % 2
             self.step += 1
             off = slot * self.slot_bytes
-            self.shm.buf[off : off + len(data)] = data
+            buf = self.shm.buf
+            assert buf is not None  # None only once closed
+            buf[off : off + len(data)] = data
             header = _HEADER.pack(slot, len(data))
             for w in self.writers:
                 w.send_bytes(header)
@@ -78,19 +80,23 @@ class ShmReader:
     """A worker's end of a ShmChannel (picklable: it attaches to the segment on first use)."""
 
     def __init__(self, shm_name: str, slot_bytes: int, conn):
-        self.shm_name, self.slot_bytes, self.conn, self.shm = shm_name, slot_bytes, conn, None
+        self.shm_name, self.slot_bytes, self.conn = shm_name, slot_bytes, conn
+        self.shm: shared_memory.SharedMemory | None = None
 
     def recv(self):
-        if self.shm is None:
+        shm = self.shm
+        if shm is None:
             # spawned workers share rank 0's resource tracker, so attaching registers nothing new;
             # rank 0 unlinks the segment when it closes
-            self.shm = shared_memory.SharedMemory(name=self.shm_name)
+            shm = self.shm = shared_memory.SharedMemory(name=self.shm_name)
         msg = self.conn.recv_bytes()  # EOFError when rank 0 is gone
         slot, n = _HEADER.unpack_from(msg)
         if slot == INLINE:
             return pickle.loads(memoryview(msg)[_HEADER.size :])
         off = slot * self.slot_bytes
-        return pickle.loads(self.shm.buf[off : off + n])
+        buf = shm.buf
+        assert buf is not None  # None only once closed
+        return pickle.loads(buf[off : off + n])
 
     def close(self) -> None:
         self.conn.close()

@@ -1,5 +1,6 @@
-"""TPExecutor: tensor parallelism over torch.distributed, behind the engine's executor
-interface (`num_kv_blocks`, `execute(SchedulerOutput) -> list[int]`, `close()`).
+"""TPExecutor: tensor parallelism over torch.distributed, behind the engine's Executor
+protocol (engine/executor.py): `num_kv_blocks`, `execute(SchedulerOutput) -> list[int]`,
+`close()`; `supports_async` is False (every rank must run each step in turn).
 
 Rank 0 lives in the engine's process: the scheduler and the KV-cache manager stay there, so
 block ids and prefix-cache hashes have one owner. Every rank holds 1/N of the weights and
@@ -17,8 +18,8 @@ Two ways to start:
 
 Failure: a worker that raises writes its traceback to the store and exits; rank 0 checks its
 workers are alive before each step and, when a step fails, raises a RuntimeError naming the
-rank. Collectives carry a timeout (PAGEDLLM_TP_TIMEOUT_S, default 300 s) so that a live but
-stuck rank cannot hang rank 0 forever.
+rank. Collectives carry a timeout (PAGEDLLM_TP_TIMEOUT_S, envs.py, default 300 s) so that a
+live but stuck rank cannot hang rank 0 forever.
 """
 
 from __future__ import annotations
@@ -32,10 +33,15 @@ import threading
 import time
 import weakref
 from datetime import timedelta
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from pagedllm import envs
+from pagedllm.engine.executor import StepHandle
+from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.model.parallel import set_tp_group
 from pagedllm.worker.step_inputs import StepInputs, build_step_inputs
 from pagedllm.worker.tp_channel import BroadcastChannel, ShmChannel
@@ -49,6 +55,9 @@ from pagedllm.worker.tp_worker import (
     serve,
     spawned_worker_main,
 )
+
+if TYPE_CHECKING:
+    from pagedllm.worker.model_runner import ModelRunner
 
 
 def check_divisible(hf_config, n: int) -> None:
@@ -65,9 +74,10 @@ def check_divisible(hf_config, n: int) -> None:
 
 def torchrun_env(n: int) -> tuple[int, int] | None:
     """(rank, local_rank) when this process was started by torchrun for a group of n."""
-    if not all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
+    launched = envs.torchrun()
+    if launched is None:
         return None
-    world = int(os.environ["WORLD_SIZE"])
+    rank, world, local_rank = launched
     if world == 1:
         return None
     if world != n:
@@ -75,7 +85,7 @@ def torchrun_env(n: int) -> tuple[int, int] | None:
             f"started by torchrun with WORLD_SIZE={world} but tensor_parallel_size={n}: "
             "launch one process per tensor-parallel rank (e.g. --nproc-per-node)"
         )
-    return int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
+    return rank, local_rank
 
 
 def _describe_exit(code: int) -> str:
@@ -94,22 +104,24 @@ def _close_at_exit(ref) -> None:
 
 
 class TPExecutor:
+    supports_async = False  # every rank runs each step in turn: no launch-ahead under TP yet
+
     def __init__(self, hf_config, model_dir: str, tensor_parallel_size: int, **runner_kwargs):
         n = tensor_parallel_size
         check_divisible(hf_config, n)
         self.world_size = n
-        self.procs: list = []
-        self.channel = None
-        self.store = None
-        self.driver = None  # rank 0's ModelRunner
+        self.procs: list[BaseProcess] = []
+        self.channel: ShmChannel | BroadcastChannel | None = None
+        self.store: dist.Store | None = None
+        self._driver: ModelRunner | None = None  # rank 0's ModelRunner, once built
         self.rank = 0
-        self.failed: Exception | None = None
+        self.failed: BaseException | None = None
         self.closed = False
         self._owns_group = False
-        self._monitor_stop = None
-        device = runner_kwargs["device"]
+        self._monitor_stop: multiprocessing.connection.Connection | None = None
+        device: torch.device = runner_kwargs["device"]
         self.backend = "nccl" if device.type == "cuda" else "gloo"
-        self.timeout = timedelta(seconds=float(os.environ.get("PAGEDLLM_TP_TIMEOUT_S", "300")))
+        self.timeout = timedelta(seconds=envs.tp_timeout_s())
         ref = weakref.ref(self)
         self._atexit = lambda: _close_at_exit(ref)
         atexit.register(self._atexit)
@@ -137,8 +149,9 @@ class TPExecutor:
         if self.backend == "nccl" and torch.cuda.device_count() < n:
             raise ValueError(f"tensor_parallel_size={n} needs {n} GPUs on this host, found {torch.cuda.device_count()}")
         ctx = torch.multiprocessing.get_context("spawn")
-        self.store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, timeout=self.timeout, wait_for_workers=False)
-        self.channel = ShmChannel(n - 1, ctx)
+        store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, timeout=self.timeout, wait_for_workers=False)
+        self.store = store
+        channel = self.channel = ShmChannel(n - 1, ctx)
         for rank in range(1, n):
             p = ctx.Process(
                 target=spawned_worker_main,
@@ -147,34 +160,34 @@ class TPExecutor:
                 args=(
                     rank,
                     n,
-                    self.store.port,
+                    store.port,
                     self.backend,
                     self.timeout.total_seconds(),
                     hf_config,
                     model_dir,
                     runner_kwargs,
-                    self.channel.reader(rank - 1),
+                    channel.reader(rank - 1),
                     os.getpid(),
                 ),
             )
             p.start()
             self.procs.append(p)
-        self.channel.started()
-        self._wait_for_workers_to_join()
+        channel.started()
+        self._wait_for_workers_to_join(store)
         if self.backend == "nccl":
             torch.cuda.set_device(0)
-        dist.init_process_group(self.backend, store=self.store, rank=0, world_size=n, timeout=self.timeout)
+        dist.init_process_group(self.backend, store=store, rank=0, world_size=n, timeout=self.timeout)
         self._owns_group = True
-        self.driver = make_runner(hf_config, model_dir, 0, runner_kwargs)
+        self._driver = make_runner(hf_config, model_dir, 0, runner_kwargs)
         if self.backend == "nccl":
             self._start_monitor()
 
-    def _wait_for_workers_to_join(self) -> None:
+    def _wait_for_workers_to_join(self, store: dist.Store) -> None:
         """Wait (checking that they live) until every worker has imported torch and reached the
         rendezvous, so that init_process_group cannot wait out its timeout on a dead worker."""
         deadline = time.monotonic() + self.timeout.total_seconds()
         keys = [f"{JOINED_KEY}/{r}" for r in range(1, self.world_size)]
-        while not self.store.check(keys):
+        while not store.check(keys):
             err = self._worker_failure()
             if err is not None:
                 raise err
@@ -196,18 +209,18 @@ class TPExecutor:
             dist.init_process_group(self.backend, init_method="env://", timeout=self.timeout)
             self._owns_group = True
         self.rank = rank
-        self.store = dist.distributed_c10d._get_default_store()
-        self.channel = BroadcastChannel()
+        store = self.store = dist.distributed_c10d._get_default_store()
+        channel = self.channel = BroadcastChannel()
         if rank == 0:
-            self.driver = make_runner(hf_config, model_dir, local_rank, runner_kwargs)
+            self._driver = make_runner(hf_config, model_dir, local_rank, runner_kwargs)
             return
         # a worker: serve rank 0 until it closes, then leave the process
         try:
             runner = make_runner(hf_config, model_dir, local_rank, runner_kwargs)
-            serve(runner, self.channel)
-            self.channel.barrier()
+            serve(runner, channel)
+            channel.barrier()
         except BaseException:
-            report_error(self.store, rank)
+            report_error(store, rank)
             self.closed = True
             raise
         self.closed = True
@@ -285,14 +298,30 @@ class TPExecutor:
 
     # ---- the executor interface --------------------------------------------------------
     @property
-    def num_kv_blocks(self) -> int:
-        return self.driver.num_kv_blocks
+    def driver(self) -> ModelRunner:
+        """Rank 0's ModelRunner (weights slice, KV heads, CUDA graphs, sampling)."""
+        if self._driver is None:
+            raise RuntimeError("the tensor-parallel executor has no rank-0 runner (not started, or not rank 0)")
+        return self._driver
 
-    def execute(self, scheduler_output) -> list[int]:
+    @property
+    def device(self) -> torch.device:
+        """Rank 0's device (cuda:<local rank> on GPU)."""
+        return self.driver.device
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.driver.num_kv_blocks  # the same on every rank (agree_min)
+
+    def execute(self, scheduler_output: SchedulerOutput) -> list[int]:
         return self.run(build_step_inputs(scheduler_output, self.driver.block_size, self.driver.vocab_size))
+
+    def execute_async(self, scheduler_output: SchedulerOutput) -> StepHandle:
+        raise NotImplementedError("TPExecutor.supports_async is False: use execute")
 
     def run(self, inp: StepInputs) -> list[int]:
         self._check_alive()
+        assert self.channel is not None
         try:
             self.channel.send(inp)
             return self.driver.run(inp)
@@ -302,13 +331,6 @@ class TPExecutor:
                 raise
             raise err from e
 
-    def __getattr__(self, name):
-        """Everything else (device, kv_cache, graphs, ...) is rank 0's ModelRunner's."""
-        driver = self.__dict__.get("driver")
-        if driver is None or name in ("execute_async", "launch"):  # every rank must run each step:
-            raise AttributeError(name)  # no async scheduling under TP yet
-        return getattr(driver, name)
-
     def close(self) -> None:
         """Stop the workers (they leave their loop and exit) and leave the process group."""
         if self.closed:
@@ -317,7 +339,7 @@ class TPExecutor:
         atexit.unregister(self._atexit)
         if self._monitor_stop is not None:
             self._monitor_stop.close()
-        if self.channel is not None and self.driver is not None and self.failed is None and self.rank == 0:
+        if self.channel is not None and self._driver is not None and self.failed is None and self.rank == 0:
             try:
                 self.channel.send(CLOSE)
                 if isinstance(self.channel, BroadcastChannel):

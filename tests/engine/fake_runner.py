@@ -31,8 +31,15 @@ def reference_generate(prompt: list[int], max_tokens: int) -> list[int]:
 
 
 class ShadowRunner:
-    def __init__(self, block_size: int):
+    """An Executor (engine/executor.py). The shadow cache is a dict, so any pool size fits:
+    num_kv_blocks reports what the test asks for. supports_async=False makes the engine
+    drive it with execute only."""
+
+    def __init__(self, block_size: int, num_kv_blocks: int = 1 << 16, supports_async: bool = True):
         self.block_size = block_size
+        self.num_kv_blocks = num_kv_blocks
+        self.supports_async = supports_async
+        self.closed = False
         self.shadow: dict[int, tuple[int, int]] = {}
         self.device_tokens: dict[tuple[int, int], int] = {}
         self.steps = 0
@@ -70,14 +77,18 @@ class ShadowRunner:
 
     def execute_async(self, out: SchedulerOutput) -> Done:
         """Like a GPU launch: the work happens in launch order; the ids come back later."""
+        assert self.supports_async, "execute_async called on an executor without supports_async"
         return Done(self.execute(out))
+
+    def close(self) -> None:
+        self.closed = True
 
 
 class Done:
-    def __init__(self, value):
+    def __init__(self, value: list[int]):
         self.value = value
 
-    def result(self):
+    def result(self) -> list[int]:
         return self.value
 
 

@@ -160,16 +160,18 @@ def test_invariants_hold_under_random_operations(ops, block_size, num_blocks):
                 held[b] = held.get(b, 0) + 1
         for b in kv.pool.blocks:
             assert b.ref_cnt == held.get(b.block_id, 0)  # ref_cnt counts live holders exactly
-            if b.block_hash is not None and b.block_id in kv.pool.cached.get(b.block_hash, {}):
-                assert b.ref_cnt == 0 or any(b.block_id in s.block_table for s in live)
+            if b.block_hash is not None:  # only full blocks are cached, and a hit finds them
+                assert b.token_ids is not None and len(b.token_ids) == block_size, b
+                assert kv.pool.lookup(b.block_hash, b.token_ids) is not None
         for s in live:  # every fully written block is findable
             for i in range(s.num_computed_tokens // block_size):
                 assert kv.pool.lookup(s.block_hashes[i], tuple(s.token_ids[i * block_size : (i + 1) * block_size]))
-        for s in live:  # cached tokens are the right tokens
+        for s in live:  # cached tokens are the right tokens, under the holder's chain hash
             for i, b in enumerate(s.block_table):
                 blk = kv.pool.blocks[b]
                 if blk.token_ids is not None:
                     assert blk.token_ids == tuple(s.token_ids[i * block_size : (i + 1) * block_size])
+                    assert blk.block_hash == s.block_hashes[i]
     for s in live:
         kv.free(s)
     kv.pool.check_invariants()

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from tests.conftest import FAMILIES
+from tests.helpers import FAMILIES
 from tests.model.hf_reference import workload
 
 pytestmark = pytest.mark.gpu

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from tests.conftest import FAMILIES
+from tests.helpers import FAMILIES
 from tests.model.hf_reference import GREEDY, generate, hf_logits, reference, workload
 
 

@@ -1,18 +1,13 @@
-"""Fused norm / activation / rotary kernels against their torch references."""
+"""Fused norm / activation / rotary kernels against their torch references (fused_ref.py), which
+are what the CPU path runs (ops/kernels.py: TorchKernels; tests/ops/test_kernels.py)."""
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from pagedllm.ops.fused import (  # noqa: E402
-    apply_rotary,
-    apply_rotary_ref,
-    rms_norm,
-    rms_norm_ref,
-    silu_and_mul,
-    silu_and_mul_ref,
-)
+from pagedllm.ops.fused import apply_rotary, rms_norm, silu_and_mul  # noqa: E402
+from pagedllm.ops.fused_ref import apply_rotary_ref, rms_norm_ref, silu_and_mul_ref  # noqa: E402
 
 # The interpreter rounds fp32 -> bf16 by truncation, the GPU to nearest: allow 1 bf16 ulp.
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}

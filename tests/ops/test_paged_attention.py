@@ -12,6 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from pagedllm.ops import PAD_SLOT_ID  # noqa: E402
 from pagedllm.ops.attention_ref import (  # noqa: E402
     gather_kv,
     paged_attention_ref,
@@ -213,7 +214,7 @@ def test_store_kvcache(dtype, device):
     value = qkv[:, (hq + hkv) * d :].view(n, hkv, d)
     assert not key.is_contiguous()
     slots = torch.randperm(nblk * bs)[:n].to(device)
-    slots[[2, 7]] = -1
+    slots[[2, 7]] = PAD_SLOT_ID
     kc = torch.randn(nblk, hkv, bs, d, device=device).to(dtype)
     vc = torch.randn_like(kc)
     kc2, vc2 = kc.clone(), vc.clone()
@@ -299,7 +300,7 @@ def test_gpu_store_kvcache_large(device):
     qkv = torch.randn(n, 3 * hkv * d, device=device, dtype=torch.bfloat16)
     key, value = qkv[:, : hkv * d].view(n, hkv, d), qkv[:, hkv * d : 2 * hkv * d].view(n, hkv, d)
     slots = torch.randperm(nblk * bs, device=device)[:n]
-    slots[::17] = -1
+    slots[::17] = PAD_SLOT_ID
     kc = torch.randn(nblk, hkv, bs, d, device=device, dtype=torch.bfloat16)
     vc = torch.randn_like(kc)
     kc2, vc2 = kc.clone(), vc.clone()

@@ -6,7 +6,7 @@ import multiprocessing
 import pytest
 
 from pagedllm import LLM
-from tests.conftest import FAMILIES
+from tests.helpers import FAMILIES
 from tests.tp.common import PREEMPTING, generate, hf_reference, workload
 
 
@@ -22,6 +22,8 @@ def test_tp2_equals_tp1_and_hf(tiny_models, family):
     with LLM(path, tensor_parallel_size=2, **PREEMPTING) as llm:
         workers = list(llm.runner.procs)
         assert len(workers) == 1 and workers[0].is_alive()
+        assert llm.runner.supports_async is False and not llm.engine.async_scheduling  # auto: off under TP
+        assert llm.runner.num_kv_blocks == llm.runner.driver.num_kv_blocks == 9
         assert generate(llm, prompts, max_tokens) == expected
         m = llm.get_metrics()
         assert m["num_preemptions"] > 0

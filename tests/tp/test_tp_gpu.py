@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from tests.conftest import FAMILIES
+from tests.helpers import FAMILIES
 from tests.tp.common import GREEDY, PREEMPTING, generate, hf_reference, workload
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
@@ -17,7 +17,7 @@ def run_capturing_logits(path, tp, dtype, device="cuda", max_tokens=8, **kwargs)
     """Greedy-generate the workload; return {(prompt, generated so far): logits row (float32, CPU)}
     for every sampled row (decode rows come from the CUDA graphs)."""
     llm = LLM(path, device=device, dtype=dtype, tensor_parallel_size=tp, num_kv_blocks=128, **kwargs)
-    runner = getattr(llm.runner, "driver", llm.runner)  # rank 0's ModelRunner samples
+    runner = llm.runner.driver if tp > 1 else llm.runner  # rank 0's ModelRunner samples
     rows, real_sample = [], runner.sample
 
     def spy(logits, inp):
@@ -55,7 +55,7 @@ def test_tp2_equals_tp1_float32_with_graphs_and_preemption(tiny_models, family):
     assert generate(tp1, prompts, max_tokens) == expected
     tp1.close()
     with LLM(path, device="cuda", dtype="float32", tensor_parallel_size=2, **PREEMPTING) as llm:
-        assert llm.runner.graphs is not None  # decode runs as replayed graphs
+        assert llm.runner.driver.graphs is not None  # decode runs as replayed graphs
         assert generate(llm, prompts, max_tokens) == expected
         assert llm.get_metrics()["num_preemptions"] > 0
 

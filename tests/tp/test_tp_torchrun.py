@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 
+from pagedllm import envs
 from tests.tp.common import PREEMPTING, hf_reference, workload
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -40,7 +41,7 @@ def test_torchrun_two_ranks_match_hf(tiny_models):
         "--max-num-batched-tokens",
         str(PREEMPTING["max_num_batched_tokens"]),
     ]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = {k: v for k, v in os.environ.items() if k not in envs.torchrun_keys()}  # a launch of its own
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )

@@ -1,0 +1,23 @@
+"""Attention metadata: how one forward pass's packed tokens map onto sequences and KV slots.
+
+Built by the ModelRunner for each step (or over the CUDA graphs' static buffers) and passed
+explicitly down the forward, model -> layer -> attention; nothing keeps it between calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V is stored (PAD_SLOT_ID: skip)
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    cu_seqlens_q: torch.Tensor  # [B+1] int32, new tokens per sequence
+    seq_lens: torch.Tensor  # [B] int32, context length including the new tokens
+    max_seqlen_q: int
+    max_seqlen_k: int
+    decode_only: bool  # every sequence has exactly one new token
+    no_history: bool  # no sequence has cached tokens (pure prefill)

@@ -1,0 +1,169 @@
+"""The kernels a model runs, chosen once from the device: `kernels_for(device)`.
+
+Every layer that computes (RMSNorm, rotary, SiLU-and-mul, paged attention) is given one
+`Kernels` object when the model is built and calls it; no layer looks at a tensor's device.
+- `TorchKernels`: the torch references (fused_ref.py, attention_ref.py). The CPU path, and
+  the oracle of the kernel tests (tests/ops), which therefore test what the CPU path runs.
+- `TritonKernels`: the Triton kernels (fused.py, store_kv.py, paged_attention.py), on CUDA.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from pagedllm.ops.attention_ref import (
+    paged_attention_ref,
+    paged_decode_attention_ref,
+    prefill_attention_ref,
+    store_kvcache_ref,
+)
+from pagedllm.ops.fused_ref import apply_rotary_ref, rms_norm_ref, silu_and_mul_ref
+
+if TYPE_CHECKING:
+    from pagedllm.model.attention_metadata import AttentionMetadata
+
+
+class Kernels(Protocol):
+    """Shapes: x [T, H]; q [T, Hq, D]; k/v [T, Hkv, D]; caches [num_blocks, Hkv, block_size, D]."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def fused_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x + residual), x + residual)."""
+        ...
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def apply_rotary(
+        self, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotated (q, k); an implementation may rotate q and k in place."""
+        ...
+
+    def store_kv(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None: ...
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention of q over its sequence's context; empty caches (the profiling run, before
+        the KV tensor exists) mean the new tokens attend to each other only."""
+        ...
+
+
+class TorchKernels:
+    """The exact references; used on CPU."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm_ref(x, weight, eps)
+
+    def fused_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rms_norm_ref(x, weight, eps, residual)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul_ref(x)
+
+    def apply_rotary(
+        self, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rotary_ref(q, k, cos_sin_cache, positions)
+
+    def store_kv(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        if meta.no_history or not k_cache.numel():  # pure prefill: attend over the new tokens directly
+            return prefill_attention_ref(q, k, v, meta.cu_seqlens_q, scale)
+        if meta.decode_only:  # batched, no per-sequence loop
+            return paged_decode_attention_ref(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seqlen_k, scale
+            )
+        return paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, scale)
+
+
+class TritonKernels:
+    """The Triton kernels; imported when constructed (CUDA only), so CPU never imports triton."""
+
+    def __init__(self) -> None:
+        from pagedllm.ops import fused, paged_attention, store_kv
+
+        self._rms_norm = fused.rms_norm
+        self._silu_and_mul = fused.silu_and_mul
+        self._apply_rotary = fused.apply_rotary
+        self._store_kvcache = store_kv.store_kvcache
+        self._paged_attention = paged_attention.paged_attention
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self._rms_norm(x, weight, eps)
+
+    def fused_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._rms_norm(x, weight, eps, residual)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self._silu_and_mul(x)
+
+    def apply_rotary(
+        self, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._apply_rotary(q, k, cos_sin_cache, positions)  # in place
+
+    def store_kv(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        self._store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        if not k_cache.numel():  # the profiling run, before the KV tensor exists
+            return prefill_attention_ref(q, k, v, meta.cu_seqlens_q, scale)
+        return self._paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.cu_seqlens_q,
+            meta.seq_lens,
+            scale,
+            max_seqlen_q=meta.max_seqlen_q,
+            max_seqlen_k=meta.max_seqlen_k,
+        )
+
+
+def kernels_for(device: torch.device) -> Kernels:
+    """Triton on CUDA, the torch references elsewhere."""
+    return TritonKernels() if device.type == "cuda" else TorchKernels()
