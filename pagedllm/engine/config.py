@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedllm.engine.errors import InvalidRequestError
+
 
 @dataclass
 class SchedulerConfig:
@@ -19,4 +21,4 @@ class SchedulerConfig:
         for name in ("num_kv_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}", name)

@@ -158,9 +158,7 @@ def stream_one(llm, prompt: str, params) -> None:
     engine = llm.engine
     req = engine.input_processor.process("cli-0", prompt, params)  # refused before anything is printed
     request_id = req.request_id
-    engine.add_request(
-        request_id, {"prompt": req.prompt, "prompt_token_ids": req.prompt_token_ids}, req.params, req.arrival_time
-    )
+    engine.add_request(request_id, req)  # queued as checked, not validated again
     try:
         _write(prompt)
         finished = False

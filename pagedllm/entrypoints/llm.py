@@ -10,6 +10,7 @@ from typing import Any
 
 from pagedllm.engine import LLMEngine, RequestOutput, SamplingParams, SchedulerConfig
 from pagedllm.engine.errors import InvalidRequestError
+from pagedllm.engine.executor import Executor
 from pagedllm.engine.sampling_params import sampling_params_with_defaults
 from pagedllm.entrypoints.model_dir import eos_token_ids, generation_defaults, load_hf_config, load_tokenizer
 
@@ -94,7 +95,7 @@ class LLM:
             enforce_eager=enforce_eager,
             seed=seed,
         )
-        self.runner: Any  # a ModelRunner or a TPExecutor: both are pagedllm.engine.executor.Executor
+        self.runner: Executor  # a ModelRunner, or a TPExecutor over tensor_parallel_size processes
         if tensor_parallel_size > 1:
             from pagedllm.worker.tp_executor import TPExecutor
 
@@ -156,14 +157,8 @@ class LLM:
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
         ]
         self._counter += len(requests)
-        for r in requests:  # the checked request, passed on as its text and token ids
-            self.engine.add_request(
-                r.request_id,
-                {"prompt": r.prompt, "prompt_token_ids": r.prompt_token_ids},
-                r.params,
-                arrival_time=r.arrival_time,
-                stream=False,
-            )
+        for r in requests:  # queued as checked, not validated again
+            self.engine.add_request(r.request_id, r, stream=False)
         return self._run([r.request_id for r in requests], use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -206,9 +201,7 @@ class LLM:
         return self.tokenizer
 
     def close(self) -> None:
-        close = getattr(self.runner, "close", None)
-        if close is not None:
-            close()
+        self.runner.close()
 
     def __enter__(self):
         return self

@@ -12,7 +12,6 @@ import pytest
 
 from tests.server.helpers import API_KEY, CHAT_TEMPLATE, MODEL_NAME, LiveServer, pick_model, pid_alive
 
-
 BLOCK_SIZE = 16
 
 
