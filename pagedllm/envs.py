@@ -20,6 +20,14 @@ def api_key() -> str | None:
     return os.environ.get("PAGEDLLM_API_KEY") or None
 
 
+def child_environ(api_key: str | None = None) -> dict[str, str]:
+    """This process's environment for a child, with PAGEDLLM_API_KEY set when a key is given."""
+    env = dict(os.environ)
+    if api_key:
+        env["PAGEDLLM_API_KEY"] = api_key
+    return env
+
+
 def logging_level(default: str) -> str:
     return os.environ.get("PAGEDLLM_LOGGING_LEVEL", default).upper()
 

@@ -7,13 +7,14 @@ graceful shutdown), then killed if it has not exited within 60 s.
 
 from __future__ import annotations
 
-import os
 import shlex
 import signal
 import socket
 import subprocess
 import sys
 import time
+
+from pagedllm import envs
 
 
 def _free_port() -> int:
@@ -46,10 +47,7 @@ def launch_server(
         *shlex.split(server_args),
     ]
     print("launching: " + " ".join(shlex.quote(c) for c in cmd), file=sys.stderr, flush=True)
-    env = dict(os.environ)
-    if api_key:
-        env["PAGEDLLM_API_KEY"] = api_key
-    proc = subprocess.Popen(cmd, env=env)
+    proc = subprocess.Popen(cmd, env=envs.child_environ(api_key=api_key))  # the key not on the command line
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while True:

@@ -15,259 +15,15 @@ length inside the kernel; each split writes its normalised partial output and it
 log2-sum-exp, and a second kernel merges them. Grid sizes depend only on shapes and python
 ints, so the decode path can be captured in a CUDA graph.
 
-Reference: `attention_ref.paged_attention_ref`.
+Reference: `attention_ref.paged_attention_ref`. The kernels: paged_attention_kernels.py.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pagedllm.ops._triton import HAS_TRITON, is_interpreted, next_pow2, num_sms, require_triton, tl, triton
-
-LOG2E = 1.4426950408889634
-
-if HAS_TRITON:
-
-    @triton.jit
-    def _attn_tile(
-        acc,
-        l_i,
-        m_i,
-        q,
-        q_pos,
-        start,
-        hi,
-        k_base,
-        v_base,
-        bt_row,
-        stride_kb,
-        stride_kt,
-        stride_vb,
-        stride_vt,
-        qk_scale,
-        offs_n,
-        offs_d,
-        BLOCK_SIZE: tl.constexpr,
-        MASK: tl.constexpr,
-        DOT_PREC: tl.constexpr,
-        UPCAST: tl.constexpr,
-    ):
-        kpos = start + offs_n
-        if MASK:
-            kvalid = kpos < hi
-            blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=kvalid, other=0).to(tl.int64)
-        else:
-            blk = tl.load(bt_row + kpos // BLOCK_SIZE).to(tl.int64)
-        off = kpos % BLOCK_SIZE
-        k_ptrs = k_base + blk[:, None] * stride_kb + off[:, None] * stride_kt + offs_d[None, :]
-        v_ptrs = v_base + blk[:, None] * stride_vb + off[:, None] * stride_vt + offs_d[None, :]
-        if MASK:
-            k = tl.load(k_ptrs, mask=kvalid[:, None], other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-        if MASK:
-            visible = (kpos[None, :] <= q_pos[:, None]) & kvalid[None, :]
-            s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if MASK:
-            v = tl.load(v_ptrs, mask=kvalid[:, None], other=0.0)
-        else:
-            v = tl.load(v_ptrs)
-        p = p.to(v.dtype)
-        if UPCAST:
-            p = p.to(tl.float32)
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PREC)
-        return acc, l_i, m_new
-
-    # stride_bt (the block-table width) changes from step to step: left unspecialized, so it
-    # does not compile a variant per value class (==1, %16, other) in the middle of serving.
-    @triton.jit(do_not_specialize=["stride_bt"])
-    def _paged_attn_kernel(
-        out_ptr,
-        q_ptr,
-        k_cache_ptr,
-        v_cache_ptr,
-        block_tables_ptr,
-        cu_seqlens_q_ptr,
-        seq_lens_ptr,
-        part_out_ptr,
-        part_lse_ptr,
-        qk_scale,
-        stride_qt,
-        stride_qh,
-        stride_ot,
-        stride_oh,
-        stride_kb,
-        stride_kh,
-        stride_kt,
-        stride_vb,
-        stride_vh,
-        stride_vt,
-        stride_bt,
-        GROUP: tl.constexpr,
-        G_PAD: tl.constexpr,
-        BLOCK_Q: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr,
-        NUM_SPLITS: tl.constexpr,
-        DECODE: tl.constexpr,
-        DOT_PREC: tl.constexpr,
-        UPCAST: tl.constexpr,
-    ):
-        BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
-        pid0 = tl.program_id(0)
-        kvh = tl.program_id(1)
-        b = tl.program_id(2)
-        # Highest q blocks (the most keys under the causal mask) are launched first.
-        qblk = tl.num_programs(0) // NUM_SPLITS - 1 - pid0 // NUM_SPLITS
-        split = pid0 % NUM_SPLITS
-        if DECODE:
-            q_start = b
-            q_len = 1
-        else:
-            q_start = tl.load(cu_seqlens_q_ptr + b)
-            q_len = tl.load(cu_seqlens_q_ptr + b + 1) - q_start
-        if qblk * BLOCK_Q >= q_len:
-            return
-        seq_len = tl.load(seq_lens_ptr + b)
-        ctx = seq_len - q_len  # cached tokens before the new ones
-
-        rows = tl.arange(0, BLOCK_M)
-        tok = qblk * BLOCK_Q + rows // G_PAD  # index within the sequence's new tokens
-        hg = rows % G_PAD
-        row_valid = (tok < q_len) & (hg < GROUP)
-        head = kvh * GROUP + hg
-        q_pos = ctx + tok
-        offs_d = tl.arange(0, HEAD_DIM)
-        offs_n = tl.arange(0, BLOCK_N)
-        t_idx = (q_start + tok).to(tl.int64)
-        q = tl.load(
-            q_ptr + t_idx[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-            mask=row_valid[:, None],
-            other=0.0,
-        )
-        if UPCAST:
-            q = q.to(tl.float32)
-
-        kv_hi = tl.minimum(ctx + (qblk + 1) * BLOCK_Q, seq_len)  # keys any row needs
-        kv_full = ctx + qblk * BLOCK_Q + 1  # keys every row sees
-        if NUM_SPLITS > 1:
-            per = tl.cdiv(tl.cdiv(kv_hi, NUM_SPLITS), BLOCK_N) * BLOCK_N
-            lo = split * per
-            hi = tl.minimum(lo + per, kv_hi)
-        else:
-            lo = 0
-            hi = kv_hi
-        full_end = lo + (tl.maximum(tl.minimum(hi, kv_full) - lo, 0) // BLOCK_N) * BLOCK_N
-
-        k_base = k_cache_ptr + kvh.to(tl.int64) * stride_kh
-        v_base = v_cache_ptr + kvh.to(tl.int64) * stride_vh
-        bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
-
-        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        for start in range(lo, full_end, BLOCK_N):
-            acc, l_i, m_i = _attn_tile(
-                acc,
-                l_i,
-                m_i,
-                q,
-                q_pos,
-                start,
-                hi,
-                k_base,
-                v_base,
-                bt_row,
-                stride_kb,
-                stride_kt,
-                stride_vb,
-                stride_vt,
-                qk_scale,
-                offs_n,
-                offs_d,
-                BLOCK_SIZE,
-                False,
-                DOT_PREC,
-                UPCAST,
-            )
-        for start in range(full_end, hi, BLOCK_N):
-            acc, l_i, m_i = _attn_tile(
-                acc,
-                l_i,
-                m_i,
-                q,
-                q_pos,
-                start,
-                hi,
-                k_base,
-                v_base,
-                bt_row,
-                stride_kb,
-                stride_kt,
-                stride_vb,
-                stride_vt,
-                qk_scale,
-                offs_n,
-                offs_d,
-                BLOCK_SIZE,
-                True,
-                DOT_PREC,
-                UPCAST,
-            )
-
-        nonempty = l_i > 0.0  # false only for rows with no keys (seq_len 0)
-        o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-        if NUM_SPLITS == 1:
-            tl.store(
-                out_ptr + t_idx[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                o.to(out_ptr.dtype.element_ty),
-                mask=row_valid[:, None],
-            )
-        else:
-            # part_out: [T, Hq, S, D], part_lse: [T, Hq, S], both contiguous fp32.
-            lse = tl.where(nonempty, m_i + tl.math.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-            hq = tl.num_programs(1) * GROUP
-            row_id = (t_idx * hq + head) * NUM_SPLITS + split
-            tl.store(part_out_ptr + row_id[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_valid[:, None])
-            tl.store(part_lse_ptr + row_id, lse, mask=row_valid)
-
-    @triton.jit
-    def _merge_splits_kernel(
-        out_ptr,
-        part_out_ptr,
-        part_lse_ptr,
-        stride_ot,
-        stride_oh,
-        NUM_SPLITS: tl.constexpr,
-        S_PAD: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-    ):
-        t = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
-        hq = tl.num_programs(1)
-        offs_s = tl.arange(0, S_PAD)
-        offs_d = tl.arange(0, HEAD_DIM)
-        base = (t * hq + h) * NUM_SPLITS
-        smask = offs_s < NUM_SPLITS
-        lse = tl.load(part_lse_ptr + base + offs_s, mask=smask, other=float("-inf"))
-        m = tl.max(lse, 0)
-        m = tl.where(m > float("-inf"), m, 0.0)  # all splits empty: padding row
-        w = tl.math.exp2(lse - m)  # exp2(-inf) = 0 for empty splits
-        po = tl.load(
-            part_out_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=smask[:, None], other=0.0
-        )
-        w_sum = tl.sum(w, 0)
-        o = tl.sum(po * w[:, None], 0) / tl.where(w_sum > 0.0, w_sum, 1.0)
-        tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+from pagedllm.ops import paged_attention_kernels as kernels
+from pagedllm.ops._triton import is_interpreted, next_pow2, num_sms, require_triton, triton
 
 
 def _pick_config(decode: bool, g_pad: int, head_dim: int, dtype: torch.dtype) -> dict:
@@ -361,7 +117,7 @@ def paged_attention(
         part_out = part_lse = out  # unused
     num_q_blocks = triton.cdiv(max_seqlen_q, block_q)
     grid = (num_q_blocks * num_splits, hkv, batch)
-    _paged_attn_kernel[grid](
+    kernels._paged_attn_kernel[grid](
         out,
         q,
         k_cache,
@@ -371,7 +127,7 @@ def paged_attention(
         seq_lens,
         part_out,
         part_lse,
-        float(scale) * LOG2E,
+        float(scale) * kernels.LOG2E,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -391,11 +147,11 @@ def paged_attention(
         NUM_SPLITS=num_splits,
         DECODE=decode,
         DOT_PREC="ieee" if q.dtype == torch.float32 else None,
-        UPCAST=is_interpreted(_paged_attn_kernel) and q.dtype != torch.float32,
+        UPCAST=is_interpreted(kernels._paged_attn_kernel) and q.dtype != torch.float32,
         **cfg,
     )
     if num_splits > 1:
-        _merge_splits_kernel[(t, hq)](
+        kernels._merge_splits_kernel[(t, hq)](
             out,
             part_out,
             part_lse,
