@@ -135,20 +135,23 @@ class EngineCore:
                 continue  # aborted while its step ran
             if seq.num_resolved_output_tokens == 1:
                 self.num_prompt_tokens += seq.num_prompt_tokens
-            outputs.append(
-                EngineCoreOutput(
-                    seq.request_id,
-                    index,
-                    [seq.last_resolved_token],
+            out = EngineCoreOutput(
+                seq.request_id,
+                index,
+                [seq.last_resolved_token],
+                None,
+                None,
+                seq.num_cached_tokens,
+                seq.first_token_time,
+            )
+            if seq.status.finished:  # the finish fields only once (this loop runs per token)
+                out.finish_reason, out.stop_reason, out.finish_time = (
                     seq.finish_reason,
                     seq.stop_reason,
-                    seq.num_cached_tokens,
-                    seq.first_token_time,
                     seq.finish_time,
                 )
-            )
-            if seq.status.finished:
                 done.append(seq.request_id)
+            outputs.append(out)
         for rid in done:
             seqs = self.requests.get(rid)
             if seqs is not None:

@@ -98,7 +98,8 @@ class LLMEngine:
         for request_id, index in processed.stopped:
             self.core.stop_sequence(request_id, index)
         make = self.output_processor.make_output
-        return [make(state) for state in processed.touched if state.stream or state.finished]
+        done = {id(state) for state in processed.finished}
+        return [make(state) for state in processed.touched if state.stream or id(state) in done]
 
     # ---- metrics -----------------------------------------------------------------------
     def get_metrics(self) -> Metrics:

@@ -140,7 +140,7 @@ class OutputProcessor:
             touched[out.request_id] = state
             if self._append(state, seq, out):
                 stopped.append((out.request_id, out.index))
-            if state.finished:
+            if seq.finished and state.finished:
                 del self.requests[out.request_id]
                 finished.append(state)
         return ProcessedOutputs(list(touched.values()), stopped, finished)
