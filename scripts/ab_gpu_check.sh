@@ -5,7 +5,8 @@
 #   git archive REF | gzip > .ab/before.tar.gz      # here; .ab/ is ignored and carried
 #   bash scripts/ab_gpu_check.sh throughput         # on the GPU: nano-vllm's workload, async then sync
 #   bash scripts/ab_gpu_check.sh serving            # on the GPU: scripts/serving_gpu_check.sh for each tree
-#   bash scripts/ab_gpu_check.sh tests              # on the GPU: pytest -m gpu on this tree only
+#   bash scripts/ab_gpu_check.sh tests              # on the GPU: pytest -m gpu (ops, gpu) on this tree only
+#   (BEFORE_COMMIT / AFTER_COMMIT name the trees in the rows)
 #
 # Each tree runs its own benchmark code. Rows go to $OUT/<before|after>-*.json (PAGEDLLM_COMMIT
 # names the tree: BEFORE_COMMIT for the archive, this checkout's HEAD otherwise).
@@ -46,10 +47,11 @@ run_tree() {   # $1 = tag (before|after), $2 = tree, $3 = commit
 case "$MODE" in
   throughput|serving)
     run_tree before $BEFORE "${BEFORE_COMMIT:-before}"
-    run_tree after "$HERE" "$(git rev-parse --short=12 HEAD 2>/dev/null || echo after)"
+    # the device copy's .git may describe another commit than the files: name it with AFTER_COMMIT
+    run_tree after "$HERE" "${AFTER_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo after)}"
     ;;
   tests)
-    PYTHONPATH=$HERE${SITE:+:$SITE} timeout ${T_TESTS:-400} python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 \
+    PYTHONPATH=$HERE${SITE:+:$SITE} timeout ${T_TESTS:-400} python3 -m pytest -q -m gpu tests/ops tests/gpu -p no:cacheprovider 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -15
     ;;
 esac
