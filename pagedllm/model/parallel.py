@@ -1,7 +1,9 @@
 """Tensor-parallel state: which rank this process is and how to reduce across ranks.
 
 With no process group (the usual single-device case) every helper is the identity, so the
-layers are written rank-aware once and run unchanged at TP=1.
+layers are written rank-aware once and run unchanged at TP=1. The tensor-parallel group is
+torch.distributed's default group, which worker/tp_executor.py initialises (one group of all
+ranks); nothing here keeps state of its own.
 """
 
 from __future__ import annotations
@@ -10,25 +12,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-_group = None
-
-
-def set_tp_group(group) -> None:
-    global _group
-    _group = group
-
 
 def tp_size() -> int:
-    return dist.get_world_size(_group) if _group is not None or dist.is_initialized() else 1
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def tp_rank() -> int:
-    return dist.get_rank(_group) if _group is not None or dist.is_initialized() else 0
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     if tp_size() > 1:
-        dist.all_reduce(x, group=_group)
+        dist.all_reduce(x)
     return x
 
 
@@ -37,7 +32,7 @@ def gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     if tp_size() == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(tp_size())]
-    dist.all_gather(parts, x.contiguous(), group=_group)
+    dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=-1)
 
 
@@ -61,7 +56,7 @@ def agree_min(n: int) -> int:
     """The smallest n over the ranks (e.g. KV blocks: every rank must index the same block ids)."""
     if tp_size() == 1:
         return n
-    device = "cuda" if dist.get_backend(_group) == "nccl" else "cpu"
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     t = torch.tensor([n], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_group)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())

@@ -42,7 +42,6 @@ import torch.distributed as dist
 from pagedllm import envs
 from pagedllm.engine.executor import StepHandle
 from pagedllm.engine.scheduler import SchedulerOutput
-from pagedllm.model.parallel import set_tp_group
 from pagedllm.worker.step_inputs import StepInputs, build_step_inputs
 from pagedllm.worker.tp_channel import BroadcastChannel, ShmChannel
 from pagedllm.worker.tp_worker import (
@@ -226,7 +225,6 @@ class TPExecutor:
         self.closed = True
         if self._owns_group:
             dist.destroy_process_group()
-        set_tp_group(None)
         sys.exit(0)
 
     def _start_monitor(self) -> None:
@@ -351,7 +349,6 @@ class TPExecutor:
                 dist.destroy_process_group()
             except Exception:
                 pass
-        set_tp_group(None)
         for p in self.procs:
             p.join(timeout=10)
             if p.is_alive():

@@ -27,14 +27,12 @@ JOINED_KEY = "pagedllm/tp/joined"
 
 def make_runner(hf_config, model_dir: str, local_rank: int, runner_kwargs: dict):
     """This rank's ModelRunner; on GPU rank r of a host uses cuda:<local_rank>."""
-    from pagedllm.model.parallel import set_tp_group
     from pagedllm.worker.model_runner import ModelRunner
 
     kwargs = dict(runner_kwargs)
     if kwargs["device"].type == "cuda":
         kwargs["device"] = torch.device("cuda", local_rank)
         torch.cuda.set_device(kwargs["device"])
-    set_tp_group(None)  # the default process group is the TP group
     return ModelRunner(hf_config, model_dir, **kwargs)
 
 
