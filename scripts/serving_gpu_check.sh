@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The serving benchmarks of issue 6 on one GPU, in one call: random Qwen3-0.6B, 500 requests of
+# The serving benchmarks (README, Serving) on one GPU, in one call: random Qwen3-0.6B, 500 requests of
 # 512 in / 128 out, (1) all at once and (2) Poisson at 16 req/s, against `pagedllm serve` (engine
 # core in its own process). Also the engine alone on the same workload, for reference.
 # Writes five files under $OUT (default ./gpu_out): results/serving-gpu.json (one row per run,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Tensor parallelism on one host with >= 2 GPUs (device kind nvidia-h200-x2): the GPU TP tests,
-# then TP=1 vs TP=2 throughput on the standard workload for the Qwen3-8B shape (the issue's
+# then TP=1 vs TP=2 throughput on the standard workload for the Qwen3-8B shape (the
 # goal: TP=2 >= 1.7x TP=1) and the Qwen3-0.6B shape (communication-bound).
 # Writes logs and JSON under $OUT (default ./gpu_out). Usage: bash scripts/tp_gpu_check.sh [tests|full]
 # The device tool allows 10 minutes a command: T_TESTS and T_BENCH (per run) keep it inside that.

@@ -108,7 +108,7 @@ class StepTimer:
         return out
 
     def summary(self) -> dict:
-        """Decode steps at batch >= 200 (the issue's host vs GPU split), and where the whole run's
+        """Decode steps at batch >= 200 (the host vs GPU split of README's benchmark table), and where the whole run's
         time goes: steps, wall seconds and GPU seconds per kind of step."""
         self.torch.cuda.synchronize()
         for r in self.rows:
@@ -179,7 +179,7 @@ def run_pagedllm(args, prompts, params) -> dict:
 
 
 def run_hf(args, prompts, params) -> dict:
-    """HF transformers continuous batching, its best measured configuration (see the issue)."""
+    """HF transformers continuous batching, its best measured configuration (README, Benchmarks)."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 

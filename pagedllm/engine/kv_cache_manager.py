@@ -1,6 +1,6 @@
 """KVCacheManager: maps sequences onto the block pool (prefix lookup, allocate, free, fork).
 
-The three paths of a block, as the seeds name them:
+The three paths of a block (the names of the block trace, ARCHITECTURE.md):
   ALLOCATE   - miss: a fresh block from the free queue's head
   REUSE      - hit on a block a live sequence holds: ref_cnt + 1
   REACTIVATE - hit on a free block that kept its hash: taken out of the free queue

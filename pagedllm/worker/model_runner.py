@@ -164,7 +164,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _profile_kv_blocks(self, utilization: float) -> int:
-        """Seeds' formula: total * utilization - used - peak + current, after a warm-up forward
+        """KV sizing (ARCHITECTURE.md): total * utilization - used - peak + current, after a warm-up forward
         at the largest batch the scheduler can form."""
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()

@@ -1,4 +1,5 @@
-"""The seeds' scenarios as named tests, plus property tests of every DESIGN.md invariant."""
+"""The block pool's named scenarios (allocate, reuse, reactivate, evict) as tests, plus property tests
+of every KV-cache invariant (ARCHITECTURE.md)."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
