@@ -46,9 +46,13 @@ run_tree() {   # $1 = tag (before|after), $2 = tree, $3 = commit
 }
 case "$MODE" in
   throughput|serving)
-    run_tree before $BEFORE "${BEFORE_COMMIT:-before}"
     # the device copy's .git may describe another commit than the files: name it with AFTER_COMMIT
-    run_tree after "$HERE" "${AFTER_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo after)}"
+    after_commit=${AFTER_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo after)}
+    if [ "${ORDER:-}" = reverse ]; then   # after first: an order effect shows as a swapped result
+      run_tree after "$HERE" "$after_commit"; run_tree before $BEFORE "${BEFORE_COMMIT:-before}"
+    else
+      run_tree before $BEFORE "${BEFORE_COMMIT:-before}"; run_tree after "$HERE" "$after_commit"
+    fi
     ;;
   tests)
     PYTHONPATH=$HERE${SITE:+:$SITE} timeout ${T_TESTS:-400} python3 -m pytest -q -m gpu tests/ops tests/gpu -p no:cacheprovider 2>&1 \
