@@ -32,7 +32,7 @@ run_tree() {   # $1 = tag (before|after), $2 = tree, $3 = commit
   cd "$tree" || return 1
   export PYTHONPATH=$tree${SITE:+:$SITE} PAGEDLLM_COMMIT=$3
   if [ "$MODE" = throughput ]; then
-    for sched in async sync; do
+    for sched in ${SCHEDS:-async sync}; do
       local flag=""; [ $sched = sync ] && flag="--no-async-scheduling"
       timeout ${T_BENCH:-150} python3 benchmarks/throughput.py --model $MODEL $flag --label "$tag: $sched scheduling" \
           --results-dir "$OUT/$tag" 2>&1 | grep -v -i warn | tail -4
