@@ -130,14 +130,21 @@ class OutputProcessor:
         touched: dict[str, RequestState] = {}
         stopped: list[tuple[str, int]] = []
         finished: list[RequestState] = []
-        for out in outputs:
-            state = self.requests.get(out.request_id)
+        get = self.requests.get
+        for out in outputs:  # once per sequence per step: kept lean (the engine core's host time)
+            state = get(out.request_id)
             if state is None:
                 continue  # aborted or stopped while the core still ran it
             seq = state.seqs[out.index]
-            if seq.finished:
+            if seq.finish_reason is not None:
                 continue  # stopped by a stop string; the core has not heard yet
             touched[out.request_id] = state
+            if out.finish_reason is None and not state.stops:  # the common case: one more token
+                seq.token_ids += out.new_token_ids
+                seq.num_cached_tokens = out.num_cached_tokens
+                if seq.first_token_time is None:
+                    seq.first_token_time = out.first_token_time
+                continue
             if self._append(state, seq, out):
                 stopped.append((out.request_id, out.index))
             if seq.finished and state.finished:
