@@ -126,24 +126,20 @@ class AsyncLLM:
         if llm is not None:
             self.core = EngineCoreClient(llm=llm, name="pagedllm-engine")
             self.tokenizer = llm.tokenizer
+            self.generation_defaults: dict[str, Any] = llm.generation_defaults
         else:
+            assert model is not None
             self.core = EngineCoreClient(llm_kwargs={"model": model, **llm_kwargs})
             try:  # meanwhile the core loads the model
-                from pagedllm.entrypoints.model_dir import load_tokenizer
+                from pagedllm.entrypoints.model_dir import generation_defaults, load_tokenizer
 
-                self.tokenizer = load_tokenizer(llm_kwargs.get("tokenizer") or model)  # type: ignore[arg-type]
+                self.tokenizer = load_tokenizer(llm_kwargs.get("tokenizer") or model)
+                # the model's sampling defaults (its generation_config.json), read as the engine reads them
+                self.generation_defaults = generation_defaults(model, llm_kwargs.get("generation_config", "auto"))
             except BaseException:
                 self.core.send(Shutdown())
                 self.core.close(10)
                 raise
-        from pagedllm.entrypoints.model_dir import generation_defaults
-
-        # the model's sampling defaults (its generation_config.json), read here as the engine reads them
-        self.generation_defaults = (
-            llm.generation_defaults
-            if llm is not None
-            else generation_defaults(model, llm_kwargs.get("generation_config", "auto"))  # type: ignore[arg-type]
-        )
         info = self.core.wait_ready(startup_timeout)
         self.core_pid = self.core.pid
         self.model_path = info.model_path or model
