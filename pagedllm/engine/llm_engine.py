@@ -98,8 +98,8 @@ class LLMEngine:
         for request_id, index in processed.stopped:
             self.core.stop_sequence(request_id, index)
         make = self.output_processor.make_output
-        done = {id(state) for state in processed.finished}
-        return [make(state) for state in processed.touched if state.stream or id(state) in done]
+        done = set(processed.finished)
+        return [make(state) for state in processed.touched if state.stream or state in done]
 
     # ---- metrics -----------------------------------------------------------------------
     def get_metrics(self) -> Metrics:

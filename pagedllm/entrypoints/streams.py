@@ -118,6 +118,7 @@ class StreamRegistry:
         if processed.stopped:
             self._abort_in_core([core_id for core_id, _ in processed.stopped])
         get = self.by_core_id.get
+        done = set(processed.finished)
         for state in processed.touched:
             handle = get(state.core_request_id)
             if handle is None:
@@ -125,7 +126,7 @@ class StreamRegistry:
             if not handle.started and state.num_output_tokens:
                 handle.started = True
                 self.num_waiting -= 1
-            if state.finished:
+            if state in done:
                 self._end(handle, self.processor.make_output(state))
             elif state.stream:
                 handle.wake()
