@@ -1,0 +1,100 @@
+"""Host time of one engine step, without a model: the control plane and the output path alone.
+
+An executor that returns a token at once stands in for the model, so what is timed is the
+scheduler, the KV-cache manager and the output processing (detokenizer, RequestOutputs) of
+`LLMEngine.step` with N requests running, streamed and not. Also the cost of pickling one
+step's message to the engine-core process. Runs against whatever `pagedllm` is importable, so
+an older checkout can be measured with the same script (PYTHONPATH=OLD python benchmarks/host_step.py).
+
+    python benchmarks/host_step.py --label after --results-dir benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import random
+import statistics
+import time
+
+
+class InstantExecutor:
+    """One sampled id per sampling sequence, at once (an Executor: engine/executor.py)."""
+
+    num_kv_blocks = 40_000
+    supports_async = False
+
+    def __init__(self) -> None:
+        self.rng = random.Random(0)
+
+    def execute(self, out):
+        return [self.rng.randrange(100, 8000) for s in out.scheduled if s.samples]
+
+    def close(self) -> None:
+        pass
+
+
+def time_steps(tokenizer, num_requests: int, stream: bool) -> float:
+    """Mean ms per step of a whole run: num_requests prompts of 512 tokens, 128 greedy tokens each."""
+    from pagedllm.engine import LLMEngine, SamplingParams, SchedulerConfig
+
+    cfg = SchedulerConfig(
+        num_kv_blocks=40_000, block_size=16, max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=4096
+    )
+    engine = LLMEngine(cfg, InstantExecutor(), tokenizer, {0}, vocab_size=8192)
+    rng = random.Random(1)
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    for i in range(num_requests):
+        engine.add_request(f"r{i}", [rng.randrange(100, 8000) for _ in range(512)], params, stream=stream)
+    start, steps = time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def pickle_us(obj, repeat: int = 2000) -> float:
+    start = time.perf_counter()
+    for _ in range(repeat):
+        pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return (time.perf_counter() - start) / repeat * 1e6
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-requests", type=int, default=300)
+    p.add_argument("--repeats", type=int, default=3, help="runs per mode; the median is recorded")
+    p.add_argument("--label", default="")
+    p.add_argument("--results-dir", default="benchmarks/results")
+    args = p.parse_args()
+    from transformers import AutoTokenizer
+
+    import pagedllm
+    from pagedllm.bench.common import append_result, environment
+
+    tokenizer = AutoTokenizer.from_pretrained(pagedllm.default_model_path())
+    results: dict[str, object] = {}
+    for stream in (False, True):
+        runs = [time_steps(tokenizer, args.num_requests, stream) for _ in range(args.repeats)]
+        results["streamed" if stream else "not_streamed"] = {
+            "median_ms_per_step": round(statistics.median(runs), 3),
+            "runs_ms_per_step": [round(r, 3) for r in runs],
+        }
+    # one step's message to the engine-core process, 256 sequences of one new token each
+    row = ("0", 0, [1234], None, None, 32, 1.0, None)
+    results["pickle_us_256_tuples"] = round(pickle_us(("step", [row] * 256, None)), 1)
+    try:
+        from pagedllm.engine.messages import EngineCoreOutput, Step
+
+        outs = [EngineCoreOutput(str(i), 0, [1234], None, None, 32, 1.0, None) for i in range(256)]
+        results["pickle_us_256_step_message"] = round(pickle_us(Step(outs, None)), 1)
+    except ImportError:
+        pass  # an older tree: its messages were the tuples above
+    out = {"benchmark": "host_step", "num_requests": args.num_requests, "results": results, "label": args.label}
+    out.update(environment())
+    print(out)
+    append_result(out, args.results_dir, "host-cpu")
+
+
+if __name__ == "__main__":
+    main()
