@@ -81,8 +81,8 @@ def main() -> None:
             "runs_ms_per_step": [round(r, 3) for r in runs],
         }
     # one step's message to the engine-core process, 256 sequences of one new token each
-    row = ("0", 0, [1234], None, None, 32, 1.0, None)
-    results["pickle_us_256_tuples"] = round(pickle_us(("step", [row] * 256, None)), 1)
+    rows = [(str(i), 0, [1234], None, None, 32, 1.0, None) for i in range(256)]  # the old wire format
+    results["pickle_us_256_tuples"] = round(pickle_us(("step", rows, None)), 1)
     try:
         from pagedllm.engine.messages import EngineCoreOutput, Step
 
