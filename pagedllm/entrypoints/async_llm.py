@@ -192,17 +192,19 @@ class AsyncLLM:
         process() made (its own id and params are used). Raises QueueFullError, EngineShutdownError.
         Must run on the event loop that owns this AsyncLLM (see the module docstring)."""
         loop = asyncio.get_running_loop()
-        if isinstance(prompt, EngineCoreRequest):
+        checked = isinstance(prompt, EngineCoreRequest)
+        if checked:
             assert params is None or params is prompt.params
+            params = prompt.params
+        elif params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams) and params.n != 1:  # before tokenizing, as for every door
+            raise InvalidRequestError(f"n must be 1 in AsyncLLM (send several requests), got {params.n}", "n")
+        if checked:
             request = prompt
         else:
-            params = SamplingParams() if params is None else params
-            if isinstance(params, SamplingParams) and params.n != 1:
-                raise InvalidRequestError(f"n must be 1 in AsyncLLM (send several requests), got {params.n}", "n")
             rid = f"req-{next(self._ids)}" if request_id is None else str(request_id)
             request = self.input_processor.process(rid, prompt, params)
-        if request.params.n != 1:
-            raise InvalidRequestError(f"n must be 1 in AsyncLLM (send several requests), got {request.params.n}", "n")
         if self.state is not EngineState.RUNNING:
             raise EngineShutdownError(self._dead_reason or "the engine is shutting down")
         self.output_handler.own(loop)
