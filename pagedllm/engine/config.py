@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from pagedllm.engine.errors import InvalidRequestError
 
+PREFIX_CACHING_HASH_ALGOS = ("xxhash", "sha256")
+
 
 @dataclass
 class SchedulerConfig:
@@ -16,9 +18,16 @@ class SchedulerConfig:
     max_model_len: int = 4096
     enable_prefix_caching: bool = True
     trace_blocks: bool = False  # JSON-lines block lifecycle trace on stderr (or a list)
+    prefix_caching_hash_algo: str = "xxhash"  # block hash: "xxhash" (xxh64, seeded per process) or "sha256"
 
     def __post_init__(self) -> None:
         for name in ("num_kv_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}", name)
+        if self.prefix_caching_hash_algo not in PREFIX_CACHING_HASH_ALGOS:
+            raise InvalidRequestError(
+                f"prefix_caching_hash_algo must be one of {', '.join(PREFIX_CACHING_HASH_ALGOS)}, "
+                f"got {self.prefix_caching_hash_algo!r}",
+                "prefix_caching_hash_algo",
+            )

@@ -20,7 +20,7 @@ from pagedllm.engine.errors import InvalidRequestError
 from pagedllm.engine.executor import Executor, StepHandle
 from pagedllm.engine.kv_cache_manager import KVCacheManager
 from pagedllm.engine.messages import EngineCoreOutput, EngineCoreRequest, Metrics
-from pagedllm.engine.sampling_params import SEED_MIN, SamplingParams
+from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import Sequence, SequenceStatus
 from pagedllm.engine.trace import Tracer
@@ -62,8 +62,7 @@ class EngineCore:
         for i in range(params.n):
             p = params
             if params.n > 1 and params.seed is not None:
-                seed = (params.seed + i - SEED_MIN) % 2**64 + SEED_MIN  # stays a signed 64-bit seed
-                p = dataclasses.replace(params, seed=seed)  # re-validated, stop list rebuilt
+                p = dataclasses.replace(params, seed=params.seed + i)  # SamplingParams checked seed + n - 1
             seq = Sequence(rid, ids, p, request.arrival_time)
             self._index[seq.seq_id] = i
             seqs.append(seq)

@@ -6,6 +6,7 @@ InvalidRequestError naming the field (`param`), whichever door the request came 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +14,14 @@ from typing import Any
 from pagedllm.engine.errors import InvalidRequestError
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a seed is a signed 64-bit integer (the device's generator key)
+GREEDY_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS): 1/T would overflow
+
+
+def _finite(x: float) -> bool:
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 @dataclass
@@ -28,6 +37,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     seed: int | None = None
     n: int = 1
+    cache_salt: str | None = None  # mixed into the first KV block's hash: only requests with equal salts share KV
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -47,7 +57,9 @@ class SamplingParams:
                 name,
                 "must be an integer",
             )
-        need(self.temperature >= 0, "temperature", "must be >= 0")
+        need(_finite(self.temperature) and self.temperature >= 0, "temperature", "must be a finite number >= 0")
+        if self.temperature < GREEDY_EPS:
+            self.temperature = 0.0  # greedy; a denormal temperature would give inf / nan scores
         need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         need(self.top_k == -1 or self.top_k >= 0, "top_k", "must be -1, 0 (off) or a positive integer")
         need(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
@@ -61,6 +73,15 @@ class SamplingParams:
             "must be an integer or None",
         )
         need(self.seed is None or SEED_MIN <= self.seed <= SEED_MAX, "seed", "must fit in a signed 64-bit integer")
+        if self.seed is not None and self.n > 1:  # the i-th sample of the request draws with seed + i
+            need(
+                self.seed + self.n - 1 <= SEED_MAX, "seed", f"+ n - 1 must fit in a signed 64-bit integer (n={self.n})"
+            )
+        need(
+            self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""),
+            "cache_salt",
+            "must be a non-empty string or None",
+        )
         if self.stop is None:
             self.stop_list = []
         elif isinstance(self.stop, str):

@@ -101,6 +101,10 @@ FLAG_HELP: dict[str, FlagHelp] = {
     "device": FlagHelp("where the model runs; auto = cuda if available", choices=("auto", "cpu", "cuda")),
     "block_size": FlagHelp("tokens per KV block"),
     "enable_prefix_caching": FlagHelp("reuse the KV of shared prompt prefixes"),
+    "prefix_caching_hash_algo": FlagHelp(
+        "block hash of the prefix cache: xxhash (xxh64 with a per-process random seed) or sha256",
+        choices=("xxhash", "sha256"),
+    ),
     "max_num_seqs": FlagHelp("most sequences in one step"),
     "max_num_batched_tokens": FlagHelp("token budget of one step; longer prompts are prefilled in chunks"),
     "max_model_len": FlagHelp("prompt + output limit", "the model's max_position_embeddings"),

@@ -27,6 +27,7 @@ class LLM:
         device: str = "auto",
         block_size: int = 16,
         enable_prefix_caching: bool = True,
+        prefix_caching_hash_algo: str = "xxhash",
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 8192,
         max_model_len: int | None = None,
@@ -76,6 +77,7 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
+            prefix_caching_hash_algo=prefix_caching_hash_algo,
         )  # validate
         import torch  # noqa: F401  (heavy imports only once the arguments are known good)
 
@@ -111,6 +113,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching,
+            prefix_caching_hash_algo=prefix_caching_hash_algo,
             trace_blocks=trace_blocks,
         )
         self.hf_config = hf_config
