@@ -4,45 +4,98 @@ prefix-cache hash table. It knows nothing about scheduling policy.
 Invariants (checked by `check_invariants`, exercised by the property tests):
 - ref_cnt == 0  <=>  the block is in the free queue.
 - A block with a hash is findable through `cached` until it is reallocated (lazy eviction);
-  `cached[h]` holds exactly the blocks whose block_hash is h (several when two sequences
-  computed the same content at the same time; any of them serves a hit).
+  `cached[h]` holds exactly the blocks whose block_hash is h. Several blocks share a hash when
+  two sequences computed the same content at the same time, or when two different chains
+  collide (a crafted collision, or a stub hash in a test): the hash only narrows the search.
+- Identity: (block_id, generation) names one lifetime of a block's content. `generation` is
+  bumped whenever the block is taken from the free queue by `allocate` or its hash is dropped,
+  so a (block_id, generation) pair seen earlier names the same KV for as long as it matches.
+- A registered block stores what its KV was computed from: its token ids, its extra keys
+  (cache_salt, on a first block) and the identity of the exact block it was computed after
+  (`parent`; None for a first block). `lookup` accepts a candidate only when all three equal
+  the request's, the parent being the block the request took as its previous hit. So a hit
+  chain is a chain of blocks each computed after the one before it, from the first block on:
+  the same tokens, under the same salt, in the same order. No hash collision, whoever crafted
+  it, can hand out KV computed after a different prefix.
+- A held (ref_cnt > 0) registered block's parent is current (its generation matches) and held:
+  whoever holds a block holds the blocks before it in its block table.
 - Allocation takes from the head of the free queue; freed blocks go to the tail.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import array
+import hashlib
+import secrets
+from collections.abc import Callable, Iterator, Sequence
 
-import numpy as np
 import xxhash
 
 from pagedllm.engine.trace import Tracer
 
+BlockHash = bytes  # an xxh64 digest (8 bytes) or a sha256 digest (32 bytes): one kind per pool
+HashFn = Callable[[BlockHash | None, tuple[int, ...], bytes], BlockHash]  # (parent, token ids, extra keys)
+HASH_ALGOS = ("xxhash", "sha256")  # SchedulerConfig.prefix_caching_hash_algo
 
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...] | list[int], extra: bytes = b"") -> int:
-    """h_i = xxh64(h_{i-1} || token ids of block i || extra keys)."""
-    h = xxhash.xxh64()
-    if parent_hash is not None:
-        h.update(parent_hash.to_bytes(8, "little"))
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    if extra:
-        h.update(extra)
-    return h.intdigest()
+
+def _digest(data: bytes, algo: str, seed: int) -> BlockHash:
+    if algo == "xxhash":
+        return xxhash.xxh64_digest(data, seed=seed)
+    if algo == "sha256":
+        return hashlib.sha256(data).digest()
+    raise ValueError(f"prefix caching hash algo must be one of {', '.join(HASH_ALGOS)}, got {algo!r}")
+
+
+def hash_block(parent_hash: BlockHash, token_ids: Sequence[int], extra: bytes, *, algo: str, seed: int) -> BlockHash:
+    """h_i = H(h_{i-1} || token ids of block i as int64 || extra keys), H xxh64 seeded with `seed`
+    or sha256 (the seed then enters only through the chain's root, BlockHasher.root). The parent
+    digest and the token ids have fixed lengths in a pool, so the fields cannot run into each other."""
+    return _digest(parent_hash + array.array("q", token_ids).tobytes() + extra, algo, seed)
+
+
+class BlockHasher:
+    """The chain hash of one pool: `hasher(parent, token_ids, extra)`, parent None for a first block.
+
+    The root (the parent digest of every first block) and xxh64's seed come from `seed`, a
+    secret 64-bit integer drawn from the OS's random source when None: hashes are then
+    unpredictable from outside the process, so nobody can precompute a collision offline. Tests
+    pass a fixed seed. A pool keeps its hasher for life (hashes of two seeds never meet)."""
+
+    def __init__(self, algo: str = "xxhash", seed: int | None = None) -> None:
+        if algo not in HASH_ALGOS:
+            raise ValueError(f"prefix caching hash algo must be one of {', '.join(HASH_ALGOS)}, got {algo!r}")
+        self.algo = algo
+        self.seed = secrets.randbits(64) if seed is None else seed
+        if not 0 <= self.seed < 2**64:
+            raise ValueError(f"hash seed must be an unsigned 64-bit integer, got {self.seed}")
+        self.root = _digest(b"pagedllm prefix-cache root" + self.seed.to_bytes(8, "little"), algo, self.seed)
+
+    def __call__(self, parent: BlockHash | None, token_ids: tuple[int, ...], extra: bytes = b"") -> BlockHash:
+        return hash_block(self.root if parent is None else parent, token_ids, extra, algo=self.algo, seed=self.seed)
 
 
 class Block:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "prev", "next")
+    __slots__ = ("block_id", "ref_cnt", "generation", "block_hash", "token_ids", "extra", "parent", "prev", "next")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_cnt = 0
-        self.block_hash: int | None = None
-        self.token_ids: tuple[int, ...] | None = None  # kept to verify a hash hit
+        self.generation = 0  # bumped on every allocate and hash drop: (block_id, generation) names the KV
+        # set by register (all None / b"" while unregistered): what the KV was computed from
+        self.block_hash: BlockHash | None = None
+        self.token_ids: tuple[int, ...] | None = None
+        self.extra: bytes = b""  # extra keys (cache_salt) hashed with the tokens
+        self.parent: tuple[int, int] | None = None  # (block_id, generation) computed before this one
         self.prev: Block | None = None
         self.next: Block | None = None
 
+    @property
+    def identity(self) -> tuple[int, int]:
+        return (self.block_id, self.generation)
+
     def __repr__(self) -> str:
-        return f"Block({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+        h = self.block_hash.hex() if self.block_hash is not None else None
+        return f"Block({self.block_id}, gen={self.generation}, ref={self.ref_cnt}, hash={h}, parent={self.parent})"
 
 
 class FreeBlockQueue:
@@ -97,7 +150,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
-        self.cached: dict[int, dict[int, Block]] = {}  # hash -> {block_id: block}
+        self.cached: dict[BlockHash, dict[int, Block]] = {}  # hash -> {block_id: block}
         self.tracer = tracer
         self.num_evictions = 0
 
@@ -109,10 +162,15 @@ class BlockPool:
         assert self.tracer is not None  # callers check first: no tracer, no cost
         self.tracer.event(kind, block.block_id, seq_id, block.ref_cnt, len(self.free_queue))
 
-    def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> Block | None:
-        """The cached block for this hash, only if its token ids match (no wrong KV on a collision)."""
+    def lookup(
+        self, block_hash: BlockHash, token_ids: tuple[int, ...], extra: bytes, parent: Block | None
+    ) -> Block | None:
+        """The cached block computed from exactly these token ids and extra keys right after
+        `parent` (the previous block of the hit chain; None for a first block), else None.
+        Only the hash narrows the search: a collision can cost a miss, never wrong KV."""
+        want_parent = None if parent is None else parent.identity
         for block in self.cached.get(block_hash, {}).values():
-            if block.token_ids == token_ids:
+            if block.token_ids == token_ids and block.extra == extra and block.parent == want_parent:
                 return block
         return None
 
@@ -120,11 +178,11 @@ class BlockPool:
         """ALLOCATE: the LRU head; a cached block found there is evicted now (lazy eviction)."""
         block = self.free_queue.popleft()
         if block.block_hash is not None:
-            self._uncache(block)
-            block.block_hash = block.token_ids = None
+            self._drop_hash(block)
             self.num_evictions += 1
             if self.tracer:
                 self._trace("EVICT", block, seq_id)
+        block.generation += 1  # new content from here on: children computed after the old one never match
         block.ref_cnt = 1
         if self.tracer:
             self._trace("ALLOCATE", block, seq_id)
@@ -150,27 +208,36 @@ class BlockPool:
         if self.tracer:
             self._trace("RELEASE", block, seq_id)
 
-    def _uncache(self, block: Block) -> None:
+    def _drop_hash(self, block: Block) -> None:
         h = block.block_hash
         assert h is not None
         same = self.cached[h]
         del same[block.block_id]
         if not same:
             del self.cached[h]
+        block.block_hash = block.token_ids = block.parent = None
+        block.extra = b""
+        block.generation += 1
 
-    def register(self, block: Block, block_hash: int, token_ids: tuple[int, ...]) -> None:
-        """Make a block whose KV has been written findable under its hash."""
+    def register(
+        self, block: Block, block_hash: BlockHash, token_ids: tuple[int, ...], extra: bytes, parent: Block | None
+    ) -> None:
+        """Make a block whose KV has been written findable under its hash, remembering what the KV
+        was computed from: token ids, extra keys and the block it came after (None: a first block),
+        which the caller holds."""
         if block.block_hash is not None:
-            return
+            return  # shared (fork) and registered by another holder: same tokens, same parent
+        assert parent is None or (parent.ref_cnt > 0 and parent.block_hash is not None), (block, parent)
         block.block_hash = block_hash
         block.token_ids = token_ids
+        block.extra = extra
+        block.parent = None if parent is None else parent.identity
         self.cached.setdefault(block_hash, {})[block.block_id] = block
 
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:
             if block.ref_cnt == 0 and block.block_hash is not None:
-                self._uncache(block)
-                block.block_hash = block.token_ids = None
+                self._drop_hash(block)
 
     def check_invariants(self) -> None:
         in_queue = {b.block_id for b in self.free_queue}
@@ -178,6 +245,18 @@ class BlockPool:
         for b in self.blocks:
             assert (b.ref_cnt == 0) == (b.block_id in in_queue), b
             assert b.ref_cnt >= 0
-            assert b.block_hash is None or b.block_id in self.cached.get(b.block_hash, {}), b
+            if b.block_hash is None:
+                assert b.token_ids is None and b.parent is None and b.extra == b"", b
+                continue
+            assert b.token_ids is not None and b.block_id in self.cached.get(b.block_hash, {}), b
+            if b.parent is not None:
+                pid, pgen = b.parent
+                assert pid != b.block_id and pgen <= self.blocks[pid].generation, b
+                if b.ref_cnt > 0:  # a held block's parent is held and still the same KV
+                    parent = self.blocks[pid]
+                    assert parent.generation == pgen and parent.ref_cnt > 0 and parent.block_hash is not None, (
+                        b,
+                        parent,
+                    )
         for h, same in self.cached.items():
             assert same and all(b.block_hash == h and b.block_id == i for i, b in same.items()), (h, same)

@@ -38,7 +38,13 @@ class EngineCore:
         self.config = config
         self.executor = executor
         tracer = Tracer(trace_sink) if config.trace_blocks else None
-        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching, tracer)
+        self.kv = KVCacheManager(
+            config.num_kv_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            tracer,
+            hash_algo=config.prefix_caching_hash_algo,  # hash_seed: a secret of this process
+        )
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len, eos_token_ids
         )
@@ -165,16 +171,24 @@ class EngineCore:
 
     # ---- metrics -----------------------------------------------------------------------
     def get_metrics(self) -> Metrics:
+        """Gauges and counters by name. The prefix_cache_* counters count each sequence's first
+        admission (queries, hits: tokens; the hit rate is theirs); its resumes after preemption
+        are counted apart, in prefix_cache_preempted_* (kv_cache_manager.PrefixCacheStats)."""
         kv = self.kv
-        q, h = kv.prefix_query_tokens, kv.prefix_hit_tokens
+        stats = kv.prefix_cache_stats
+        q, h = stats.queries, stats.hits
         return {
             "num_kv_blocks": kv.num_blocks,
             "num_free_kv_blocks": kv.num_free_blocks,
             "kv_cache_usage": kv.usage,
             "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_requests": stats.requests,
             "prefix_cache_query_tokens": q,
             "prefix_cache_hit_tokens": h,
             "prefix_cache_hit_rate": h / q if q else 0.0,
+            "prefix_cache_preempted_requests": stats.preempted_requests,
+            "prefix_cache_preempted_query_tokens": stats.preempted_queries,
+            "prefix_cache_preempted_hit_tokens": stats.preempted_hits,
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generation_tokens": self.num_generation_tokens,
             "num_requests_running": len({s.request_id for s in self.scheduler.running}),

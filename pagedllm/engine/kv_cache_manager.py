@@ -5,35 +5,77 @@ The three paths of a block (the names of the block trace, ARCHITECTURE.md):
   REUSE      - hit on a block a live sequence holds: ref_cnt + 1
   REACTIVATE - hit on a free block that kept its hash: taken out of the free queue
 Prefix hits are taken block by block in order and stop at the first miss; the last token
-of a sequence is never served from the cache (its logits are needed).
+of a sequence is never served from the cache (its logits are needed). A hit is verified, not
+trusted to the hash: same token ids, same extra keys (the request's cache_salt, hashed into its
+first block) and computed right after the previous block of the hit (block_pool.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass
 
-from pagedllm.engine.block_pool import Block, BlockPool, hash_block
+from pagedllm.engine.block_pool import Block, BlockHash, BlockHasher, BlockPool, HashFn
 from pagedllm.engine.sequence import Sequence
 from pagedllm.engine.trace import Tracer
 
 
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache lookups, counted once per admission, in requests and tokens (vLLM v1's
+    PrefixCacheStats). `queries` are the tokens of admitted sequences, `hits` those served from
+    the cache. A sequence resumed after preemption re-hits the blocks it computed itself, so its
+    lookups go to the preempted_* counters: queries and hits (and the hit rate) describe first
+    admissions only."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+
+    def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
+        if preempted:
+            self.preempted_requests += 1
+            self.preempted_queries += num_tokens
+            self.preempted_hits += num_hits
+        else:
+            self.requests += 1
+            self.queries += num_tokens
+            self.hits += num_hits
+
+
+def cache_salt_key(salt: str | None) -> bytes:
+    """The extra key of a first block: b"" without a salt, else a tagged, length-prefixed
+    encoding (one salt can never read as another, or as no salt)."""
+    if salt is None:
+        return b""
+    data = salt.encode("utf-8", "surrogatepass")
+    return b"cache_salt" + len(data).to_bytes(4, "little") + data
+
+
 class KVCacheManager:
+    """`hash_algo` ("xxhash" or "sha256", SchedulerConfig.prefix_caching_hash_algo) and `hash_seed`
+    (None: a secret drawn at construction) make the block hash (BlockHasher); `hash_fn` replaces
+    it (tests inject collisions with it)."""
+
     def __init__(
         self,
         num_blocks: int,
         block_size: int,
         enable_prefix_caching: bool = True,
         tracer: Tracer | None = None,
-        hash_fn: Callable[[int | None, tuple[int, ...]], int] = hash_block,
+        hash_fn: HashFn | None = None,
+        hash_algo: str = "xxhash",
+        hash_seed: int | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, tracer)
-        self.hash_fn = hash_fn
-        self.prefix_query_tokens = 0
-        self.prefix_hit_tokens = 0
+        self.hash_fn: HashFn = BlockHasher(hash_algo, hash_seed) if hash_fn is None else hash_fn
+        self.prefix_cache_stats = PrefixCacheStats()
         self.blocks_to_copy: list[tuple[int, int]] = []  # copy-on-write, drained by the scheduler
 
     # ---- views -------------------------------------------------------------------------
@@ -55,12 +97,18 @@ class KVCacheManager:
     def _block_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
         return tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
 
-    def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
+    @staticmethod
+    def _block_extra(seq: Sequence, i: int) -> bytes:
+        """Extra keys of block i, hashed with its tokens and verified on a hit: the salt, on block 0."""
+        return cache_salt_key(seq.sampling_params.cache_salt) if i == 0 else b""
+
+    def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[BlockHash]:
         """Chained hashes of the first num_full_blocks blocks (computed once, then kept)."""
         hashes = seq.block_hashes
         while len(hashes) < num_full_blocks:
+            i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(self.hash_fn(parent, self._block_tokens(seq, len(hashes))))
+            hashes.append(self.hash_fn(parent, self._block_tokens(seq, i), self._block_extra(seq, i)))
         return hashes
 
     # ---- scheduling API ------------------------------------------------------------------
@@ -70,11 +118,13 @@ class KVCacheManager:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size  # keep the last token to compute
         hits: list[Block] = []
+        parent = None
         for i, h in enumerate(self._block_hashes(seq, max_blocks)):
-            block = self.pool.lookup(h, self._block_tokens(seq, i))
+            block = self.pool.lookup(h, self._block_tokens(seq, i), self._block_extra(seq, i), parent)
             if block is None:
                 break
             hits.append(block)
+            parent = block
         return hits
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[Block] | None = None) -> bool:
@@ -96,10 +146,12 @@ class KVCacheManager:
         num_reactivated = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if num_new_blocks + cow + num_reactivated > self.pool.num_free_blocks:
             return False
-        if seq.num_computed_tokens == 0 and not seq.block_table:
-            self.prefix_query_tokens += seq.num_tokens if self.enable_prefix_caching else 0
-            self.prefix_hit_tokens += num_cached
-            seq.num_cached_tokens = num_cached
+        if seq.num_computed_tokens == 0 and not seq.block_table:  # admitted: first time or resumed
+            resumed = seq.num_preemptions > 0
+            if self.enable_prefix_caching:
+                self.prefix_cache_stats.record(seq.num_tokens, num_cached, resumed)
+            if not resumed:
+                seq.num_cached_tokens = num_cached  # once: a resume re-hits blocks the sequence computed
         for block in computed_blocks:
             self.pool.touch(block, seq.seq_id)
             seq.block_table.append(block.block_id)
@@ -137,8 +189,11 @@ class KVCacheManager:
         if num_full <= seq.num_registered_blocks:
             return
         hashes = self._block_hashes(seq, num_full)
+        blocks = self.pool.blocks
         for i in range(seq.num_registered_blocks, num_full):
-            self.pool.register(self.pool.blocks[seq.block_table[i]], hashes[i], self._block_tokens(seq, i))
+            parent = blocks[seq.block_table[i - 1]] if i else None
+            tokens, extra = self._block_tokens(seq, i), self._block_extra(seq, i)
+            self.pool.register(blocks[seq.block_table[i]], hashes[i], tokens, extra, parent)
         seq.num_registered_blocks = num_full
 
     def free(self, seq: Sequence) -> None:

@@ -51,9 +51,10 @@ class Sequence:
         self.sampling_params = sampling_params
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # nano-vllm calls it num_cached_tokens
-        self.num_cached_tokens = 0  # prefix-cache hit at admission (vLLM's name)
+        self.num_cached_tokens = 0  # prefix-cache hit at the first admission (vLLM's name), never reset
+        self.num_preemptions = 0  # times preempted (vLLM's name): > 0 makes an admission a resume
         self.block_table: list[int] = []
-        self.block_hashes: list[int] = []  # chained hashes of full blocks, lazily extended
+        self.block_hashes: list[bytes] = []  # chained hashes of full blocks (block_pool.BlockHash), lazily extended
         self.num_registered_blocks = 0  # leading blocks already in the prefix cache
         self.num_written = 0  # tokens whose KV a finished step has written
         self.num_pending = 0  # trailing PLACEHOLDER tokens (async scheduling)

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedllm.engine import KVCacheManager, SamplingParams, Sequence
-from pagedllm.engine.block_pool import hash_block
+from pagedllm.engine.block_pool import BlockHasher
 
 
 def seq_of(tokens, rid="r"):
@@ -54,7 +54,7 @@ def test_finished_request_blocks_are_reactivated():
     admit(kv, b)
     assert b.block_table[:2] == old[:2]
     assert b.num_cached_tokens == 8
-    assert kv.prefix_hit_tokens == 8
+    assert kv.prefix_cache_stats.hits == 8
 
 
 def test_last_prompt_token_is_always_computed():
@@ -94,7 +94,7 @@ def test_lru_prefix_outlives_suffix():
 
 
 def test_hash_collision_never_returns_a_wrong_block():
-    kv = KVCacheManager(num_blocks=8, block_size=4, hash_fn=lambda parent, tokens: 42)
+    kv = KVCacheManager(num_blocks=8, block_size=4, hash_fn=lambda parent, tokens, extra: b"42")
     a = seq_of([1, 2, 3, 4, 5])
     admit(kv, a)
     b = seq_of([9, 9, 9, 9, 5])  # same (stub) hash, different tokens
@@ -104,7 +104,9 @@ def test_hash_collision_never_returns_a_wrong_block():
 
 
 def test_hash_chain_depends_on_the_parent():
-    assert hash_block(None, [1, 2]) != hash_block(hash_block(None, [0, 0]), [1, 2])
+    for algo in ("xxhash", "sha256"):
+        h = BlockHasher(algo, seed=7)
+        assert h(None, (1, 2)) != h(h(None, (0, 0)), (1, 2))
 
 
 def test_fork_shares_blocks_and_copies_on_write():
@@ -161,18 +163,23 @@ def test_invariants_hold_under_random_operations(ops, block_size, num_blocks):
                 held[b] = held.get(b, 0) + 1
         for b in kv.pool.blocks:
             assert b.ref_cnt == held.get(b.block_id, 0)  # ref_cnt counts live holders exactly
-            if b.block_hash is not None:  # only full blocks are cached, and a hit finds them
+            if b.block_hash is not None:  # only full blocks are cached, and a hit after its parent finds them
                 assert b.token_ids is not None and len(b.token_ids) == block_size, b
-                assert kv.pool.lookup(b.block_hash, b.token_ids) is not None
-        for s in live:  # every fully written block is findable
+                parent = None if b.parent is None else kv.pool.blocks[b.parent[0]]
+                if parent is None or parent.generation == b.parent[1]:
+                    assert kv.pool.lookup(b.block_hash, b.token_ids, b.extra, parent) is not None
+        for s in live:  # every fully written block is findable, after the block before it
             for i in range(s.num_computed_tokens // block_size):
-                assert kv.pool.lookup(s.block_hashes[i], tuple(s.token_ids[i * block_size : (i + 1) * block_size]))
+                parent = kv.pool.blocks[s.block_table[i - 1]] if i else None
+                tokens = tuple(s.token_ids[i * block_size : (i + 1) * block_size])
+                assert kv.pool.lookup(s.block_hashes[i], tokens, b"", parent)
         for s in live:  # cached tokens are the right tokens, under the holder's chain hash
             for i, b in enumerate(s.block_table):
                 blk = kv.pool.blocks[b]
                 if blk.token_ids is not None:
                     assert blk.token_ids == tuple(s.token_ids[i * block_size : (i + 1) * block_size])
                     assert blk.block_hash == s.block_hashes[i]
+                    assert blk.parent == (kv.pool.blocks[s.block_table[i - 1]].identity if i else None)
     for s in live:
         kv.free(s)
     kv.pool.check_invariants()
