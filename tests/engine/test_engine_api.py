@@ -169,6 +169,10 @@ def test_metrics_keys_and_values(mode):
         "prefix_cache_query_tokens",
         "prefix_cache_hit_tokens",
         "prefix_cache_hit_rate",
+        "prefix_cache_requests",
+        "prefix_cache_preempted_requests",
+        "prefix_cache_preempted_query_tokens",
+        "prefix_cache_preempted_hit_tokens",
         "num_prompt_tokens",
         "num_generation_tokens",
         "num_requests_running",
@@ -176,6 +180,7 @@ def test_metrics_keys_and_values(mode):
     ]:
         assert key in m
     assert m["prefix_cache_hit_tokens"] == 16 and m["prefix_cache_query_tokens"] == 34
+    assert m["prefix_cache_requests"] == 2 and m["num_preemptions"] == m["prefix_cache_preempted_requests"] == 0
     assert m["num_prompt_tokens"] == 34 and m["num_generation_tokens"] == 6
     assert m["num_free_kv_blocks"] == 64 and m["kv_cache_usage"] == 0.0
 

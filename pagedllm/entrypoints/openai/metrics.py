@@ -24,8 +24,19 @@ GAUGES = [
     ("pagedllm:kv_cache_usage_perc", "KV-cache usage: fraction of blocks in use (1 = full).", "kv_cache_usage", 1),
 ]
 COUNTERS = [  # exposed with the _total suffix
+    # first admissions only; a preempted request's lookups on resume are the preempted_ pair
     ("pagedllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_query_tokens"),
     ("pagedllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hit_tokens"),
+    (
+        "pagedllm:prefix_cache_preempted_queries",
+        "Tokens looked up in the prefix cache by preempted requests on resume.",
+        "prefix_cache_preempted_query_tokens",
+    ),
+    (
+        "pagedllm:prefix_cache_preempted_hits",
+        "Tokens found in the prefix cache by preempted requests on resume.",
+        "prefix_cache_preempted_hit_tokens",
+    ),
     ("pagedllm:num_preemptions", "Sequences preempted (by recompute).", "num_preemptions"),
     ("pagedllm:prompt_tokens", "Prompt tokens processed (prefilled).", "num_prompt_tokens"),
     ("pagedllm:generation_tokens", "Tokens generated.", "num_generation_tokens"),
