@@ -5,20 +5,23 @@ Invariants (checked by `check_invariants`, exercised by the property tests):
 - ref_cnt == 0  <=>  the block is in the free queue.
 - A block with a hash is findable through `cached` until it is reallocated (lazy eviction);
   `cached[h]` holds exactly the blocks whose block_hash is h. Several blocks share a hash when
-  two sequences computed the same content at the same time, or when two different chains
-  collide (a crafted collision, or a stub hash in a test): the hash only narrows the search.
-- Identity: (block_id, generation) names one lifetime of a block's content. `generation` is
-  bumped whenever the block is taken from the free queue by `allocate` or its hash is dropped,
-  so a (block_id, generation) pair seen earlier names the same KV for as long as it matches.
-- A registered block stores what its KV was computed from: its token ids, its extra keys
-  (cache_salt, on a first block) and the identity of the exact block it was computed after
-  (`parent`; None for a first block). `lookup` accepts a candidate only when all three equal
-  the request's, the parent being the block the request took as its previous hit. So a hit
-  chain is a chain of blocks each computed after the one before it, from the first block on:
-  the same tokens, under the same salt, in the same order. No hash collision, whoever crafted
-  it, can hand out KV computed after a different prefix.
-- A held (ref_cnt > 0) registered block's parent is current (its generation matches) and held:
-  whoever holds a block holds the blocks before it in its block table.
+  sequences computed the same prefix at the same time (duplicates), or when different prefixes
+  collide (a crafted collision, a stub hash in a test): the hash only narrows the search.
+- Hits are verified along the whole chain, never trusted to the hash. A registered block stores
+  what its KV was computed from: its token ids, its extra keys (cache_salt, on a first block) and
+  `parent_prefix_id`, the `prefix_id` of the block it was computed after (None: a first block).
+  `prefix_id` names a whole prefix: registered blocks have equal prefix_ids exactly when their
+  tokens, extra keys and parent_prefix_ids are equal (`register` gives a block the id of a
+  cached block it duplicates, else a new one), so by induction from the first block, equal ids
+  mean KV computed from the same tokens under the same salt. Ids come from a counter of the
+  pool and are never reused: once a prefix's last block is evicted its id names nothing
+  cached, and blocks computed after it can no longer be reached (a lost hit, never wrong KV).
+- `lookup` accepts a candidate only when its tokens and extra keys equal the request's and its
+  parent_prefix_id is the prefix_id of the request's previous hit: a hit chain holds KV of the
+  request's own prefix, whatever collides with it. Duplicates of a prefix share its prefix_id,
+  so any of them serves, and a chain may mix them.
+- A held (ref_cnt > 0) registered block's parent prefix is held too: whoever holds a block holds
+  the blocks before it in its block table, and a held block keeps its hash.
 - Allocation takes from the head of the free queue; freed blocks go to the tail.
 """
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import array
 import hashlib
+import itertools
 import secrets
 from collections.abc import Callable, Iterator, Sequence
 
@@ -75,27 +79,36 @@ class BlockHasher:
 
 
 class Block:
-    __slots__ = ("block_id", "ref_cnt", "generation", "block_hash", "token_ids", "extra", "parent", "prev", "next")
+    __slots__ = (
+        "block_id",
+        "ref_cnt",
+        "block_hash",
+        "token_ids",
+        "extra",
+        "prefix_id",
+        "parent_prefix_id",
+        "prev",
+        "next",
+    )
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_cnt = 0
-        self.generation = 0  # bumped on every allocate and hash drop: (block_id, generation) names the KV
-        # set by register (all None / b"" while unregistered): what the KV was computed from
+        # set by register (None / b"" while unregistered): what the KV was computed from
         self.block_hash: BlockHash | None = None
         self.token_ids: tuple[int, ...] | None = None
         self.extra: bytes = b""  # extra keys (cache_salt) hashed with the tokens
-        self.parent: tuple[int, int] | None = None  # (block_id, generation) computed before this one
+        self.prefix_id: int | None = None  # names the whole prefix this block ends (BlockPool's counter)
+        self.parent_prefix_id: int | None = None  # the prefix it was computed after; None: a first block
         self.prev: Block | None = None
         self.next: Block | None = None
 
-    @property
-    def identity(self) -> tuple[int, int]:
-        return (self.block_id, self.generation)
-
     def __repr__(self) -> str:
         h = self.block_hash.hex() if self.block_hash is not None else None
-        return f"Block({self.block_id}, gen={self.generation}, ref={self.ref_cnt}, hash={h}, parent={self.parent})"
+        return (
+            f"Block({self.block_id}, ref={self.ref_cnt}, hash={h}, prefix={self.prefix_id}, "
+            f"parent={self.parent_prefix_id})"
+        )
 
 
 class FreeBlockQueue:
@@ -153,6 +166,7 @@ class BlockPool:
         self.cached: dict[BlockHash, dict[int, Block]] = {}  # hash -> {block_id: block}
         self.tracer = tracer
         self.num_evictions = 0
+        self._prefix_ids = itertools.count()  # Block.prefix_id: never reused
 
     @property
     def num_free_blocks(self) -> int:
@@ -165,12 +179,12 @@ class BlockPool:
     def lookup(
         self, block_hash: BlockHash, token_ids: tuple[int, ...], extra: bytes, parent: Block | None
     ) -> Block | None:
-        """The cached block computed from exactly these token ids and extra keys right after
-        `parent` (the previous block of the hit chain; None for a first block), else None.
-        Only the hash narrows the search: a collision can cost a miss, never wrong KV."""
-        want_parent = None if parent is None else parent.identity
+        """A cached block computed from exactly these token ids and extra keys after the prefix of
+        `parent` (the request's previous hit; None for a first block), else None. Only the hash
+        narrows the search: a collision can cost a miss, never wrong KV."""
+        want = None if parent is None else parent.prefix_id
         for block in self.cached.get(block_hash, {}).values():
-            if block.token_ids == token_ids and block.extra == extra and block.parent == want_parent:
+            if block.parent_prefix_id == want and block.token_ids == token_ids and block.extra == extra:
                 return block
         return None
 
@@ -182,7 +196,6 @@ class BlockPool:
             self.num_evictions += 1
             if self.tracer:
                 self._trace("EVICT", block, seq_id)
-        block.generation += 1  # new content from here on: children computed after the old one never match
         block.ref_cnt = 1
         if self.tracer:
             self._trace("ALLOCATE", block, seq_id)
@@ -215,23 +228,25 @@ class BlockPool:
         del same[block.block_id]
         if not same:
             del self.cached[h]
-        block.block_hash = block.token_ids = block.parent = None
+        block.block_hash = block.token_ids = block.prefix_id = block.parent_prefix_id = None
         block.extra = b""
-        block.generation += 1
 
     def register(
         self, block: Block, block_hash: BlockHash, token_ids: tuple[int, ...], extra: bytes, parent: Block | None
     ) -> None:
         """Make a block whose KV has been written findable under its hash, remembering what the KV
-        was computed from: token ids, extra keys and the block it came after (None: a first block),
-        which the caller holds."""
+        was computed from: token ids, extra keys and the prefix of `parent`, the block before it
+        in the caller's block table (None: a first block). A duplicate of a cached prefix takes
+        that prefix's id."""
         if block.block_hash is not None:
-            return  # shared (fork) and registered by another holder: same tokens, same parent
-        assert parent is None or (parent.ref_cnt > 0 and parent.block_hash is not None), (block, parent)
+            return  # shared (fork) and registered by another holder: the same prefix
+        assert parent is None or (parent.ref_cnt > 0 and parent.prefix_id is not None), (block, parent)
+        same = self.lookup(block_hash, token_ids, extra, parent)
+        block.prefix_id = next(self._prefix_ids) if same is None else same.prefix_id
+        block.parent_prefix_id = None if parent is None else parent.prefix_id
         block.block_hash = block_hash
         block.token_ids = token_ids
         block.extra = extra
-        block.parent = None if parent is None else parent.identity
         self.cached.setdefault(block_hash, {})[block.block_id] = block
 
     def reset_prefix_cache(self) -> None:
@@ -242,21 +257,25 @@ class BlockPool:
     def check_invariants(self) -> None:
         in_queue = {b.block_id for b in self.free_queue}
         assert len(in_queue) == len(self.free_queue)
+        prefix_of: dict[tuple[int | None, tuple[int, ...], bytes], int] = {}  # what a prefix id stands for
+        ids: dict[int, tuple[int | None, tuple[int, ...], bytes]] = {}
+        held_prefixes: set[int] = set()
+        held_parents: set[int] = set()
         for b in self.blocks:
             assert (b.ref_cnt == 0) == (b.block_id in in_queue), b
             assert b.ref_cnt >= 0
             if b.block_hash is None:
-                assert b.token_ids is None and b.parent is None and b.extra == b"", b
+                assert b.token_ids is None and b.prefix_id is None and b.parent_prefix_id is None and not b.extra, b
                 continue
-            assert b.token_ids is not None and b.block_id in self.cached.get(b.block_hash, {}), b
-            if b.parent is not None:
-                pid, pgen = b.parent
-                assert pid != b.block_id and pgen <= self.blocks[pid].generation, b
-                if b.ref_cnt > 0:  # a held block's parent is held and still the same KV
-                    parent = self.blocks[pid]
-                    assert parent.generation == pgen and parent.ref_cnt > 0 and parent.block_hash is not None, (
-                        b,
-                        parent,
-                    )
+            assert b.token_ids is not None and b.prefix_id is not None, b
+            assert b.block_id in self.cached.get(b.block_hash, {}), b
+            key = (b.parent_prefix_id, b.token_ids, b.extra)
+            assert prefix_of.setdefault(key, b.prefix_id) == b.prefix_id, b  # one prefix, one id
+            assert ids.setdefault(b.prefix_id, key) == key, b  # one id, one prefix
+            if b.ref_cnt > 0:
+                held_prefixes.add(b.prefix_id)
+                if b.parent_prefix_id is not None:
+                    held_parents.add(b.parent_prefix_id)
+        assert held_parents <= held_prefixes, held_parents - held_prefixes
         for h, same in self.cached.items():
             assert same and all(b.block_hash == h and b.block_id == i for i, b in same.items()), (h, same)

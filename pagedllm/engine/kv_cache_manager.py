@@ -7,7 +7,8 @@ The three paths of a block (the names of the block trace, ARCHITECTURE.md):
 Prefix hits are taken block by block in order and stop at the first miss; the last token
 of a sequence is never served from the cache (its logits are needed). A hit is verified, not
 trusted to the hash: same token ids, same extra keys (the request's cache_salt, hashed into its
-first block) and computed right after the previous block of the hit (block_pool.py).
+first block) and computed after the same prefix as the previous block of the hit (block_pool.py).
+Admissions are counted in `prefix_cache_stats`, a resume after preemption apart.
 """
 
 from __future__ import annotations

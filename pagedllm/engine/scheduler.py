@@ -5,7 +5,8 @@ Running sequences go first: one token per decode, or the next chunk of an unfini
 prefill. Then waiting sequences are admitted (preempted ones first, they sit at the front)
 while budget, sequence slots and blocks allow. When blocks run out, the most recently
 admitted running sequence is preempted by recompute: its blocks are freed and it goes back
-to the front of the waiting queue; on resume it re-hits its own cached prefix.
+to the front of the waiting queue; on resume it re-hits its own cached prefix (a lookup the
+prefix-cache statistics count apart: kv_cache_manager.PrefixCacheStats).
 """
 
 from __future__ import annotations

@@ -163,10 +163,11 @@ def test_invariants_hold_under_random_operations(ops, block_size, num_blocks):
                 held[b] = held.get(b, 0) + 1
         for b in kv.pool.blocks:
             assert b.ref_cnt == held.get(b.block_id, 0)  # ref_cnt counts live holders exactly
-            if b.block_hash is not None:  # only full blocks are cached, and a hit after its parent finds them
+            if b.block_hash is not None:  # only full blocks are cached, and a hit after their parent prefix finds them
                 assert b.token_ids is not None and len(b.token_ids) == block_size, b
-                parent = None if b.parent is None else kv.pool.blocks[b.parent[0]]
-                if parent is None or parent.generation == b.parent[1]:
+                parents = [p for p in kv.pool.blocks if p.block_hash and p.prefix_id == b.parent_prefix_id]
+                if b.parent_prefix_id is None or parents:
+                    parent = parents[0] if parents else None
                     assert kv.pool.lookup(b.block_hash, b.token_ids, b.extra, parent) is not None
         for s in live:  # every fully written block is findable, after the block before it
             for i in range(s.num_computed_tokens // block_size):
@@ -179,7 +180,7 @@ def test_invariants_hold_under_random_operations(ops, block_size, num_blocks):
                 if blk.token_ids is not None:
                     assert blk.token_ids == tuple(s.token_ids[i * block_size : (i + 1) * block_size])
                     assert blk.block_hash == s.block_hashes[i]
-                    assert blk.parent == (kv.pool.blocks[s.block_table[i - 1]].identity if i else None)
+                    assert blk.parent_prefix_id == (kv.pool.blocks[s.block_table[i - 1]].prefix_id if i else None)
     for s in live:
         kv.free(s)
     kv.pool.check_invariants()

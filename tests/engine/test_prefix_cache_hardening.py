@@ -50,6 +50,31 @@ def test_a_colliding_chain_never_hits_blocks_computed_after_another_prefix():
     assert kv.num_free_blocks == kv.num_blocks
 
 
+def test_duplicate_prefixes_serve_each_other():
+    """Two sequences computed the same prefix at the same time (neither could hit the other):
+    their blocks are interchangeable, so a later hit may continue on the second copy where the
+    first one's tail was evicted."""
+    kv = KVCacheManager(num_blocks=8, block_size=BS, hash_fn=chain_length_hash)
+    prompt = P_A + X + Y
+    a, b = seq_of(prompt + [0], "a"), seq_of(prompt + [1], "b")
+    for s in (a, b):  # admitted in one step: both miss
+        assert kv.get_computed_blocks(s) == [] and kv.allocate_slots(s, s.num_tokens)
+    for s in (a, b):
+        s.num_computed_tokens = s.num_written = s.num_tokens
+        kv.cache_full_blocks(s)
+    table_a, table_b = a.block_table, b.block_table
+    kv.free(a)
+    kv.free(b)  # free queue: a's 4 blocks tail-first, then b's
+    filler = seq_of([42] * 5, "f")
+    assert admit(kv, filler)  # takes a's partial block and a's third block
+    assert filler.block_table == [table_a[3], table_a[2]]
+    c = seq_of(prompt + [2], "c")
+    hit = kv.get_computed_blocks(c)
+    assert [blk.block_id for blk in hit] == table_a[:2] + table_b[2:3]  # b's copy continues a's chain
+    assert admit(kv, c) and c.num_cached_tokens == 3 * BS
+    kv.pool.check_invariants()
+
+
 @pytest.mark.parametrize("algo,size", [("xxhash", 8), ("sha256", 32)])
 def test_hash_algos_and_seeds(algo, size):
     tokens = (1, 2, 3, 4)
