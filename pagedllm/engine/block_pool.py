@@ -35,11 +35,11 @@ from collections.abc import Callable, Iterator, Sequence
 
 import xxhash
 
+from pagedllm.engine.config import PREFIX_CACHING_HASH_ALGOS
 from pagedllm.engine.trace import Tracer
 
 BlockHash = bytes  # an xxh64 digest (8 bytes) or a sha256 digest (32 bytes): one kind per pool
 HashFn = Callable[[BlockHash | None, tuple[int, ...], bytes], BlockHash]  # (parent, token ids, extra keys)
-HASH_ALGOS = ("xxhash", "sha256")  # SchedulerConfig.prefix_caching_hash_algo
 
 
 def _digest(data: bytes, algo: str, seed: int) -> BlockHash:
@@ -47,7 +47,7 @@ def _digest(data: bytes, algo: str, seed: int) -> BlockHash:
         return xxhash.xxh64_digest(data, seed=seed)
     if algo == "sha256":
         return hashlib.sha256(data).digest()
-    raise ValueError(f"prefix caching hash algo must be one of {', '.join(HASH_ALGOS)}, got {algo!r}")
+    raise ValueError(f"prefix_caching_hash_algo must be one of {', '.join(PREFIX_CACHING_HASH_ALGOS)}, got {algo!r}")
 
 
 def hash_block(parent_hash: BlockHash, token_ids: Sequence[int], extra: bytes, *, algo: str, seed: int) -> BlockHash:
@@ -66,13 +66,12 @@ class BlockHasher:
     pass a fixed seed. A pool keeps its hasher for life (hashes of two seeds never meet)."""
 
     def __init__(self, algo: str = "xxhash", seed: int | None = None) -> None:
-        if algo not in HASH_ALGOS:
-            raise ValueError(f"prefix caching hash algo must be one of {', '.join(HASH_ALGOS)}, got {algo!r}")
         self.algo = algo
         self.seed = secrets.randbits(64) if seed is None else seed
         if not 0 <= self.seed < 2**64:
             raise ValueError(f"hash seed must be an unsigned 64-bit integer, got {self.seed}")
-        self.root = _digest(b"pagedllm prefix-cache root" + self.seed.to_bytes(8, "little"), algo, self.seed)
+        root_data = b"pagedllm prefix-cache root" + self.seed.to_bytes(8, "little")
+        self.root = _digest(root_data, algo, self.seed)  # (and checks algo)
 
     def __call__(self, parent: BlockHash | None, token_ids: tuple[int, ...], extra: bytes = b"") -> BlockHash:
         return hash_block(self.root if parent is None else parent, token_ids, extra, algo=self.algo, seed=self.seed)

@@ -3,6 +3,8 @@ per-pool hash seed (xxh64) or sha256, and cache_salt so that tenants share only 
 computed (block_pool.py, kv_cache_manager.py)."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedllm.engine import KVCacheManager, LLMEngine, SamplingParams, SchedulerConfig, Sequence
 from pagedllm.engine.block_pool import BlockHasher
@@ -150,3 +152,54 @@ def test_cache_salt_is_verified_not_only_hashed():
         s = seq_of(P_A + X + [1], rid, salt=salt)
         assert admit(kv, s)
         assert s.num_cached_tokens == expect, rid
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["add", "add", "grow", "free"]), st.integers(0, 10**6)), min_size=1, max_size=50
+)
+
+
+@settings(max_examples=120, deadline=None)
+@given(ops=ops, block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(4, 20))
+def test_no_hit_ever_serves_another_prefix_under_total_collision(ops, block_size, num_blocks):
+    """Every chain of one length has one hash (the worst an attacker could craft), tokens from a
+    tiny alphabet, three tenants: whatever happens, each block a sequence holds carries KV of
+    that sequence's own prefix under its own salt (tracked here as the test's shadow KV)."""
+    kv = KVCacheManager(num_blocks=num_blocks, block_size=block_size, hash_fn=chain_length_hash)
+    shadow: dict[int, tuple] = {}  # block id -> (salt, tokens) its KV was computed from
+    live: list[Sequence] = []
+
+    def prefix(s, i):
+        return (s.sampling_params.cache_salt, tuple(s.token_ids[: (i + 1) * block_size]))
+
+    def write(s, start):  # blocks that s's own tokens completed, from block `start`
+        for i in range(start, s.num_computed_tokens // block_size):
+            shadow[s.block_table[i]] = prefix(s, i)
+
+    for op, r in ops:
+        if op == "add":
+            s = Sequence(str(r), [(r >> k) % 2 for k in range(r % 11)] + [r % 3], SamplingParams(
+                cache_salt=[None, "a", "b"][r % 3]))  # fmt: skip
+            hit = kv.get_computed_blocks(s)
+            if admit(kv, s):
+                write(s, len(hit))
+                live.append(s)
+        elif op == "grow" and live:
+            s = live[r % len(live)]
+            s.append_token(r % 2)
+            if kv.allocate_slots(s, 1):
+                s.num_computed_tokens += 1
+                s.num_written = s.num_computed_tokens
+                kv.cache_full_blocks(s)
+                write(s, (s.num_computed_tokens - 1) // block_size)
+            else:
+                s.token_ids.pop()
+        elif op == "free" and live:
+            kv.free(live.pop(r % len(live)))
+        kv.pool.check_invariants()
+        for s in live:
+            for i in range(s.num_computed_tokens // block_size):
+                assert shadow[s.block_table[i]] == prefix(s, i), (s, i)
+    for s in live:
+        kv.free(s)
+    assert kv.num_free_blocks == kv.num_blocks
