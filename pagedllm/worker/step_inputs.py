@@ -78,9 +78,9 @@ def min_tokens_mask(
 
 
 def build_step_inputs(
-    out: SchedulerOutput, block_size: int, vocab_size: int, eos_token_ids: frozenset[int] = frozenset()
+    out: SchedulerOutput, block_size: int, vocab_size: int, eos_token_ids: frozenset[int]
 ) -> StepInputs:
-    """eos_token_ids: the scheduler's (what ends a sequence), masked for min_tokens."""
+    """eos_token_ids: the scheduler's own set (what ends a sequence), masked for min_tokens."""
     sched = out.scheduled
     n_new = np.fromiter((s.num_new_tokens for s in sched), dtype=np.int64, count=len(sched))
     start = np.fromiter((s.seq.num_computed_tokens for s in sched), dtype=np.int64, count=len(sched))

@@ -2,8 +2,9 @@
 the sampler's `sample`): min_tokens masks EOS and stop ids, top_p == 1 is a no-op whatever the
 batch, every accepted seed and top_k works, and all 64 bits of a seed count.
 
-Every test runs on CPU (torch generators) and, marked `gpu`, on CUDA (bf16, CUDA graphs, async
-scheduling: the fused Gumbel kernel for rows without top-k/top-p, Philox noise on the torch path)."""
+Every test runs on CPU (torch generators) and, marked `gpu`, on CUDA (the tiny models' float32,
+CUDA graphs, async scheduling; the fused Gumbel kernel for rows without top-k/top-p, Philox
+noise on the torch path)."""
 
 import json
 import os
@@ -76,7 +77,7 @@ def _engine(model_dir, eos, device, *, async_scheduling=False, max_num_seqs=4):
         hf_config,
         model_dir,
         device=torch.device(device),
-        dtype=torch.float32 if device == "cpu" else torch.bfloat16,
+        dtype=torch.float32,  # as LLM picks for the tiny (float32) models
         block_size=8,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=256,
