@@ -5,6 +5,7 @@ into sampled token ids. It never decides policy: the scheduler does. It is an Ex
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -18,7 +19,7 @@ from pagedllm.model.parallel import agree_min, tp_rank
 from pagedllm.model.registry import build_model
 from pagedllm.ops import PAD_SLOT_ID
 from pagedllm.ops.kernels import kernels_for
-from pagedllm.worker.sampler import SamplingTensors, sample
+from pagedllm.worker.sampler import sample, sampling_tensors
 from pagedllm.worker.step_handle import StepHandle
 from pagedllm.worker.step_inputs import StepInputs, build_step_inputs
 
@@ -92,13 +93,17 @@ class ModelRunner:
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
         seed: int = 0,
+        eos_token_ids: Iterable[int] = (),
     ):
+        """eos_token_ids: the ids that end a sequence, the scheduler's own set (masked while a
+        request has fewer than min_tokens outputs)."""
         self.hf_config = hf_config
         self.device, self.dtype = device, dtype
         self.block_size = block_size
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len = max_model_len
         self.vocab_size = hf_config.vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.enforce_eager = enforce_eager or device.type != "cuda"
         torch.manual_seed(seed)
         default_dtype = torch.get_default_dtype()
@@ -124,7 +129,6 @@ class ModelRunner:
         self.philox_sampling = device.type == "cuda" and envs.sampler() != "torch"
         if device.type == "cuda":
             self._warm_up_kernels()
-        self._generators: dict[int, torch.Generator] = {}  # CPU: seeded requests' noise
         self._seed_rng = np.random.default_rng(seed)
         self._last_sampled: torch.Tensor | None = None  # async scheduling: the previous step's ids
         self._last_sample_seq_ids: list[int] = []  # ... and whose they are, row by row
@@ -261,7 +265,10 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> list[int]:
-        return self.run(build_step_inputs(out, self.block_size, self.vocab_size))
+        return self.run(self.step_inputs(out))
+
+    def step_inputs(self, out: SchedulerOutput) -> StepInputs:
+        return build_step_inputs(out, self.block_size, self.vocab_size, self.eos_token_ids)
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(a))
@@ -293,7 +300,7 @@ class ModelRunner:
         step may be launched before that: its PLACEHOLDER inputs are read from this step's
         sampled tensor on the device."""
         with torch.inference_mode():
-            sampled = self.launch(build_step_inputs(out, self.block_size, self.vocab_size))
+            sampled = self.launch(self.step_inputs(out))
         return StepHandle(sampled, self._host_ids)
 
     def close(self) -> None:
@@ -301,8 +308,6 @@ class ModelRunner:
 
     def launch(self, inp: StepInputs) -> torch.Tensor | None:
         """Queue one step's work on the device; the sampled ids stay there (None if none)."""
-        for seq_id in inp.finished_seq_ids:
-            self._generators.pop(seq_id, None)
         for src, dst in inp.blocks_to_copy:
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
         fix = self._placeholder_sources(inp)
@@ -352,47 +357,6 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden[self._to_device(inp.logits_indices)])
 
-    def _row_seeds(self, inp: StepInputs) -> torch.Tensor:
-        """Philox row seeds: a seeded request's seed mixed with its token's position; fresh
-        random ones for the others."""
-        base = self._seed_rng.integers(0, 2**63 - 1, size=len(inp.seeds), dtype=np.int64)
-        seeded = np.array([s is not None for s in inp.seeds], dtype=bool)
-        if seeded.any():
-            from pagedllm.ops.sampling import row_seeds
-
-            own = np.array([s for s in inp.seeds if s is not None], dtype=np.int64)
-            base[seeded] = row_seeds(own, inp.positions[inp.logits_indices][seeded])
-        return self._to_device(base)
-
-    def _torch_generators(self, inp: StepInputs) -> list[torch.Generator | None]:
-        gens: list[torch.Generator | None] = []
-        for seq_id, seed in zip(inp.sample_seq_ids, inp.seeds, strict=False):
-            if seed is None:
-                gens.append(None)
-                continue
-            g = self._generators.get(seq_id)
-            if g is None:
-                g = torch.Generator(device=self.device)
-                g.manual_seed(seed)
-                self._generators[seq_id] = g
-            gens.append(g)
-        return gens
-
     def sample(self, logits: torch.Tensor, inp: StepInputs) -> torch.Tensor:
-        temperature = inp.temperature
-        all_greedy = bool((temperature == 0).all())
-        philox = self.philox_sampling and not all_greedy
-        gens = [] if philox or all_greedy else self._torch_generators(inp)
-        t = SamplingTensors(
-            temperature=self._to_device(temperature),
-            top_k=self._to_device(inp.top_k),
-            top_p=self._to_device(inp.top_p),
-            min_p=self._to_device(inp.min_p),
-            generators=gens,
-            all_greedy=all_greedy,
-            any_greedy=bool((temperature == 0).any()),
-            need_top_k_p=bool((inp.top_k < self.vocab_size).any() or (inp.top_p < 1).any()),
-            need_min_p=bool((inp.min_p > 0).any()),
-            seeds=self._row_seeds(inp) if philox else None,
-        )
-        return sample(logits, t)
+        rng = self._seed_rng if self.philox_sampling else None
+        return sample(logits, sampling_tensors(inp, self.vocab_size, self.device, self._to_device, rng))

@@ -1,28 +1,36 @@
-"""Batched sampling on the device: greedy, temperature, top-k, top-p, min-p.
+"""Batched sampling on the device: greedy, temperature, top-k, top-p, min-p, min_tokens.
 
 Sampling uses the exponential-race trick, argmax(p / E) with E ~ Exp(1), which draws from p.
 
-Two sources of noise:
-- on CUDA, Philox keyed by a per-row seed (`SamplingTensors.seeds`, see
-  `pagedllm.ops.sampling.row_seeds`): a seeded request's row seed mixes its seed with the
-  token's position, so it gets the same tokens whatever else is in the batch. Without top-k,
-  top-p or min-p in the batch, one fused kernel draws argmax(logits / T + Gumbel) in a single
-  read of the logits; otherwise the same noise E feeds the torch path below.
-- elsewhere (CPU), torch's generators: rows with a seed draw from their own torch.Generator.
+Two sources of noise; either way a seeded request's draw depends on its seed and the token's
+position only (`pagedllm.ops.sampling.row_seeds` mixes all 64 bits of both), so it gets the
+same tokens whatever else is in the batch:
+- on CUDA, Philox keyed by the row seed (`SamplingTensors.seeds`). Without top-k, top-p or
+  min-p in the batch, one fused kernel draws argmax(logits / T + Gumbel) in a single read of
+  the logits; otherwise the same noise E feeds the torch path below.
+- elsewhere (CPU), torch's generators: a seeded row draws from a generator the runner seeded
+  with its row seed for this token (`SamplingTensors.generators`).
+
+min_tokens: the (row, id) pairs of `SamplingTensors.min_tokens_mask` are set to -inf in the
+logits first, on every path (greedy rows too); a batch without it pays nothing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from pagedllm.worker.step_inputs import StepInputs
 
 
 @dataclass
 class SamplingTensors:
     temperature: torch.Tensor  # [B] fp32, 0 for greedy rows
-    top_k: torch.Tensor  # [B] int64, vocab size when off
-    top_p: torch.Tensor  # [B] fp32
+    top_k: torch.Tensor  # [B] int64 in [1, V], V when off
+    top_p: torch.Tensor  # [B] fp32, 1 when off
     min_p: torch.Tensor  # [B] fp32
     generators: list  # per row: torch.Generator or None (when seeds is None)
     all_greedy: bool
@@ -30,21 +38,95 @@ class SamplingTensors:
     need_top_k_p: bool
     need_min_p: bool
     seeds: torch.Tensor | None = None  # [B] int64 Philox row seeds (CUDA); None: torch generators
+    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None  # ([M] rows, [M] ids) int64: -inf
+
+
+def seeded_rows(inp: StepInputs) -> tuple[np.ndarray, np.ndarray]:
+    """The sample rows of seeded requests and their row seeds for this token: the request's
+    seed (any int64) mixed with the token's position, all 64 bits of both counting."""
+    rows = np.array([i for i, s in enumerate(inp.seeds) if s is not None], dtype=np.int64)
+    if rows.size == 0:
+        return rows, rows
+    from pagedllm.ops.sampling import row_seeds
+
+    own = np.array([inp.seeds[i] for i in rows.tolist()], dtype=np.int64)
+    return rows, row_seeds(own, inp.positions[inp.logits_indices][rows])
+
+
+def torch_generators(inp: StepInputs, device: torch.device) -> list[torch.Generator | None]:
+    """Per row: a generator seeded for this token with the row seed, or None (unseeded).
+
+    Seeded afresh each token rather than kept per request: a CPU generator's mt19937 keys on
+    32 bits only, so seeding it with the request's seed would make seeds that differ in their
+    high bits draw alike; the mixed row seed carries all 64. The draw is then a function of
+    (seed, position) alone, as on the Philox path, whatever the request's history."""
+    gens: list[torch.Generator | None] = [None] * len(inp.seeds)
+    rows, seeds = seeded_rows(inp)
+    for row, seed in zip(rows.tolist(), seeds.tolist(), strict=True):
+        gens[row] = torch.Generator(device=device).manual_seed(seed)
+    return gens
+
+
+def sampling_tensors(
+    inp: StepInputs,
+    vocab_size: int,
+    device: torch.device,
+    to_device: Callable[[np.ndarray], torch.Tensor],
+    philox_rng: np.random.Generator | None,
+) -> SamplingTensors:
+    """One step's SamplingTensors. philox_rng: draws the unseeded rows' Philox seeds (CUDA);
+    None samples with torch's generators instead."""
+    temperature = inp.temperature
+    all_greedy = bool((temperature == 0).all())
+    seeds = None
+    if philox_rng is not None and not all_greedy:
+        base = philox_rng.integers(0, 2**63 - 1, size=len(inp.seeds), dtype=np.int64)
+        rows, own = seeded_rows(inp)
+        base[rows] = own
+        seeds = to_device(base)
+    mask = inp.min_tokens_mask
+    return SamplingTensors(
+        temperature=to_device(temperature),
+        top_k=to_device(inp.top_k),
+        top_p=to_device(inp.top_p),
+        min_p=to_device(inp.min_p),
+        generators=[] if seeds is not None or all_greedy else torch_generators(inp, device),
+        all_greedy=all_greedy,
+        any_greedy=bool((temperature == 0).any()),
+        need_top_k_p=bool((inp.top_k < vocab_size).any() or (inp.top_p < 1).any()),
+        need_min_p=bool((inp.min_p > 0).any()),
+        seeds=seeds,
+        min_tokens_mask=None if mask is None else (to_device(mask[0]), to_device(mask[1])),
+    )
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    sorted_logits, idx = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(logits.shape[-1], device=logits.device)
-    mask = ranks[None, :] >= top_k[:, None]
+    """Mask to -inf what top-k and top-p filter out; the other logits keep their values.
+
+    Ascending sort: top-k masks the V - k lowest ranks, top-p the tokens whose mass at or below
+    them is <= 1 - p, never the top one. A row with top_k == V and top_p == 1 masks nothing
+    (an explicit condition, not the float sums: at V ~ 152k a float32 cumulative sum is off by
+    more than 1 - p would tolerate), so it samples as it would alone.
+    """
+    v = logits.shape[-1]
+    sorted_logits, idx = logits.sort(dim=-1)
+    ranks = torch.arange(v, device=logits.device)
+    mask = ranks[None, :] < (v - top_k)[:, None]
     probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(dim=-1)
-    cum_before = probs.cumsum(dim=-1) - probs
-    mask |= cum_before > top_p[:, None]  # keeps at least the top token
-    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, idx, sorted_logits)
+    below = probs.cumsum(dim=-1)  # mass at or below each token
+    cut = (below <= (1 - top_p)[:, None]) & (top_p < 1)[:, None]
+    cut[:, -1] = False  # the top token always stays
+    mask |= cut
+    return logits.masked_fill(torch.empty_like(mask).scatter_(-1, idx, mask), float("-inf"))
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """logits: [B, V] -> token ids [B] (int64, on the logits' device)."""
+    """logits: [B, V] -> token ids [B] (int64, on the logits' device).
+
+    With a min_tokens mask the logits are written in place (the runner's own buffer)."""
+    if t.min_tokens_mask is not None:
+        rows, ids = t.min_tokens_mask
+        logits[rows, ids] = float("-inf")  # a host scalar: no copy, no sync
     if t.all_greedy:
         return logits.argmax(dim=-1)  # exact in any float dtype: no fp32 copy
     if t.seeds is not None and not (t.need_top_k_p or t.need_min_p):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedllm.engine.scheduler import SchedulerOutput
+from pagedllm.engine.sequence import Sequence
 
 
 @dataclass
@@ -36,6 +37,9 @@ class StepInputs:
     min_p: np.ndarray
     seeds: list[int | None]
     finished_seq_ids: list[int]
+    # min_tokens: (sample rows, token ids) to mask to -inf before sampling, two [M] int64 arrays;
+    # None when no row has fewer than its min_tokens outputs (the common case costs nothing)
+    min_tokens_mask: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -46,7 +50,37 @@ class StepInputs:
         return len(self.seq_lens)
 
 
-def build_step_inputs(out: SchedulerOutput, block_size: int, vocab_size: int) -> StepInputs:
+def min_tokens_mask(
+    sampled: list[Sequence], eos_token_ids: frozenset[int], vocab_size: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The ids a row may not draw yet: while a sequence has fewer than min_tokens output tokens,
+    its EOS ids (unless ignore_eos) and its stop_token_ids (vLLM's min-tokens logits processor).
+
+    Called before `Scheduler.advance`, so `num_output_tokens` counts every output token already
+    drawn, pending PLACEHOLDERs included: it is the output index of the token sampled now.
+    Ids outside [0, vocab_size) cannot be drawn anyway and are left out (they would index past
+    the logits)."""
+    rows: list[int] = []
+    ids: list[int] = []
+    for row, seq in enumerate(sampled):
+        p = seq.sampling_params
+        if seq.num_output_tokens >= p.min_tokens:
+            continue
+        banned = set(p.stop_token_ids or ())
+        if not p.ignore_eos:
+            banned |= eos_token_ids
+        banned = {t for t in banned if 0 <= t < vocab_size}
+        rows += [row] * len(banned)
+        ids += sorted(banned)
+    if not rows:
+        return None
+    return np.array(rows, dtype=np.int64), np.array(ids, dtype=np.int64)
+
+
+def build_step_inputs(
+    out: SchedulerOutput, block_size: int, vocab_size: int, eos_token_ids: frozenset[int]
+) -> StepInputs:
+    """eos_token_ids: the scheduler's own set (what ends a sequence), masked for min_tokens."""
     sched = out.scheduled
     n_new = np.fromiter((s.num_new_tokens for s in sched), dtype=np.int64, count=len(sched))
     start = np.fromiter((s.seq.num_computed_tokens for s in sched), dtype=np.int64, count=len(sched))
@@ -79,6 +113,7 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, vocab_size: int) ->
     logits_indices = (cu[1:][samples] - 1).astype(np.int64)
     sampled = [s.seq for s, keep in zip(sched, samples, strict=False) if keep]
     params = [q.sampling_params for q in sampled]
+    any_min_tokens = any(p.min_tokens for p in params)
     return StepInputs(
         input_ids=input_ids,
         positions=positions,
@@ -95,9 +130,11 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, vocab_size: int) ->
         seq_ids=[s.seq.seq_id for s in sched],
         sample_seq_ids=[q.seq_id for q in sampled],
         temperature=np.array([p.temperature for p in params], dtype=np.float32),
-        top_k=np.array([p.top_k if p.top_k > 0 else vocab_size for p in params], dtype=np.int64),
+        # any int >= 1 is a valid top_k: clamped in Python first, so 2**63 does not overflow int64
+        top_k=np.array([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params], dtype=np.int64),
         top_p=np.array([p.top_p for p in params], dtype=np.float32),
         min_p=np.array([p.min_p for p in params], dtype=np.float32),
         seeds=[p.seed for p in params],
         finished_seq_ids=list(out.finished_seq_ids),
+        min_tokens_mask=min_tokens_mask(sampled, eos_token_ids, vocab_size) if any_min_tokens else None,
     )

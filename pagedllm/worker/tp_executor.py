@@ -42,7 +42,7 @@ import torch.distributed as dist
 from pagedllm import envs
 from pagedllm.engine.executor import StepHandle
 from pagedllm.engine.scheduler import SchedulerOutput
-from pagedllm.worker.step_inputs import StepInputs, build_step_inputs
+from pagedllm.worker.step_inputs import StepInputs
 from pagedllm.worker.tp_channel import BroadcastChannel, ShmChannel
 from pagedllm.worker.tp_worker import (
     CLOSE,
@@ -312,7 +312,7 @@ class TPExecutor:
         return self.driver.num_kv_blocks  # the same on every rank (agree_min)
 
     def execute(self, scheduler_output: SchedulerOutput) -> list[int]:
-        return self.run(build_step_inputs(scheduler_output, self.driver.block_size, self.driver.vocab_size))
+        return self.run(self.driver.step_inputs(scheduler_output))
 
     def execute_async(self, scheduler_output: SchedulerOutput) -> StepHandle:
         raise NotImplementedError("TPExecutor.supports_async is False: use execute")
