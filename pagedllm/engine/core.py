@@ -68,7 +68,8 @@ class EngineCore:
         for i in range(params.n):
             p = params
             if params.n > 1 and params.seed is not None:
-                p = dataclasses.replace(params, seed=params.seed + i)  # SamplingParams checked seed + n - 1
+                # one sample per sequence, drawn with seed + i (SamplingParams checked seed + n - 1)
+                p = dataclasses.replace(params, seed=params.seed + i, n=1)
             seq = Sequence(rid, ids, p, request.arrival_time)
             self._index[seq.seq_id] = i
             seqs.append(seq)

@@ -84,6 +84,7 @@ class LLM:
         from pagedllm.worker.model_runner import resolve_device, resolve_dtype
 
         dev = resolve_device(device)
+        eos = eos_token_ids(model, hf_config, self.tokenizer)  # the runner masks them under min_tokens
         runner_kwargs: dict[str, Any] = dict(
             device=dev,
             dtype=resolve_dtype(dtype, hf_config, dev),
@@ -96,6 +97,7 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
             seed=seed,
+            eos_token_ids=eos,
         )
         self.runner: Executor  # a ModelRunner, or a TPExecutor over tensor_parallel_size processes
         if tensor_parallel_size > 1:
@@ -124,7 +126,7 @@ class LLM:
             config,
             self.runner,
             self.tokenizer,
-            eos_token_ids(model, hf_config, self.tokenizer),
+            eos,
             vocab_size=hf_config.vocab_size,
             async_scheduling=async_scheduling,
         )
