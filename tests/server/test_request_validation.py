@@ -113,7 +113,9 @@ def test_deeply_nested_bodies_are_400(http):
     ]
     for raw, param in cases:
         err = refused(post(http, "/v1/completions", raw))
-        assert str(MAX_JSON_DEPTH) in err["message"] and err["param"] in (param, None), err
+        assert str(MAX_JSON_DEPTH) in err["message"], err
+        # the field when the walk refused it; None when the decoder's own recursion limit came first
+        assert err["param"] == param or (err["param"] is None and raw.count(b"[") + raw.count(b"{") > 900), err
     # within the bound a deep (ignored) field is fine
     body = head + b'"prompt": "x", "user": ' + nested(MAX_JSON_DEPTH - 2).encode() + b"}"
     assert post(http, "/v1/completions", body).status_code == 200

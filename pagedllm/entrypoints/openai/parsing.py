@@ -90,12 +90,14 @@ def json_body(raw: bytes) -> dict[str, Any]:
 
 def check_json_values(body: dict[str, Any]) -> None:
     """Walk a decoded body once, iteratively: nesting within MAX_JSON_DEPTH, no string (value or
-    key) holding a lone surrogate. A refusal names the field by its path (`messages[0].content`)."""
-    stack: list[tuple[Any, int, str | None]] = [(body, 1, None)]
+    key) holding a lone surrogate. A surrogate is refused naming its path (`messages[0].content`),
+    too deep a value naming the body field it is in (`prompt`)."""
+    # (value, its depth, its path, the body field it is in)
+    stack: list[tuple[Any, int, str | None, str | None]] = [(body, 1, None, None)]
     while stack:
-        value, depth, path = stack.pop()
+        value, depth, path, top = stack.pop()
         if depth > MAX_JSON_DEPTH:
-            raise bad_request(_TOO_DEEP, _top_level(path))
+            raise bad_request(_TOO_DEEP, top)
         for key, item in value.items() if isinstance(value, dict) else enumerate(value):
             if isinstance(key, str) and has_surrogate(key):
                 raise bad_request(f"an object key in {path or 'the request body'} {_NOT_TEXT}", path)
@@ -104,21 +106,17 @@ def check_json_values(body: dict[str, Any]) -> None:
                     where = _path(path, key)
                     raise bad_request(f"{where} {_NOT_TEXT}", where)
             elif isinstance(item, (dict, list)):
-                stack.append((item, depth + 1, _path(path, key)))
+                where = _path(path, key)
+                stack.append((item, depth + 1, where, top or where))
+
+
+_NOT_TEXT = "is not text: it holds a lone UTF-16 surrogate (U+D800..U+DFFF)"
 
 
 def _path(parent: str | None, key: str | int) -> str:
     if isinstance(key, int):
         return f"{parent}[{key}]"
     return f"{parent}.{key}" if parent else key
-
-
-_NOT_TEXT = "is not text: it holds a lone UTF-16 surrogate (U+D800..U+DFFF)"
-
-
-def _top_level(path: str | None) -> str | None:
-    """The body field a path starts in: `prompt[0][0]` -> `prompt`."""
-    return None if path is None else re.split(r"[.\[]", path, maxsplit=1)[0]
 
 
 def json_type(v: Any) -> str:
