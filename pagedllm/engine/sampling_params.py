@@ -7,7 +7,6 @@ InvalidRequestError naming the field (`param`), whichever door the request came 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,13 +16,19 @@ from pagedllm.engine.errors import InvalidRequestError
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a seed is a signed 64-bit integer (the device's generator key)
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS): 1/T would overflow
 TOKEN_ID_MAX = 2**31 - 1  # bound of token ids and top_k: no vocabulary is larger, every device integer holds it
-_SURROGATE = re.compile("[\ud800-\udfff]")  # a lone UTF-16 surrogate: a Python str that is not text
 
 
 def has_surrogate(text: str) -> bool:
     """True when `text` holds a lone UTF-16 surrogate (JSON "\\ud800" decodes to one): it cannot
-    be encoded as UTF-8, so no tokenizer, hash or response can take it."""
-    return not text.isascii() and _SURROGATE.search(text) is not None
+    be encoded as UTF-8, so no tokenizer, hash or response can take it. (Encoding scans faster
+    than a regex search; isascii() is O(1).)"""
+    if text.isascii():
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _finite(x: float) -> bool:
