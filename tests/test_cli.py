@@ -252,3 +252,34 @@ def test_missing_optional_subcommand_module(capsys, monkeypatch):
     assert cli.main(["serve", "--port", "8000"]) == 1
     assert "not available" in one_error_line(capsys.readouterr().err)
     assert cli.main(["bench"]) == 2  # a group without its subcommand prints its help
+
+
+def test_ctrl_c_while_streaming_ends_the_partial_line_and_exits_130(model, reference, capsys, monkeypatch):
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    real_step, steps = LLMEngine.step, []
+
+    def step_then_interrupt(self):
+        steps.append(1)
+        if len(steps) == 3:  # after the first two tokens were printed
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", step_then_interrupt)
+    prompt = PROMPTS[0]
+    rc = cli.main(["generate", prompt, "--model", model, *ENGINE, "--temperature", "0", "--max-tokens", "12"])
+    out, err = capsys.readouterr()
+    assert rc == 130
+    partial = out[len(prompt) : -1]  # what was printed before the interrupt, then one newline
+    assert out.startswith(prompt) and out.endswith("\n") and not partial.endswith("\n"), out
+    assert partial and reference[prompt].text.startswith(partial) and partial != reference[prompt].text
+    assert one_error_line(err) == "pagedllm: error: interrupted"
+
+
+def test_max_tokens_past_the_context_is_a_one_line_error(model, capsys):
+    # the tiny model's context is 512 tokens: 100000 new tokens cannot fit (it was clamped once)
+    for prompts in ([PROMPTS[0]], PROMPTS):  # one prompt streams, several run as a batch
+        argv = ["generate", *prompts, "--model", model, *ENGINE, "--max-tokens", "100000"]
+        assert cli.main(argv) == 1
+        out, err = capsys.readouterr()
+        assert "512" in one_error_line(err) and out == ""

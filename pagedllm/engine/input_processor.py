@@ -3,8 +3,12 @@
 Every door (LLM.generate, the CLI, AsyncLLM and the server) passes its requests through
 `InputProcessor.process`; what comes out is known good, so the layers below (the engine core,
 the scheduler) only assert their preconditions. Every refusal is an InvalidRequestError whose
-`param` names the field (`prompt`, `max_tokens`, `sampling_params`) and whose `code` is
-`context_length_exceeded` when the request is too long for the model or the KV cache.
+`param` names the field (`prompt`, `max_tokens`, `stop_token_ids`, `sampling_params`) and whose
+`code` is `context_length_exceeded` when the request is too long for the model or the KV cache.
+
+The length rule: prompt + max_tokens must fit in max_model_len (as OpenAI and vLLM refuse it);
+a max_tokens beyond the room left is refused, never clamped. A door that wants "as much as fits"
+sets max_tokens to the room itself (the chat endpoint does when the client sets none).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from typing import Any
 
 from pagedllm.engine.errors import InvalidRequestError
 from pagedllm.engine.messages import EngineCoreRequest
-from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.engine.sampling_params import TOKEN_ID_MAX, SamplingParams, has_surrogate
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
@@ -35,6 +39,7 @@ class InputProcessor:
             )
         text, ids = self.tokenize(prompt)
         self.validate_length(len(ids), params.max_tokens)
+        self.check_stop_token_ids(params.stop_token_ids)
         return EngineCoreRequest(
             request_id=str(request_id),
             prompt=text,
@@ -51,10 +56,14 @@ class InputProcessor:
                 raise InvalidRequestError(
                     f"prompt dict has unknown keys {sorted(unknown)}; use 'prompt' or 'prompt_token_ids'", "prompt"
                 )
+            text = prompt.get("prompt")
+            if text is not None:
+                self.check_text(text)
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self.check_ids(prompt["prompt_token_ids"])
-            prompt = prompt.get("prompt")
+                return text, self.check_ids(prompt["prompt_token_ids"])
+            prompt = text
         if isinstance(prompt, str):
+            self.check_text(prompt)
             if self.tokenizer is None:
                 raise InvalidRequestError(
                     "prompt is a string but the engine has no tokenizer; pass token ids", "prompt"
@@ -66,19 +75,39 @@ class InputProcessor:
             f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}", "prompt"
         )
 
+    @staticmethod
+    def check_text(text: Any) -> None:
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"prompt text must be a str, got {type(text).__name__}", "prompt")
+        if has_surrogate(text):
+            raise InvalidRequestError("prompt contains a lone UTF-16 surrogate (U+D800..U+DFFF): not text", "prompt")
+
     def check_ids(self, ids: Any) -> list[int]:
         if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise InvalidRequestError("prompt_token_ids must be a list of integers", "prompt")
-        bad = [t for t in ids if t < 0 or (self.vocab_size is not None and t >= self.vocab_size)]
-        if bad:
-            raise InvalidRequestError(
-                f"prompt_token_ids: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "prompt"
-            )
+        bad = self._outside_vocabulary(ids)
+        if bad is not None:
+            raise InvalidRequestError(f"prompt_token_ids: token id {bad} is outside {self._vocabulary()}", "prompt")
         return list(ids)
 
+    def check_stop_token_ids(self, ids: list[int] | None) -> None:
+        """SamplingParams checked the type and sign; the vocabulary is known only here."""
+        bad = self._outside_vocabulary(ids or ())
+        if bad is not None:
+            raise InvalidRequestError(
+                f"stop_token_ids: token id {bad} is outside {self._vocabulary()}", "stop_token_ids"
+            )
+
+    def _outside_vocabulary(self, ids: Any) -> int | None:
+        limit = TOKEN_ID_MAX + 1 if self.vocab_size is None else self.vocab_size
+        return next((t for t in ids if not 0 <= t < limit), None)
+
+    def _vocabulary(self) -> str:
+        return f"the vocabulary [0, {TOKEN_ID_MAX + 1 if self.vocab_size is None else self.vocab_size})"
+
     def validate_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Empty prompts, prompts of max_model_len tokens or more, and requests that could never
-        fit in the whole KV pool are refused."""
+        """Empty prompts, prompts of max_model_len tokens or more, a prompt + max_tokens beyond
+        max_model_len, and requests that could never fit in the whole KV pool are refused."""
         if num_prompt_tokens == 0:
             raise InvalidRequestError("prompt is empty: at least one token is needed", "prompt")
         if num_prompt_tokens >= self.max_model_len:
@@ -88,7 +117,16 @@ class InputProcessor:
                 "prompt",
                 CONTEXT_LENGTH_EXCEEDED,
             )
-        need = -(-min(num_prompt_tokens + max_tokens, self.max_model_len) // self.block_size)
+        total = num_prompt_tokens + max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's context holds {self.max_model_len} tokens, but the request asks for {total}: "
+                f"{num_prompt_tokens} in the prompt and {max_tokens} for the completion. Ask for at most "
+                f"{self.max_model_len - num_prompt_tokens} completion tokens, or shorten the prompt.",
+                "max_tokens",
+                CONTEXT_LENGTH_EXCEEDED,
+            )
+        need = -(-total // self.block_size)
         if need > self.num_kv_blocks:
             raise InvalidRequestError(
                 f"request needs {need} KV blocks (prompt {num_prompt_tokens} + max_tokens "

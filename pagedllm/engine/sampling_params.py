@@ -15,6 +15,20 @@ from pagedllm.engine.errors import InvalidRequestError
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a seed is a signed 64-bit integer (the device's generator key)
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS): 1/T would overflow
+TOKEN_ID_MAX = 2**31 - 1  # bound of token ids and top_k: no vocabulary is larger, every device integer holds it
+
+
+def has_surrogate(text: str) -> bool:
+    """True when `text` holds a lone UTF-16 surrogate (JSON "\\ud800" decodes to one): it cannot
+    be encoded as UTF-8, so no tokenizer, hash or response can take it. (Encoding scans faster
+    than a regex search; isascii() is O(1).)"""
+    if text.isascii():
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _finite(x: float) -> bool:
@@ -61,7 +75,11 @@ class SamplingParams:
         if self.temperature < GREEDY_EPS:
             self.temperature = 0.0  # greedy; a denormal temperature would give inf / nan scores
         need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        need(self.top_k == -1 or self.top_k >= 0, "top_k", "must be -1, 0 (off) or a positive integer")
+        need(
+            self.top_k == -1 or 0 <= self.top_k <= TOKEN_ID_MAX,
+            "top_k",
+            "must be -1, 0 (off) or a positive integer up to 2**31 - 1 (at or above the vocabulary size it is off)",
+        )
         need(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
         need(self.max_tokens >= 1, "max_tokens", "must be >= 1")
         need(0 <= self.min_tokens, "min_tokens", "must be >= 0")
@@ -82,6 +100,11 @@ class SamplingParams:
             "cache_salt",
             "must be a non-empty string or None",
         )
+        need(
+            self.cache_salt is None or not has_surrogate(self.cache_salt),
+            "cache_salt",
+            "must be text (no lone UTF-16 surrogates)",
+        )
         if self.stop is None:
             self.stop_list = []
         elif isinstance(self.stop, str):
@@ -94,6 +117,7 @@ class SamplingParams:
             )
             self.stop_list = list(self.stop)
         need(all(self.stop_list), "stop", "must not contain empty strings")
+        need(not any(has_surrogate(s) for s in self.stop_list), "stop", "must be text (no lone UTF-16 surrogates)")
         if self.stop_token_ids is not None:
             need(
                 isinstance(self.stop_token_ids, (list, tuple))
@@ -102,6 +126,7 @@ class SamplingParams:
                 "must be a list of integers",
             )
             self.stop_token_ids = list(self.stop_token_ids)
+            need(all(0 <= t <= TOKEN_ID_MAX for t in self.stop_token_ids), "stop_token_ids", "must be token ids >= 0")
 
     @property
     def greedy(self) -> bool:

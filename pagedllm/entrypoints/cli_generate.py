@@ -154,26 +154,37 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def stream_one(llm, prompt: str, params) -> None:
-    """Print the prompt, then the completion as the engine produces it, then a newline."""
+    """Print the prompt, then the completion as the engine produces it, then a newline. Cut
+    short (Ctrl-C, an engine error), the partial line is ended first, so that the error the
+    CLI prints next starts on a line of its own."""
     engine = llm.engine
     req = engine.input_processor.process("cli-0", prompt, params)  # refused before anything is printed
     request_id = req.request_id
     engine.add_request(request_id, req)  # queued as checked, not validated again
+    last = "\n"  # the last character on stdout
     try:
         _write(prompt)
+        last = prompt[-1:] or last
         finished = False
         while not finished:
             for out in engine.step():
                 if out.request_id != request_id:
                     continue
-                if out.outputs[0].delta_text:
-                    _write(out.outputs[0].delta_text)
+                delta = out.outputs[0].delta_text
+                if delta:
+                    _write(delta)
+                    last = delta[-1]
                 finished = out.finished
             if not engine.has_unfinished_requests():
                 break
         _write("\n")
     except BaseException:
         engine.abort_request(request_id)
+        if last != "\n":
+            try:
+                _write("\n")
+            except OSError:  # stdout is gone (a closed pipe): nothing to end
+                pass
         raise
 
 

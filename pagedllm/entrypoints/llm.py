@@ -12,6 +12,7 @@ from pagedllm.engine import LLMEngine, RequestOutput, SamplingParams, SchedulerC
 from pagedllm.engine.errors import InvalidRequestError
 from pagedllm.engine.executor import Executor
 from pagedllm.engine.sampling_params import sampling_params_with_defaults
+from pagedllm.entrypoints.logs import ensure_log_handler
 from pagedllm.entrypoints.model_dir import eos_token_ids, generation_defaults, load_hf_config, load_tokenizer
 
 logger = logging.getLogger("pagedllm")
@@ -57,6 +58,7 @@ class LLM:
             raise InvalidRequestError(
                 f"async_scheduling must be True, False or None (auto), got {async_scheduling!r}", "async_scheduling"
             )
+        ensure_log_handler()  # the INFO lines (KV cache size, ...) visible as in vLLM, unless logging is set up
         model = os.fspath(model)
         hf_config = load_hf_config(model)
         self.generation_defaults = generation_defaults(model, generation_config)

@@ -7,6 +7,7 @@ import pytest
 
 from pagedllm.engine import LLMEngine, SamplingParams, SchedulerConfig
 from pagedllm.engine.core import EngineCore
+from pagedllm.engine.errors import InvalidRequestError
 from tests.engine.fake_runner import CharTokenizer, ShadowRunner, reference_generate
 
 
@@ -92,10 +93,13 @@ def test_admission_checks_and_the_engine_keeps_working():
     assert done["ok"].outputs[0].token_ids == reference_generate([1, 2, 3], 4)
 
 
-def test_length_stops_at_max_tokens_and_at_max_model_len(mode):
+def test_length_stops_at_max_tokens_and_past_max_model_len_is_refused(mode):
     engine = make_engine(mode, max_model_len=12)
     engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
-    engine.add_request("b", [1] * 10, SamplingParams(max_tokens=50, ignore_eos=True))
+    with pytest.raises(InvalidRequestError, match="12 tokens") as e:  # 10 + 50 > 12: refused, not clamped
+        engine.add_request("b", [1] * 10, SamplingParams(max_tokens=50, ignore_eos=True))
+    assert (e.value.param, e.value.code) == ("max_tokens", "context_length_exceeded")
+    engine.add_request("b", [1] * 10, SamplingParams(max_tokens=2, ignore_eos=True))  # the whole room left
     done = drain(engine)
     assert len(done["a"].outputs[0].token_ids) == 4 and done["a"].outputs[0].finish_reason == "length"
     assert len(done["b"].outputs[0].token_ids) == 2 and done["b"].outputs[0].finish_reason == "length"

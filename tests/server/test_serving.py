@@ -129,6 +129,7 @@ def test_errors_without_http(serving):
 # ---- a fake engine: the errors are whatever the test makes the input processor raise ----------
 class _Tokenizer:
     chat_template = "{{ messages }}"
+    added_tokens_decoder: dict = {}  # no special tokens
 
     def apply_chat_template(self, conversation, add_generation_prompt, tokenize):
         return "chat prompt"
@@ -145,8 +146,8 @@ class _Processor(InputProcessor):
         self.error = error
 
     def tokenize(self, prompt):
-        if prompt == [13] or prompt == "chat prompt":
-            raise self.error
+        if prompt == [13] or (isinstance(prompt, dict) and prompt.get("prompt") == "chat prompt"):
+            raise self.error  # a completion's ids [13], or the chat prompt (text and ids from the template)
         return super().tokenize(prompt)
 
 

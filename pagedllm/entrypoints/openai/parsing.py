@@ -5,15 +5,26 @@ Bodies are read by hand rather than by pydantic models so that each mistake (mal
 wrong JSON type, an option pagedllm does not implement) gets OpenAI's error schema and the
 field's name. This module checks JSON shapes only; the values' rules (ranges, token ids,
 lengths) are SamplingParams' and the InputProcessor's, applied once by `serving.py`.
+
+Two rules hold for the whole body, checked once in `json_body` so that no field (including
+`model` and a message's `role`, which never reach the engine, and fields added later) can
+escape them: arrays and objects nest at most MAX_JSON_DEPTH deep (deeper bodies would make
+every later recursive walk, from the chat template to an error report, a RecursionError), and
+every string is text: a lone UTF-16 surrogate (JSON `"\ud800"`) cannot be encoded as UTF-8,
+so no tokenizer, hash or response could take it.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.engine.sampling_params import has_surrogate
 from pagedllm.entrypoints.openai.errors import APIError, bad_request
+
+MAX_JSON_DEPTH = 64  # the body object is depth 1: {"prompt": [[1]]} is 3 deep
 
 # body field -> JSON kind, for the fields that map one to one onto SamplingParams
 SAMPLING_FIELDS = (
@@ -25,6 +36,7 @@ SAMPLING_FIELDS = (
     ("ignore_eos", "bool"),
     ("seed", "int"),
     ("stop_token_ids", "list"),
+    ("cache_salt", "str"),
 )
 _KIND_NAMES = {
     "bool": "a boolean",
@@ -54,14 +66,57 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not a valid JSON number")
 
 
+_TOO_DEEP = f"the request body nests arrays and objects more than {MAX_JSON_DEPTH} deep"
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")  # where a JSON text can spell a surrogate
+
+
 def json_body(raw: bytes) -> dict[str, Any]:
+    """The body as a dict whose nesting and strings obey the module's two rules."""
     try:
-        body = json.loads(raw, parse_constant=_reject_constant)
+        text = raw.decode(json.detect_encoding(raw), "surrogatepass")  # as json.loads(bytes) reads it
+        body = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:  # nested far beyond MAX_JSON_DEPTH: the decoder's own limit
+        raise bad_request(_TOO_DEEP) from None
     except (ValueError, UnicodeDecodeError) as e:
         raise bad_request(f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {json_type(body)}")
+    # the walk is needed only where the text could break a rule (cheap scans of the text first)
+    deep = text.count("[") + text.count("{") > MAX_JSON_DEPTH
+    if deep or _SURROGATE_ESCAPE.search(text) is not None or has_surrogate(text):
+        check_json_values(body)
     return body
+
+
+def check_json_values(body: dict[str, Any]) -> None:
+    """Walk a decoded body once, iteratively: nesting within MAX_JSON_DEPTH, no string (value or
+    key) holding a lone surrogate. A surrogate is refused naming its path (`messages[0].content`),
+    too deep a value naming the body field it is in (`prompt`)."""
+    # (value, its depth, its path, the body field it is in)
+    stack: list[tuple[Any, int, str | None, str | None]] = [(body, 1, None, None)]
+    while stack:
+        value, depth, path, top = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise bad_request(_TOO_DEEP, top)
+        for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+            if isinstance(key, str) and has_surrogate(key):
+                raise bad_request(f"an object key in {path or 'the request body'} {_NOT_TEXT}", path)
+            if isinstance(item, str):
+                if has_surrogate(item):
+                    where = _path(path, key)
+                    raise bad_request(f"{where} {_NOT_TEXT}", where)
+            elif isinstance(item, (dict, list)):
+                where = _path(path, key)
+                stack.append((item, depth + 1, where, top or where))
+
+
+_NOT_TEXT = "is not text: it holds a lone UTF-16 surrogate (U+D800..U+DFFF)"
+
+
+def _path(parent: str | None, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{parent}[{key}]"
+    return f"{parent}.{key}" if parent else key
 
 
 def json_type(v: Any) -> str:
