@@ -27,13 +27,18 @@ def pick_model(tiny_models) -> str:
 
 
 class LiveServer:
-    """uvicorn.Server on port 0 in a daemon thread; `base_url` once started."""
+    """uvicorn.Server on 127.0.0.1, port 0, in a daemon thread, configured as `pagedllm serve`
+    configures it (launcher.uvicorn_config; `config` overrides, e.g. timeout_keep_alive);
+    `base_url` once started."""
 
-    def __init__(self, app):
+    def __init__(self, app, **config):
         import uvicorn
 
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off", ws="none")
-        self.server = uvicorn.Server(config)
+        from pagedllm.entrypoints.openai.launcher import uvicorn_config
+
+        self.server = uvicorn.Server(
+            uvicorn_config(app, **{"host": "127.0.0.1", "port": 0, "log_level": "warning", **config})
+        )
         self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
 
     def start(self) -> LiveServer:
