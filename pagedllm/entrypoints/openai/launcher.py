@@ -34,7 +34,7 @@ from pagedllm import envs
 from pagedllm.entrypoints.args import CLIError, byte_size
 from pagedllm.entrypoints.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.api_server import build_app
-from pagedllm.entrypoints.openai.connections import HeadTimeoutH11Protocol
+from pagedllm.entrypoints.openai.connections import head_deadline_protocol
 from pagedllm.entrypoints.openai.guards import DEFAULT_MAX_REQUEST_BODY_SIZE
 
 logger = logging.getLogger("pagedllm")
@@ -163,11 +163,11 @@ def allowed_hosts(flag: str | None, sockets: list[socket.socket]) -> list[str] |
 
 
 def uvicorn_config(app: Any, **kwargs: Any) -> uvicorn.Config:
-    """uvicorn's Config as the server runs it: h11 with a deadline for each request head
-    (connections.py), keep-alive $PAGEDLLM_HTTP_TIMEOUT_KEEP_ALIVE seconds, no websockets, no
+    """uvicorn's Config as the server runs it: uvicorn's HTTP protocol with a deadline for each
+    request head (connections.py), keep-alive $PAGEDLLM_HTTP_TIMEOUT_KEEP_ALIVE seconds, no websockets, no
     lifespan. `kwargs` go to uvicorn.Config."""
     kwargs = {"timeout_keep_alive": envs.http_timeout_keep_alive(), **kwargs}
-    return uvicorn.Config(app, http=HeadTimeoutH11Protocol, ws="none", lifespan="off", **kwargs)
+    return uvicorn.Config(app, http=head_deadline_protocol(), ws="none", lifespan="off", **kwargs)
 
 
 def run_server(args: argparse.Namespace) -> int:
