@@ -1,6 +1,6 @@
 """`python -m pagedllm serve` as a subprocess: a busy port refused in one line before the model
-loads; the API key from the environment, a foreign Host refused (bound to loopback), 429 when
-the queue is full, and SIGTERM with a stream open (the stream ends cleanly, the process exits
+loads; the API key from the environment, a foreign Host refused (bound to loopback) unless
+--allowed-hosts names it, --max-request-body-size, 429 when the queue is full, and SIGTERM with a stream open (the stream ends cleanly, the process exits
 0, its engine core process is gone)."""
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ def proc_server(long_context_model, tmp_path_factory):
     env = dict(os.environ, PAGEDLLM_API_KEY=KEY)
     args = ["--model", long_context_model, "--device", "cpu", "--num-kv-blocks", "2100", "--max-num-seqs", "1"]
     args += ["--max-queue-len", "1", "--served-model-name", "tiny", "--log-level", "warning"]
+    args += ["--allowed-hosts", "gpu-box.lan", "--max-request-body-size", "1MiB"]
     log = open(tmp_path_factory.mktemp("serve_log") / "server.log", "w+")
     p = start_serve(args, log, env)
     yield p
@@ -57,6 +58,11 @@ def test_key_from_env_queue_full_and_sigterm_with_an_open_stream(proc_server):
     foreign = httpx.get(url + "/health", headers={"Host": "evil.example:8000"})
     assert foreign.status_code == 421 and foreign.json()["error"]["code"] == "invalid_host"
     assert httpx.get(url + "/health", headers={"Host": "localhost:8000"}).status_code == 200
+    assert httpx.get(url + "/health", headers={"Host": "gpu-box.lan:8000"}).status_code == 200  # --allowed-hosts
+    big = httpx.post(
+        url + "/v1/completions", json={"prompt": "x" * (1 << 20)}, headers={"Authorization": f"Bearer {KEY}"}
+    )
+    assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
     client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
     long = dict(
         model="tiny", prompt="def f(x):", max_tokens=30000, temperature=0, stream=True, extra_body={"ignore_eos": True}

@@ -1,6 +1,7 @@
 """The serving logic of /v1/completions and /v1/chat/completions, without HTTP.
 
-`OpenAIServing(async_llm, served_model_name)` takes a parsed JSON body and returns the answer:
+`OpenAIServing(async_llm, served_model_name)` takes a JSON body (its raw bytes, as the HTTP
+route passes it, or the parsed dict) and returns the answer:
 a dict (the JSON object of a non-streamed request) or an `SSEStream`; every refusal is an
 `APIError`. The engine is injected, so a test can drive this class with a thread-mode AsyncLLM
 and no server (tests/server/test_serving.py).
@@ -11,10 +12,10 @@ model's generation_config.json fills the rest) -> `input_processor.process` for 
 (tokenize and every admission check; all prompts of a request are checked before any is
 queued) -> `add_request(EngineCoreRequest)` -> the final outputs or a stream of SSE events.
 Everything before `add_request` (JSON decoding when the body comes as bytes, the chat template,
-tokenizing, the checks) runs on a worker thread (`asyncio.to_thread`): a 6 MB prompt takes
-seconds to tokenize, and on the event loop it would stall every other client, /health included.
-The fast tokenizers release the GIL while they work; `add_request` and everything after it stay
-on the loop that owns the engine's streams.
+tokenizing, the checks) runs on a worker thread of the loop's default executor (`asyncio.to_thread`,
+a bounded pool): a 6 MB prompt takes seconds to tokenize, and on the event loop it would stall
+every other client, /health included. The fast tokenizers release the GIL while they work;
+`add_request` and everything after it stay on the loop that owns the engine's streams.
 A client that goes away aborts its requests: a stream through `SSEStream.close`, a
 non-streamed request through the `disconnected` watcher.
 
