@@ -3,6 +3,8 @@
 | variable | read by | meaning |
 | --- | --- | --- |
 | `PAGEDLLM_API_KEY` | `pagedllm serve`, `pagedllm bench serve` | API key when `--api-key` is not given |
+| `PAGEDLLM_KEEP_ALIVE_ON_ENGINE_DEATH` | `pagedllm serve` | `1`: keep serving 503s after the engine core died instead of exiting (vLLM's `VLLM_KEEP_ALIVE_ON_ENGINE_DEATH`); `--keep-alive-on-engine-death` wins |
+| `PAGEDLLM_HTTP_TIMEOUT_KEEP_ALIVE` | `pagedllm serve` | seconds an idle connection is kept: after a response, and for a new connection to send its request head (5, as vLLM's `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`) |
 | `PAGEDLLM_LOGGING_LEVEL` | the CLI | log level (DEBUG, INFO, ...) unless `--debug` |
 | `PAGEDLLM_TP_TIMEOUT_S` | tensor parallelism | seconds a collective may take before a rank is declared stuck (300) |
 | `PAGEDLLM_SAMPLER` | the model runner | `torch`: sample with the torch path instead of the fused kernel |
@@ -26,6 +28,18 @@ def child_environ(api_key: str | None = None) -> dict[str, str]:
     if api_key:
         env["PAGEDLLM_API_KEY"] = api_key
     return env
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def keep_alive_on_engine_death() -> bool:
+    return _flag("PAGEDLLM_KEEP_ALIVE_ON_ENGINE_DEATH")
+
+
+def http_timeout_keep_alive() -> float:
+    return float(os.environ.get("PAGEDLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5"))
 
 
 def logging_level(default: str) -> str:

@@ -180,6 +180,11 @@ class AsyncLLM:
         """The engine core died (or its thread stopped) without being asked to."""
         return self.state is EngineState.DEAD or (self.state is EngineState.RUNNING and not self.core.is_alive())
 
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine is dead ("the engine core process died (exit code -9)"), once it is."""
+        return self._dead_reason
+
     def num_waiting(self) -> int:
         """Requests sent to the engine that have no token yet (queued or prefilling)."""
         return self.registry.num_waiting

@@ -4,8 +4,13 @@ thread, Prometheus scraping, process checks (Linux /proc). Fixtures live in conf
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
 import threading
 import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 API_KEY = "sk-test-key"
 MODEL_NAME = "test-model"
@@ -27,13 +32,19 @@ def pick_model(tiny_models) -> str:
 
 
 class LiveServer:
-    """uvicorn.Server on port 0 in a daemon thread; `base_url` once started."""
+    """uvicorn.Server on 127.0.0.1, port 0, in a daemon thread, configured as `pagedllm serve`
+    configures it (launcher.uvicorn_config; `config` overrides, e.g. timeout_keep_alive);
+    `base_url` once started."""
 
-    def __init__(self, app):
+    def __init__(self, app, make_server=None, **config):
         import uvicorn
 
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off", ws="none")
-        self.server = uvicorn.Server(config)
+        from pagedllm.entrypoints.openai.launcher import uvicorn_config
+
+        make_server = make_server or uvicorn.Server  # e.g. launcher.AbortingServer with its arguments
+        self.server = make_server(
+            uvicorn_config(app, **{"host": "127.0.0.1", "port": 0, "log_level": "warning", **config})
+        )
         self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
 
     def start(self) -> LiveServer:
@@ -90,3 +101,44 @@ def child_pids(pid: int) -> list[int]:
         if int(fields[1]) == pid and fields[0] != "Z":
             out.append(int(d))
     return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_serve(args: list[str], log, env: dict | None = None, timeout: float = 60) -> subprocess.Popen:
+    """`python -m pagedllm serve ARGS --port P` (P free), its output to the file `log`; returns
+    once /health answers 200, with `.url` set."""
+    import httpx
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "pagedllm", "serve", *args, "--port", str(port)]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if p.poll() is not None or time.monotonic() > deadline:
+            p.kill()
+            p.wait()
+            log.seek(0)
+            raise RuntimeError("server did not start:\n" + log.read())
+        time.sleep(0.1)
+    p.url = url  # type: ignore[attr-defined]
+    return p
+
+
+def engine_core_pid(server_pid: int) -> int:
+    """The engine core among a server's children (multiprocessing's resource tracker is another)."""
+    for pid in child_pids(server_pid):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                return pid
+    raise LookupError(f"process {server_pid} has no engine core child")

@@ -1,6 +1,9 @@
-"""The engine core process dying: open streams end with an error event, waiting requests get
-503, new requests get 503 at once, /health says 503, nothing hangs. And the other way round:
-the core never outlives the API process, even one killed with SIGKILL."""
+"""The engine core process dying. By default (`pagedllm serve`): open streams end with their
+error event, then the server exits with code 1 and one error line, so that a supervisor
+restarts it. With --keep-alive-on-engine-death (the server class the flag configures, in this
+process): open streams end with an error event, waiting requests get 503, new requests get 503
+at once, /health says 503, nothing hangs, and the server stays up. And the other way round: the
+core never outlives the API process, even one killed with SIGKILL."""
 
 from __future__ import annotations
 
@@ -18,25 +21,67 @@ import openai
 import pytest
 
 from pagedllm.entrypoints.async_llm import EngineShutdownError
-from tests.server.helpers import API_KEY, MODEL_NAME, LiveServer, metric, pid_alive, scrape
+from tests.server.helpers import (
+    API_KEY,
+    MODEL_NAME,
+    ROOT,
+    LiveServer,
+    engine_core_pid,
+    metric,
+    pid_alive,
+    scrape,
+    start_serve,
+)
 
 LONG = {"model": MODEL_NAME, "prompt": "def f(x):", "max_tokens": 30000, "temperature": 0, "ignore_eos": True}
 
 
+def test_by_default_the_server_exits_1_once_the_core_died_and_its_streams_ended(long_context_model, tmp_path):
+    args = ["--model", long_context_model, "--device", "cpu", "--num-kv-blocks", "2100", "--max-num-seqs", "4"]
+    args += ["--served-model-name", MODEL_NAME, "--log-level", "warning"]
+    with open(tmp_path / "server.log", "w+") as log:
+        p = start_serve(args, log)
+        try:
+            core = engine_core_pid(p.pid)
+            with httpx.stream("POST", p.url + "/v1/completions", json={**LONG, "stream": True}, timeout=60) as resp:
+                lines = (line for line in resp.iter_lines() if line)
+                assert json.loads(next(lines)[6:])["choices"][0]["finish_reason"] is None
+                os.kill(core, signal.SIGKILL)
+                t0 = time.monotonic()
+                rest = list(lines)
+            assert rest[-1] == "data: [DONE]"
+            assert json.loads(rest[-2][6:])["error"]["code"] == "engine_dead"
+            assert p.wait(20) == 1
+            assert time.monotonic() - t0 < 10
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        log.seek(0)
+        last = log.read().strip().splitlines()[-1]
+    assert last == (
+        "pagedllm: error: the engine core process died (exit code -9): the server has stopped so that it can "
+        "be restarted (--keep-alive-on-engine-death keeps it serving 503s instead)"
+    )
+
+
 @pytest.fixture(scope="module")
 def doomed(long_context_model):
+    """A server in keep-alive mode: what --keep-alive-on-engine-death makes of `pagedllm serve`."""
     from pagedllm.entrypoints.async_llm import AsyncLLM
     from pagedllm.entrypoints.openai.api_server import build_app
+    from pagedllm.entrypoints.openai.launcher import AbortingServer
 
     async_llm = AsyncLLM(long_context_model, device="cpu", num_kv_blocks=2100, max_num_seqs=4)
-    srv = LiveServer(build_app(async_llm, MODEL_NAME, API_KEY)).start()
+    app = build_app(async_llm, MODEL_NAME, API_KEY)
+    srv = LiveServer(app, lambda config: AbortingServer(config, async_llm, exit_on_engine_death=False)).start()
     srv.async_llm = async_llm
     yield srv
     srv.stop()
     async_llm.shutdown(10)
 
 
-def test_killing_the_core_fails_in_flight_and_new_requests_promptly(doomed):
+def test_with_keep_alive_the_core_dying_fails_in_flight_and_new_requests_promptly(doomed):
     headers = {"Authorization": f"Bearer {API_KEY}"}
     url = doomed.url
     pid = doomed.async_llm.core_pid
@@ -81,6 +126,9 @@ def test_killing_the_core_fails_in_flight_and_new_requests_promptly(doomed):
     assert time.monotonic() - t0 < 5
     assert httpx.get(url + "/health").status_code == 503
     assert httpx.get(url + "/metrics").status_code == 200
+    time.sleep(0.5)  # several of the server's ticks: it stays up
+    assert doomed.thread.is_alive() and not doomed.server.should_exit
+    assert httpx.get(url + "/health").status_code == 503
 
     async def add():
         doomed.async_llm.add_request("x")
@@ -103,9 +151,8 @@ if __name__ == "__main__":
 
 
 def test_the_core_exits_when_the_api_process_is_killed(tiny_models):
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     p = subprocess.Popen(
-        [sys.executable, "-c", CHILD, tiny_models["qwen3"]], cwd=root, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", CHILD, tiny_models["qwen3"]], cwd=ROOT, stdout=subprocess.PIPE, text=True
     )
     try:
         core = int(p.stdout.readline())

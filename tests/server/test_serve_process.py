@@ -1,6 +1,7 @@
-"""`python -m pagedllm serve` as a subprocess: the API key from the environment, 429 when the
-queue is full, and SIGTERM with a stream open (the stream ends cleanly, the process exits 0,
-its engine core process is gone)."""
+"""`python -m pagedllm serve` as a subprocess: a busy port refused in one line before the model
+loads; the API key from the environment, a foreign Host refused (bound to loopback) unless
+--allowed-hosts names it, --max-request-body-size, 429 when the queue is full, and SIGTERM with a stream open (the stream ends cleanly, the process exits
+0, its engine core process is gone)."""
 
 from __future__ import annotations
 
@@ -16,60 +17,19 @@ import httpx
 import openai
 import pytest
 
-from tests.server.helpers import child_pids, metric, pid_alive, scrape
+from tests.server.helpers import ROOT, child_pids, metric, pid_alive, scrape, start_serve
 
 KEY = "sk-from-env"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def proc_server(long_context_model, tmp_path_factory):
-    port = _free_port()
     env = dict(os.environ, PAGEDLLM_API_KEY=KEY)
-    cmd = [
-        sys.executable,
-        "-m",
-        "pagedllm",
-        "serve",
-        "--model",
-        long_context_model,
-        "--device",
-        "cpu",
-        "--num-kv-blocks",
-        "2100",
-        "--max-num-seqs",
-        "1",
-        "--max-queue-len",
-        "1",
-        "--port",
-        str(port),
-        "--served-model-name",
-        "tiny",
-        "--log-level",
-        "warning",
-    ]
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    args = ["--model", long_context_model, "--device", "cpu", "--num-kv-blocks", "2100", "--max-num-seqs", "1"]
+    args += ["--max-queue-len", "1", "--served-model-name", "tiny", "--log-level", "warning"]
+    args += ["--allowed-hosts", "gpu-box.lan", "--max-request-body-size", "1MiB"]
     log = open(tmp_path_factory.mktemp("serve_log") / "server.log", "w+")
-    p = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if p.poll() is not None or time.monotonic() > deadline:
-            p.kill()
-            log.seek(0)
-            raise RuntimeError("server did not start:\n" + log.read())
-        time.sleep(0.1)
-    p.url = url
+    p = start_serve(args, log, env)
     yield p
     if p.poll() is None:
         p.kill()
@@ -77,9 +37,32 @@ def proc_server(long_context_model, tmp_path_factory):
     log.close()
 
 
+def test_a_busy_port_is_one_line_and_exit_1_before_the_model_loads(tiny_models):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cmd = [sys.executable, "-m", "pagedllm", "serve", "--model", tiny_models["qwen3"], "--device", "cpu"]
+        r = subprocess.run([*cmd, "--port", str(port)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.splitlines() == [
+        f"pagedllm: error: port {port} on 127.0.0.1 is already in use (pick another with --port)"
+    ]  # nothing else: no engine core was started, no model loaded
+    assert r.stdout == ""
+
+
 def test_key_from_env_queue_full_and_sigterm_with_an_open_stream(proc_server):
     url = proc_server.url
     assert httpx.post(url + "/v1/completions", json={"prompt": "x"}).status_code == 401
+    # bound to 127.0.0.1: a page that rebinds its own name to it is refused (DNS rebinding)
+    foreign = httpx.get(url + "/health", headers={"Host": "evil.example:8000"})
+    assert foreign.status_code == 421 and foreign.json()["error"]["code"] == "invalid_host"
+    assert httpx.get(url + "/health", headers={"Host": "localhost:8000"}).status_code == 200
+    assert httpx.get(url + "/health", headers={"Host": "gpu-box.lan:8000"}).status_code == 200  # --allowed-hosts
+    big = httpx.post(
+        url + "/v1/completions", json={"prompt": "x" * (1 << 20)}, headers={"Authorization": f"Bearer {KEY}"}
+    )
+    assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
     client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
     long = dict(
         model="tiny", prompt="def f(x):", max_tokens=30000, temperature=0, stream=True, extra_body={"ignore_eos": True}

@@ -3,7 +3,12 @@
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health,
 GET /metrics. The engine runs in its own process (AsyncLLM's engine core), so this process only
 parses, tokenizes, detokenizes and streams; if the core dies, open streams end with an error
-event and new requests get 503.
+event and new requests get 503 (`pagedllm serve` then exits, unless told to keep serving:
+launcher.py).
+
+Before a route runs, from the outside in: `InternalErrorMiddleware` (errors.py: a generic 500,
+the traceback logged once), `HostGuard` (guards.py: when `allowed_hosts` is given),
+`AuthMiddleware` (when `api_key` is given), `BodyGuard` (guards.py: JSON content type, body size).
 
 The package `pagedllm.entrypoints.openai`, one concept per module:
 
@@ -16,6 +21,8 @@ The package `pagedllm.entrypoints.openai`, one concept per module:
 | `responses.py` | completion and chat objects, SSE events, usage |
 | `errors.py` | `APIError`, OpenAI's error schema, the exception handlers |
 | `auth.py` | the Bearer-key middleware |
+| `guards.py` | Host, Content-Type and body-size checks (cross-origin and DNS-rebinding defences) |
+| `connections.py` | uvicorn's h11 protocol with a deadline for each request head (idle sockets) |
 | `metrics.py` | Prometheus metrics (`/metrics`) |
 | `launcher.py` | `add_server_args`, `run_server`: flags, uvicorn, signals, shutdown |
 """
@@ -23,6 +30,7 @@ The package `pagedllm.entrypoints.openai`, one concept per module:
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -30,9 +38,9 @@ from fastapi.responses import Response, StreamingResponse
 
 from pagedllm.entrypoints.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.auth import AuthMiddleware
-from pagedllm.entrypoints.openai.errors import error_response, install_error_handlers
+from pagedllm.entrypoints.openai.errors import InternalErrorMiddleware, error_response, install_error_handlers
+from pagedllm.entrypoints.openai.guards import DEFAULT_MAX_REQUEST_BODY_SIZE, BodyGuard, HostGuard
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
-from pagedllm.entrypoints.openai.parsing import json_body
 from pagedllm.entrypoints.openai.serving import OpenAIServing, SSEStream
 
 
@@ -70,8 +78,17 @@ def _watcher(request: Request) -> Any:
     return disconnected
 
 
-def build_app(async_llm: AsyncLLM, served_model_name: str | None = None, api_key: str | None = None) -> FastAPI:
-    """The ASGI app. It does not own async_llm (run_server shuts that down)."""
+def build_app(
+    async_llm: AsyncLLM,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    *,
+    allowed_hosts: Iterable[str] | None = None,
+    max_request_body_size: int = DEFAULT_MAX_REQUEST_BODY_SIZE,
+) -> FastAPI:
+    """The ASGI app. It does not own async_llm (run_server shuts that down). `allowed_hosts`:
+    None accepts any Host header; otherwise the Host must be a loopback name or address or one
+    of these names (run_server passes () when bound to loopback). `max_request_body_size`: bytes."""
     from pagedllm import __version__
 
     if served_model_name is None:
@@ -104,30 +121,39 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | None = None, api_key
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        body = json_body(await request.body())
-        return _answer(await serving.create_completion(body, _watcher(request)))
+        return _answer(await serving.create_completion(await request.body(), _watcher(request)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        body = json_body(await request.body())
-        return _answer(await serving.create_chat_completion(body, _watcher(request)))
+        return _answer(await serving.create_chat_completion(await request.body(), _watcher(request)))
 
+    # add_middleware puts each one outside the ones before it
+    app.add_middleware(BodyGuard, max_body_size=max_request_body_size)
     if api_key:
         app.add_middleware(AuthMiddleware, api_key=api_key)
+    if allowed_hosts is not None:
+        app.add_middleware(HostGuard, extra_hosts=tuple(allowed_hosts))
+    app.add_middleware(InternalErrorMiddleware)
     return app
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m pagedllm.entrypoints.openai.api_server [flags]` = `pagedllm serve [flags]`."""
     import argparse
+    import sys
 
-    from pagedllm.entrypoints.args import add_engine_args
+    from pagedllm.entrypoints.args import CLIError, add_engine_args
     from pagedllm.entrypoints.openai.launcher import add_server_args, run_server
 
     parser = argparse.ArgumentParser(prog="python -m pagedllm.entrypoints.openai.api_server")
     add_engine_args(parser)
     add_server_args(parser)
-    return run_server(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    try:
+        return run_server(args)
+    except CLIError as e:  # a busy port, a dead engine: one line, as `pagedllm serve` prints it
+        print(f"{parser.prog}: error: {e}", file=sys.stderr, flush=True)
+        return e.code
 
 
 if __name__ == "__main__":

@@ -1,26 +1,41 @@
-"""Running the server as a process: the server's flags, uvicorn, signals, shutdown.
+"""Running the server as a process: the server's flags, the listening socket, uvicorn, signals,
+shutdown.
 
 `add_server_args(parser)` adds the server's own flag group (the engine's flags come from
-`pagedllm.entrypoints.args`); `run_server(args)` loads the model, serves until SIGTERM/SIGINT,
-then aborts every in-flight request so open streams end cleanly (finish_reason "abort", then
-[DONE]) and the process exits 0 with its engine core process gone.
+`pagedllm.entrypoints.args`); `run_server(args)`:
+1. binds the port first, so a port in use is a one-line CLIError (exit 1) in a second, not after
+   the model has loaded; the bound (not yet listening) socket is handed to uvicorn, so no other
+   process can take the port in between;
+2. loads the model (the engine core process), serves until SIGTERM/SIGINT, then aborts every
+   in-flight request so open streams end cleanly (finish_reason "abort", then [DONE]) and
+   returns 0 with its engine core process gone;
+3. if the engine core dies instead, its open streams end with an `engine_dead` error event and
+   the server shuts down and raises CLIError (exit 1), so that a supervisor restarts it, as vLLM
+   does; `--keep-alive-on-engine-death` (or PAGEDLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1, vLLM's
+   VLLM_KEEP_ALIVE_ON_ENGINE_DEATH) keeps it up answering 503 instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
+import ipaddress
 import logging
 import os
 import signal
+import socket
 from collections.abc import Callable
 from typing import Any
 
 import uvicorn
 
 from pagedllm import envs
+from pagedllm.entrypoints.args import CLIError, byte_size
 from pagedllm.entrypoints.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.api_server import build_app
+from pagedllm.entrypoints.openai.connections import head_deadline_protocol
+from pagedllm.entrypoints.openai.guards import DEFAULT_MAX_REQUEST_BODY_SIZE
 
 logger = logging.getLogger("pagedllm")
 
@@ -79,6 +94,27 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="on SIGTERM, how long to wait for the aborted streams to close",
     )
     g.add_argument(
+        "--keep-alive-on-engine-death",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="if the engine core dies, keep serving 503s instead of exiting with code 1 (the default, so "
+        "that a supervisor restarts the server); unset: $PAGEDLLM_KEEP_ALIVE_ON_ENGINE_DEATH",
+    )
+    g.add_argument(
+        "--allowed-hosts",
+        default=None,
+        metavar="NAMES",
+        help="comma-separated host names the Host header may carry besides localhost, 127.0.0.1 and [::1] "
+        "('*': any); unset: loopback names only when bound to a loopback address, else any",
+    )
+    g.add_argument(
+        "--max-request-body-size",
+        type=byte_size,
+        default=DEFAULT_MAX_REQUEST_BODY_SIZE,
+        metavar="BYTES",
+        help="larger request bodies get 413, e.g. 64MiB (default: 32MiB)",
+    )
+    g.add_argument(
         "--engine-process",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -88,57 +124,138 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def bind_sockets(host: str, port: int) -> list[socket.socket]:
+    """Bound, not yet listening, sockets for host:port (every address the name resolves to, as
+    asyncio binds them). CLIError when the port is taken or the address cannot be bound."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise CLIError(f"cannot bind to host {host!r}: {e.strerror}") from None
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, addr in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # not blocked by TIME_WAIT
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(addr)
+            port = sock.getsockname()[1]  # port 0: every address gets the first one's port
+    except OSError as e:
+        for sock in sockets:
+            sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise CLIError(f"port {port} on {host} is already in use (pick another with --port)") from None
+        raise CLIError(f"cannot bind to {host} port {port}: {e.strerror or e}") from None
+    return sockets
+
+
+def is_loopback_bind(sockets: list[socket.socket]) -> bool:
+    return all(ipaddress.ip_address(s.getsockname()[0]).is_loopback for s in sockets)
+
+
+def allowed_hosts(flag: str | None, sockets: list[socket.socket]) -> list[str] | None:
+    """build_app's allowed_hosts from --allowed-hosts: None (any Host) or the extra names."""
+    if flag is None:
+        return [] if is_loopback_bind(sockets) else None
+    names = [n.strip() for n in flag.split(",") if n.strip()]
+    return None if "*" in names else names
+
+
+def uvicorn_config(app: Any, **kwargs: Any) -> uvicorn.Config:
+    """uvicorn's Config as the server runs it: uvicorn's HTTP protocol with a deadline for each
+    request head (connections.py), keep-alive $PAGEDLLM_HTTP_TIMEOUT_KEEP_ALIVE seconds, no websockets, no
+    lifespan. `kwargs` go to uvicorn.Config."""
+    kwargs = {"timeout_keep_alive": envs.http_timeout_keep_alive(), **kwargs}
+    return uvicorn.Config(app, http=head_deadline_protocol(), ws="none", lifespan="off", **kwargs)
+
+
 def run_server(args: argparse.Namespace) -> int:
-    """Load the model, serve until SIGTERM/SIGINT, then abort in-flight requests (each stream
-    ends cleanly) and return 0. `args` holds the engine flags and the server flags."""
+    """Bind, load the model, serve until SIGTERM/SIGINT, then abort in-flight requests (each stream
+    ends cleanly) and return 0. CLIError when the port cannot be bound, and when the engine core
+    died (unless --keep-alive-on-engine-death). `args` holds the engine flags and the server flags."""
     from pagedllm.entrypoints.args import engine_kwargs  # the engine's flag table, owned by the CLI
 
     level = getattr(logging, str(args.log_level).upper(), logging.INFO)
     if not logger.handlers and not logging.getLogger().handlers:
         logging.basicConfig(format="%(levelname)s %(asctime)s %(message)s", datefmt="%m-%d %H:%M:%S")
     logger.setLevel(level)
-    async_llm = AsyncLLM(max_queue_len=args.max_queue_len, engine_process=args.engine_process, **engine_kwargs(args))
+    keep_alive = args.keep_alive_on_engine_death
+    if keep_alive is None:
+        keep_alive = envs.keep_alive_on_engine_death()
+    sockets = bind_sockets(args.host, args.port)
+    try:
+        async_llm = AsyncLLM(
+            max_queue_len=args.max_queue_len, engine_process=args.engine_process, **engine_kwargs(args)
+        )
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
     name = args.served_model_name or args.model or os.path.basename(os.path.normpath(str(async_llm.model_path)))
     api_key = args.api_key or envs.api_key()
-    app = build_app(async_llm, name, api_key)
-    config = uvicorn.Config(
+    app = build_app(
+        async_llm,
+        name,
+        api_key,
+        allowed_hosts=allowed_hosts(args.allowed_hosts, sockets),
+        max_request_body_size=args.max_request_body_size,
+    )
+    config = uvicorn_config(
         app,
-        host=args.host,
-        port=args.port,
         log_level=str(args.log_level).lower(),
         timeout_graceful_shutdown=args.timeout_graceful_shutdown,
-        ws="none",
-        lifespan="off",
         access_log=not args.disable_uvicorn_access_log,
     )
-    server = AbortingServer(config, async_llm)
+    server = AbortingServer(config, async_llm, exit_on_engine_death=not keep_alive)
     # uvicorn re-raises the signal it caught once it has shut down; a no-op handler installed
     # before it starts is what it restores, so the process exits 0 instead of dying by SIGTERM.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
-    logger.info(
-        "Serving model %r on http://%s:%d/v1%s", name, args.host, args.port, " (API key required)" if api_key else ""
-    )
+    host, port = sockets[0].getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    logger.info("Serving model %r on http://%s:%d/v1%s", name, shown, port, " (API key required)" if api_key else "")
     try:
-        server.run()
+        try:
+            server.run(sockets=sockets)
+        except OSError as e:  # listen() failed: the port was taken while the model loaded
+            raise CLIError(f"cannot listen on {args.host} port {port}: {e.strerror or e}") from None
     finally:
+        for sock in sockets:
+            sock.close()
         async_llm.shutdown()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if server.engine_died:
+        raise CLIError(
+            f"{async_llm.dead_reason or 'the engine core died'}: the server has stopped so that it can be "
+            "restarted (--keep-alive-on-engine-death keeps it serving 503s instead)"
+        )
     return 0
 
 
 class AbortingServer(uvicorn.Server):
     """A uvicorn.Server whose exit signal also aborts every in-flight request, so open streams
-    end and graceful shutdown does not wait on them."""
+    end and graceful shutdown does not wait on them. With `exit_on_engine_death` it also stops
+    (and sets `engine_died`) once the engine core has died: the open streams have had their
+    error event by then, the output handler fails them the moment the core's pipe closes."""
 
-    def __init__(self, config: Any, async_llm: AsyncLLM):
+    def __init__(self, config: Any, async_llm: AsyncLLM, exit_on_engine_death: bool = True):
         super().__init__(config)
         self.async_llm = async_llm
+        self.exit_on_engine_death = exit_on_engine_death
+        self.engine_died = False
         self.loop: asyncio.AbstractEventLoop | None = None
 
     async def startup(self, sockets: Any = None) -> None:
         self.loop = asyncio.get_running_loop()
         await super().startup(sockets)
+
+    async def on_tick(self, counter: int) -> bool:  # every 0.1 s
+        if self.exit_on_engine_death and not self.engine_died and self.async_llm.is_dead:
+            self.engine_died = True
+            self.should_exit = True
+            logger.error("the engine core is gone; shutting the server down")
+        return await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         super().handle_exit(sig, frame)

@@ -1,6 +1,7 @@
 """The serving logic of /v1/completions and /v1/chat/completions, without HTTP.
 
-`OpenAIServing(async_llm, served_model_name)` takes a parsed JSON body and returns the answer:
+`OpenAIServing(async_llm, served_model_name)` takes a JSON body (its raw bytes, as the HTTP
+route passes it, or the parsed dict) and returns the answer:
 a dict (the JSON object of a non-streamed request) or an `SSEStream`; every refusal is an
 `APIError`. The engine is injected, so a test can drive this class with a thread-mode AsyncLLM
 and no server (tests/server/test_serving.py).
@@ -10,6 +11,11 @@ A request's life, validated once at the edge: body -> ParsedRequest (`parsing.py
 model's generation_config.json fills the rest) -> `input_processor.process` for every prompt
 (tokenize and every admission check; all prompts of a request are checked before any is
 queued) -> `add_request(EngineCoreRequest)` -> the final outputs or a stream of SSE events.
+Everything before `add_request` (JSON decoding when the body comes as bytes, the chat template,
+tokenizing, the checks) runs on a worker thread of the loop's default executor (`asyncio.to_thread`,
+a bounded pool): a 6 MB prompt takes seconds to tokenize, and on the event loop it would stall
+every other client, /health included. The fast tokenizers release the GIL while they work;
+`add_request` and everything after it stay on the loop that owns the engine's streams.
 A client that goes away aborts its requests: a stream through `SSEStream.close`, a
 non-streamed request through the `disconnected` watcher.
 
@@ -21,6 +27,7 @@ the context and the KV cache, capped by the model's `max_new_tokens` when set.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -34,8 +41,8 @@ from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.sampling_params import SamplingParams, sampling_params_with_defaults
 from pagedllm.entrypoints.async_llm import EngineShutdownError, EngineStepError, QueueFullError
 from pagedllm.entrypoints.openai.chat import parse_chat
-from pagedllm.entrypoints.openai.errors import APIError, error_body, invalid_request
-from pagedllm.entrypoints.openai.parsing import ParsedRequest, parse_completion
+from pagedllm.entrypoints.openai.errors import APIError, error_body, internal_error, invalid_request
+from pagedllm.entrypoints.openai.parsing import ParsedRequest, json_body, parse_completion
 from pagedllm.entrypoints.openai.responses import (
     SSE_DONE,
     ChatResponses,
@@ -43,6 +50,8 @@ from pagedllm.entrypoints.openai.responses import (
     ResponseBuilder,
     sse,
 )
+
+logger = logging.getLogger("pagedllm")
 
 Disconnected = Callable[[], Awaitable[None]]  # returns once the client has gone away
 
@@ -116,7 +125,7 @@ class OpenAIServing:
             "object": "model",
             "created": self.created,
             "owned_by": "pagedllm",
-            "root": self.engine.model_path,
+            "root": self.served_model_name,  # never the model's directory: clients need no path of this host
             "parent": None,
             "max_model_len": self.engine.max_model_len,
         }
@@ -130,29 +139,41 @@ class OpenAIServing:
 
     # ---- /v1/completions and /v1/chat/completions ----------------------------------------
     async def create_completion(
-        self, body: dict[str, Any], disconnected: Disconnected | None = None
+        self, body: dict[str, Any] | bytes, disconnected: Disconnected | None = None
     ) -> dict[str, Any] | SSEStream:
-        parsed = parse_completion(body, self.served_model_name)
-        params = self.sampling_params(parsed)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        sub = self._submit(parsed, self._process(parsed, parsed.prompts, params, rid))
+        parsed, requests = await asyncio.to_thread(self._prepare_completion, body, rid)
+        sub = self._submit(parsed, requests)
         builder = CompletionResponses(rid, int(time.time()), self.served_model_name, parsed.include_usage)
-        return await self._answer(parsed, sub, builder, disconnected)
+        return await self._answer(parsed, sub, builder, rid, disconnected)
 
     async def create_chat_completion(
-        self, body: dict[str, Any], disconnected: Disconnected | None = None
+        self, body: dict[str, Any] | bytes, disconnected: Disconnected | None = None
     ) -> dict[str, Any] | SSEStream:
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        parsed, requests = await asyncio.to_thread(self._prepare_chat, body, rid)
+        sub = self._submit(parsed, requests)
+        builder = ChatResponses(rid, int(time.time()), self.served_model_name, parsed.include_usage)
+        return await self._answer(parsed, sub, builder, rid, disconnected)
+
+    # ---- on a worker thread: JSON, the chat template, tokenizing, every check ----------------
+    def _prepare_completion(
+        self, body: dict[str, Any] | bytes, rid: str
+    ) -> tuple[ParsedRequest, list[EngineCoreRequest]]:
+        parsed = parse_completion(json_body(body) if isinstance(body, bytes) else body, self.served_model_name)
+        params = self.sampling_params(parsed)
+        return parsed, self._process(parsed, parsed.prompts, params, rid)
+
+    def _prepare_chat(self, body: dict[str, Any] | bytes, rid: str) -> tuple[ParsedRequest, list[EngineCoreRequest]]:
+        body = json_body(body) if isinstance(body, bytes) else body
         parsed = parse_chat(body, self.served_model_name, self.engine.tokenizer)
         try:  # the length is needed for the default max_tokens; process() then only checks the ids
             text, ids = self.engine.input_processor.tokenize(parsed.prompts[0])
         except InvalidRequestError as e:
             raise invalid_request(e, parsed.prompt_param, parsed.max_tokens_param) from None
         params = self.sampling_params(parsed, room=max(1, min(self.engine.max_model_len, self.kv_tokens) - len(ids)))
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
         prompt = {"prompt": text, "prompt_token_ids": ids}
-        sub = self._submit(parsed, self._process(parsed, [prompt], params, rid))
-        builder = ChatResponses(rid, int(time.time()), self.served_model_name, parsed.include_usage)
-        return await self._answer(parsed, sub, builder, disconnected)
+        return parsed, self._process(parsed, [prompt], params, rid)
 
     def sampling_params(self, parsed: ParsedRequest, room: int | None = None) -> SamplingParams:
         """The request's one SamplingParams. `room` (chat): the default max_tokens when the
@@ -201,14 +222,19 @@ class OpenAIServing:
         return sub
 
     async def _answer(
-        self, parsed: ParsedRequest, sub: _Submitted, builder: ResponseBuilder, disconnected: Disconnected | None
+        self,
+        parsed: ParsedRequest,
+        sub: _Submitted,
+        builder: ResponseBuilder,
+        rid: str,
+        disconnected: Disconnected | None,
     ) -> dict[str, Any] | SSEStream:
         if parsed.stream:
-            return SSEStream(self._events(sub, builder, parsed.include_usage), sub.close)
-        return builder.final(await self._finals(sub, disconnected), sub.prompt_lens)
+            return SSEStream(self._events(sub, builder, rid, parsed.include_usage), sub.close)
+        return builder.final(await self._finals(sub, rid, disconnected), sub.prompt_lens)
 
     # ---- waiting for the engine ----------------------------------------------------------
-    async def _finals(self, sub: _Submitted, disconnected: Disconnected | None) -> list[RequestOutput]:
+    async def _finals(self, sub: _Submitted, rid: str, disconnected: Disconnected | None) -> list[RequestOutput]:
         """Wait for every final output; a client that disconnects first aborts them."""
 
         async def last(s: OutputStream) -> RequestOutput:
@@ -234,7 +260,7 @@ class OpenAIServing:
         try:
             outs = work.result()
         except EngineStepError as e:
-            raise APIError(500, str(e), "internal_server_error") from None
+            raise _step_failed(rid, e) from None
         except EngineShutdownError as e:
             raise APIError(503, str(e), "service_unavailable", None, "engine_dead") from None
         if any(o.outputs[0].finish_reason == "abort" for o in outs):
@@ -243,7 +269,9 @@ class OpenAIServing:
             )
         return outs
 
-    async def _events(self, sub: _Submitted, builder: ResponseBuilder, include_usage: bool) -> AsyncIterator[str]:
+    async def _events(
+        self, sub: _Submitted, builder: ResponseBuilder, rid: str, include_usage: bool
+    ) -> AsyncIterator[str]:
         """The SSE events of a stream, ending with [DONE] whatever happens to the engine."""
         completion_tokens = [0] * len(sub.streams)
         try:
@@ -257,13 +285,21 @@ class OpenAIServing:
                 yield builder.usage_event(sum(sub.prompt_lens), sum(completion_tokens))
             yield SSE_DONE
         except EngineStepError as e:
-            yield sse(error_body(str(e), "internal_server_error"))
+            err = _step_failed(rid, e)
+            yield sse(error_body(err.message, err.type))
             yield SSE_DONE
         except EngineShutdownError as e:  # the engine core died mid-stream
             yield sse(error_body(str(e), "service_unavailable", None, "engine_dead"))
             yield SSE_DONE
         finally:
             sub.close()
+
+
+def _step_failed(rid: str, e: EngineStepError) -> APIError:
+    """The engine raised on this request: the reason goes to the log (the core logged the
+    traceback), the client gets the request id and nothing internal."""
+    logger.error("request %s failed in the engine: %s", rid, e)
+    return internal_error(rid)
 
 
 async def _merged(streams: list[OutputStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
