@@ -198,8 +198,12 @@ def test_top_p_1_and_top_k_off_are_untouched_at_a_real_vocab(device):
 
 
 def test_huge_top_k_generates(llm):
-    """Any int >= 1 is a valid top_k; k >= V is off. One batch: rows are independent."""
-    ks = [VOCAB, VOCAB + 1, 2**31, 2**63, 2**100]
+    """top_k up to 2**31 - 1 is valid and k >= V is off; beyond that SamplingParams refuses it
+    (so 2**63 never reaches the step as an int64 overflow). One batch: rows are independent."""
+    for k in (2**31, 2**63, 2**100):
+        with pytest.raises(ValueError, match="top_k"):
+            SamplingParams(top_k=k)
+    ks = [VOCAB, VOCAB + 1, 2**20, 2**31 - 1]
     params = [SamplingParams(temperature=1.0, top_k=k, top_p=0.999, seed=5, max_tokens=6, ignore_eos=True) for k in ks]
     params.append(SamplingParams(temperature=1.0, top_p=0.999, seed=5, max_tokens=6, ignore_eos=True))
     params.append(SamplingParams(temperature=1.0, top_k=1, max_tokens=6, ignore_eos=True))
