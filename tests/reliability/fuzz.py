@@ -32,11 +32,14 @@ TRACEBACK_MARKERS = ("Traceback (most recent call last)", 'File "/', "site-packa
 
 class Raw:
     """JSON text written into the body as is: numbers Python's json.dumps cannot write (1e309
-    is a float that overflows to infinity when read), NaN, nesting deeper than its recursion."""
+    is a float that overflows to infinity when read), NaN, nesting deeper than its recursion.
+    `body_level`: the body as a whole is refused (not valid JSON, too deep), so the error may
+    name no field."""
 
-    def __init__(self, text: str, label: str | None = None):
+    def __init__(self, text: str, label: str | None = None, body_level: bool = False):
         self.text = text
         self.label = label or (text if len(text) <= 24 else f"{text[:10]}…({len(text)} chars)")
+        self.body_level = body_level
 
     def __repr__(self) -> str:
         return self.label
@@ -46,16 +49,17 @@ DELETE = Raw("", "<absent>")  # a patch value that removes the field
 
 
 def nested(depth: int) -> Raw:
-    return Raw("[" * depth + "1" + "]" * depth, f"[*{depth}")
+    return Raw("[" * depth + "1" + "]" * depth, f"[*{depth}", body_level=True)
 
 
 def nested_objects(depth: int) -> Raw:
-    return Raw('{"a": ' * depth + "1" + "}" * depth, f"{{a:*{depth}")
+    return Raw('{"a": ' * depth + "1" + "}" * depth, f"{{a:*{depth}", body_level=True)
 
 
-INF, NINF, NAN, INFINITY = Raw("1e309"), Raw("-1e309"), Raw("NaN"), Raw("Infinity")
+INF, NINF = Raw("1e309"), Raw("-1e309")  # valid JSON numbers, read as floats: +-infinity
+NAN, INFINITY = Raw("NaN", body_level=True), Raw("Infinity", body_level=True)  # not JSON
 HUGE_INTS = [2**63, 2**64, 10**400, -(2**63) - 1]
-ABSURD_INT = Raw("9" * 5000, "9*5000")  # past Python's int-string limit
+ABSURD_INT = Raw("9" * 5000, "9*5000", body_level=True)  # past Python's int-string limit
 LONE_SURROGATES = ["\ud800", "a\udfffb", "\udc00\ud800"]
 EMOJI = "\ud83d\ude00"  # a valid surrogate pair in JSON
 HUGE_TEXT = "x" * 300_000
@@ -102,6 +106,22 @@ class Mutation:
     @property
     def name(self) -> str:
         return ", ".join(f"{k}={short(v)}" for k, v in self.patch.items())
+
+    @property
+    def fields(self) -> set[str]:
+        """The names an error about this mutation may give as `param` (or start with)."""
+        return set(self.patch) | {k for v in self.patch.values() if isinstance(v, dict) for k in v}
+
+    @property
+    def body_level(self) -> bool:
+        def deep(v: Any) -> bool:
+            if isinstance(v, Raw):
+                return v.body_level
+            if isinstance(v, dict):
+                return any(deep(x) for x in v.values())
+            return isinstance(v, list) and any(deep(x) for x in v)
+
+        return deep(self.patch)
 
 
 def _table(group: str, field: str, ok: list, err: list, any_: list | None = None) -> list[Mutation]:
@@ -304,6 +324,8 @@ class Case:
     headers: dict = dataclasses.field(default_factory=lambda: {"Content-Type": "application/json"})
     method: str = "POST"
     declared_length: int | None = None  # send `body` as the start of a body of this Content-Length
+    fields: frozenset = frozenset()  # body cases: a 4xx must name one of these (or a part of one) as param
+    body_level: bool = False  # ... or none, when the body as a whole is refused
 
     @property
     def stream(self) -> bool:
@@ -328,7 +350,10 @@ def body_cases(endpoint: str, n: int, seed: int) -> list[Case]:
         for mu in chosen:
             body.update(mu.patch)
         name = f"{endpoint}: " + "; ".join(mu.name for mu in chosen)
-        return Case(name, _combine([mu.expect for mu in chosen]), path, dumps(body))
+        fields = frozenset().union(*(mu.fields for mu in chosen))
+        body_level = any(mu.body_level for mu in chosen)
+        expect = _combine([mu.expect for mu in chosen])
+        return Case(name, expect, path, dumps(body), fields=fields, body_level=body_level)
 
     cases = [case([mu]) for mu in muts]
     groups: dict[str, list[Mutation]] = {}
@@ -438,6 +463,11 @@ def _check_error_schema(case: Case, text: str) -> str | None:
         return f"an error without a message or type: {text[:200]!r}"
     if not all(err[k] is None or isinstance(err[k], str) for k in ("param", "code")):
         return f"param/code neither a string nor null: {text[:200]!r}"
+    param = err["param"]
+    if case.fields and not (param is None and case.body_level):
+        named = param is not None and any(param == f or param.startswith((f + ".", f + "[")) for f in case.fields)
+        if not named:
+            return f"an error whose param {param!r} names none of {sorted(case.fields)}: {text[:200]!r}"
     return None
 
 
