@@ -391,9 +391,9 @@ def http_cases(port: int) -> list[Case]:
             ("a 5,000-digit integer", valid.replace(b'"max_tokens": 2', b'"max_tokens": ' + b"9" * 5000), ERR),
             ("duplicate keys", valid[:-1] + b', "max_tokens": 3}', ANY),
         ]
-        for name, body, expect in raw:
-            cases.append(Case(f"{endpoint} http: {name}", expect, path, body))
-        for ctype, expect in [
+        for name, body, label in raw:
+            cases.append(Case(f"{endpoint} http: {name}", label, path, body))
+        content_types: list[tuple[str | None, str | int]] = [
             ("text/plain", 415),
             ("text/plain;charset=UTF-8", 415),
             ("application/x-www-form-urlencoded", 415),
@@ -404,7 +404,8 @@ def http_cases(port: int) -> list[Case]:
             ("application/json; charset=utf-8", OK),
             ("APPLICATION/JSON", ANY),
             ("application/jsonx", ANY),
-        ]:
+        ]
+        for ctype, expect in content_types:
             headers = {} if ctype is None else {"Content-Type": ctype}
             cases.append(Case(f"{endpoint} http: Content-Type {ctype}", expect, path, valid, headers))
         for host, expect in [
