@@ -1,9 +1,10 @@
 """The reliability suite: `pagedllm serve` as a subprocess on the tiny random qwen3 (loopback,
 CPU), driven by many concurrent clients, a seeded body fuzzer, idle sockets and signals.
 
-CI sizes by default (seconds); `python -m pytest tests/reliability --soak` runs the soak sizes
-(minutes): 1,000 streams, thousands of fuzz cases with a fresh seed (`--soak-seed N` replays
-one). The option exists when tests/reliability is named on the command line (pytest reads the
+CI sizes by default (two server processes, under a minute); `python -m pytest tests/reliability
+--soak` runs the soak sizes (minutes): 1,000 streams, thousands of fuzz cases with a fresh seed
+(`--soak-seed N` replays one), 1,000 idle sockets, and the --keep-alive-on-engine-death variant
+of the engine-death test (one more server process). The option exists when tests/reliability is named on the command line (pytest reads the
 options of the conftests under the paths it is given). Either way the figures (requests,
 cancelled, lost, leaked blocks, fuzz cases by status class, timings) are printed in a
 "reliability figures" section at the end of the run.
