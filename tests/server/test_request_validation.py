@@ -185,6 +185,14 @@ def test_max_tokens_past_the_context_is_refused_on_both_endpoints(srv, http):
         err = refused(post(http, "/v1/completions", completion(prompt=prompt, max_tokens=max_tokens)))
         assert (err["param"], err["code"]) == ("max_tokens", "context_length_exceeded")
         assert str(n) in err["message"] and str(n - 8) in err["message"], err
+    # completions without max_tokens: the default (16, or the model's max_new_tokens) shrinks to the room
+    body = {"model": MODEL_NAME, "prompt": prompt, "ignore_eos": True}
+    out = post(http, "/v1/completions", body).json()
+    default = srv.async_llm.generation_defaults.get("max_tokens", 16)
+    assert default > 8 and out["usage"]["completion_tokens"] == 8, out
+    assert out["choices"][0]["finish_reason"] == "length"
+    out = post(http, "/v1/completions", {**body, "prompt": prompt[: n - default - 4]}).json()
+    assert out["usage"]["completion_tokens"] == default, out  # room enough: the default itself
     # chat: without max_tokens the completion may take the room left; a larger explicit one is refused
     tokenizer = srv.async_llm.tokenizer
 

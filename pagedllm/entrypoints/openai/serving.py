@@ -161,8 +161,20 @@ class OpenAIServing:
         self, body: dict[str, Any] | bytes, rid: str
     ) -> tuple[ParsedRequest, list[EngineCoreRequest]]:
         parsed = parse_completion(json_body(body) if isinstance(body, bytes) else body, self.served_model_name)
-        params = self.sampling_params(parsed)
-        return parsed, self._process(parsed, parsed.prompts, params, rid)
+        if "max_tokens" in parsed.fields:  # asked for: past the context it is refused, never clamped
+            params = self.sampling_params(parsed)
+            return parsed, self._process(parsed, [(p, params) for p in parsed.prompts], rid)
+        # not asked for: the default (the model's max_new_tokens, else 16) shrinks to the room left
+        prompts = []
+        for p in parsed.prompts:
+            try:
+                text, ids = self.engine.input_processor.tokenize(p)
+            except InvalidRequestError as e:
+                raise invalid_request(e, parsed.prompt_param, parsed.max_tokens_param) from None
+            prompts.append(
+                ({"prompt": text, "prompt_token_ids": ids}, self.sampling_params(parsed, cap=self._room(ids)))
+            )
+        return parsed, self._process(parsed, prompts, rid)
 
     def _prepare_chat(self, body: dict[str, Any] | bytes, rid: str) -> tuple[ParsedRequest, list[EngineCoreRequest]]:
         body = json_body(body) if isinstance(body, bytes) else body
@@ -171,31 +183,38 @@ class OpenAIServing:
             text, ids = self.engine.input_processor.tokenize(parsed.prompts[0])
         except InvalidRequestError as e:
             raise invalid_request(e, parsed.prompt_param, parsed.max_tokens_param) from None
-        params = self.sampling_params(parsed, room=max(1, min(self.engine.max_model_len, self.kv_tokens) - len(ids)))
+        params = self.sampling_params(parsed, room=self._room(ids))
         prompt = {"prompt": text, "prompt_token_ids": ids}
-        return parsed, self._process(parsed, [prompt], params, rid)
+        return parsed, self._process(parsed, [(prompt, params)], rid)
 
-    def sampling_params(self, parsed: ParsedRequest, room: int | None = None) -> SamplingParams:
-        """The request's one SamplingParams. `room` (chat): the default max_tokens when the
-        client sets none, capped by the model's own max_new_tokens."""
+    def _room(self, ids: list[int]) -> int:
+        """Tokens a prompt leaves for its completion (at least 1: a too-long prompt is refused later)."""
+        return max(1, min(self.engine.max_model_len, self.kv_tokens) - len(ids))
+
+    def sampling_params(self, parsed: ParsedRequest, room: int | None = None, cap: int | None = None) -> SamplingParams:
+        """The request's one SamplingParams. When the client sets no max_tokens: `room` (chat) is
+        the default, capped by the model's own max_new_tokens; `cap` (completions) caps the usual
+        default (the model's max_new_tokens, else 16), as vLLM does."""
         defaults = self.engine.generation_defaults
         fields = dict(parsed.fields)
         if room is not None and "max_tokens" not in fields:
             model_max = defaults.get("max_tokens")
             fields["max_tokens"] = room if model_max is None else min(room, model_max)
+        if cap is not None and "max_tokens" not in fields:
+            fields["max_tokens"] = min(cap, defaults.get("max_tokens", SamplingParams.max_tokens))
         try:
             return sampling_params_with_defaults(defaults, **fields)
         except InvalidRequestError as e:
             raise invalid_request(e, parsed.prompt_param, parsed.max_tokens_param) from None
 
     def _process(
-        self, parsed: ParsedRequest, prompts: list[Any], params: SamplingParams, base_id: str
+        self, parsed: ParsedRequest, prompts: list[tuple[Any, SamplingParams]], base_id: str
     ) -> list[EngineCoreRequest]:
         """Every prompt checked by the input processor before any is queued."""
         try:
             return [
                 self.engine.input_processor.process(base_id if len(prompts) == 1 else f"{base_id}-{i}", p, params)
-                for i, p in enumerate(prompts)
+                for i, (p, params) in enumerate(prompts)
             ]
         except InvalidRequestError as e:
             raise invalid_request(e, parsed.prompt_param, parsed.max_tokens_param) from None
