@@ -5,7 +5,7 @@
 | `PAGEDLLM_API_KEY` | `pagedllm serve`, `pagedllm bench serve` | API key when `--api-key` is not given |
 | `PAGEDLLM_KEEP_ALIVE_ON_ENGINE_DEATH` | `pagedllm serve` | `1`: keep serving 503s after the engine core died instead of exiting (vLLM's `VLLM_KEEP_ALIVE_ON_ENGINE_DEATH`); `--keep-alive-on-engine-death` wins |
 | `PAGEDLLM_HTTP_TIMEOUT_KEEP_ALIVE` | `pagedllm serve` | seconds an idle connection is kept: after a response, and for a new connection to send its request head (5, as vLLM's `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`) |
-| `PAGEDLLM_LOGGING_LEVEL` | the CLI | log level (DEBUG, INFO, ...) unless `--debug` |
+| `PAGEDLLM_LOGGING_LEVEL` | the CLI, and `LLM` when it adds its default handler (`entrypoints/logs.py`) | log level (DEBUG, INFO, ...) unless `--debug` |
 | `PAGEDLLM_TP_TIMEOUT_S` | tensor parallelism | seconds a collective may take before a rank is declared stuck (300) |
 | `PAGEDLLM_SAMPLER` | the model runner | `torch`: sample with the torch path instead of the fused kernel |
 | `PAGEDLLM_COMMIT` | benchmarks | the commit recorded with a result row (else `git rev-parse`) |

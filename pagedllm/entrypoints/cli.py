@@ -17,6 +17,7 @@ import sys
 from pagedllm import __version__, envs
 from pagedllm.entrypoints.args import RUNTIME_ERROR, USAGE_ERROR, CLIError, add_engine_args, engine_kwargs
 from pagedllm.entrypoints.cli_generate import add_generate_args, run_generate
+from pagedllm.entrypoints.logs import LOG_DATEFMT, LOG_FORMAT, StderrHandler
 
 __all__ = ["main", "add_engine_args", "engine_kwargs", "SERVER_MODULE"]
 
@@ -137,26 +138,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 
 # ---- logging and main -------------------------------------------------------------------
-class _StderrHandler(logging.StreamHandler):
-    """Writes to whatever sys.stderr is at the time (so redirection and test capture work)."""
-
-    def __init__(self):
-        super().__init__(sys.stderr)
-
-    @property
-    def stream(self):
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value):
-        pass
-
-
 def setup_logging(debug: bool) -> None:
     level = envs.logging_level("DEBUG" if debug else "INFO")
-    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
-        handler = _StderrHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(message)s", "%m-%d %H:%M:%S"))
+    if not any(isinstance(h, StderrHandler) for h in logger.handlers):  # also LLM's default one (logs.py)
+        handler = StderrHandler()
+        handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATEFMT))
         logger.addHandler(handler)
     logger.setLevel(logging.DEBUG if debug else getattr(logging, level, logging.INFO))
 
