@@ -1,0 +1,164 @@
+"""CPU paged attention (TorchKernels.attend) with short and long sequences in one batch.
+
+One call is one layer's attention of one engine step, K/V already stored, float32, block
+size 16, block tables shuffled over the pool (as after some traffic). Cases, per head shape:
+- `short32`: a decode step of 32 sequences of context 48..80 (seeded, about 64);
+- `long1`: a decode step of one sequence of context 1,888;
+- `mixed`: both in one decode step (33 sequences);
+- `short1`, `short4`: small decode batches of context ~64 (they must not get slower);
+- `chunk`: a prefill chunk of 64 new tokens over a cached prefix of 1,824 (context 1,888);
+- `mixed_chunk`: `short32`'s decodes and that chunk in one step (the general varlen path).
+Head shapes: the bundled default model's (6 q heads, 2 KV heads, head dim 64) and a
+Qwen3-0.6B-like one (16 q heads, 8 KV heads, head dim 128).
+
+Prediction (written before the fix): attention that pads every sequence to the longest
+context costs `mixed` about 33/1 `long1` (the 32 short rows do 1,888 positions of work each),
+5-9x `short32`; gathered by block table without padding, `mixed` should cost about
+`short32` + `long1`, and `mixed_chunk` about `short32` + `chunk`.
+
+Each case is timed as the median of `--iters` calls after a warm-up; the whole set is run
+`--repeats` times, alternating cases, and the median of the runs is recorded (the machine
+may be shared: medians, not minima). Runs against whatever `pagedllm` is importable, so an
+older tree is measured with the same script:
+
+    PAGEDLLM_COMMIT=80605b1 PYTHONPATH=/tmp/base python benchmarks/cpu_attention.py --label before
+    python benchmarks/cpu_attention.py --label after
+
+Rows are appended to benchmarks/results/cpu-attention.json (a JSON list).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+BLOCK_SIZE = 16
+SHAPES = {"default_model": (6, 2, 64), "qwen3_0.6b": (16, 8, 128)}
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def make_case(shape: tuple[int, int, int], q_lens: list[int], seq_lens: list[int], seed: int = 0):
+    """(q, k_cache, v_cache, AttentionMetadata) of one step; K/V of every position already stored."""
+    from pagedllm.model.attention_metadata import AttentionMetadata
+
+    hq, hkv, d = shape
+    g = torch.Generator().manual_seed(seed)
+    blocks = [-(-s // BLOCK_SIZE) for s in seq_lens]
+    num_blocks = sum(blocks) + 1
+    k_cache = torch.randn(num_blocks, hkv, BLOCK_SIZE, d, generator=g)
+    v_cache = torch.randn(num_blocks, hkv, BLOCK_SIZE, d, generator=g)
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
+    at = 0
+    for i, nb in enumerate(blocks):
+        tables[i, :nb] = perm[at : at + nb]
+        at += nb
+    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(q_lens).cumsum(0)
+    total = int(cu[-1])
+    q = torch.randn(total, hq, d, generator=g)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((total,), -1, dtype=torch.int64),
+        block_tables=tables,
+        cu_seqlens_q=cu,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        max_seqlen_q=max(q_lens),
+        max_seqlen_k=max(seq_lens),
+        decode_only=all(n == 1 for n in q_lens),
+        no_history=False,
+    )
+    return q, k_cache, v_cache, meta
+
+
+def cases(shape: tuple[int, int, int]) -> dict[str, tuple]:
+    g = torch.Generator().manual_seed(1)
+    short = torch.randint(48, 81, (32,), generator=g).tolist()
+    long_ctx, chunk = 1888, 64
+    return {
+        "short1": make_case(shape, [1], short[:1]),
+        "short4": make_case(shape, [1] * 4, short[:4]),
+        "short32": make_case(shape, [1] * 32, short),
+        "long1": make_case(shape, [1], [long_ctx]),
+        "mixed": make_case(shape, [1] * 33, short + [long_ctx]),
+        "chunk": make_case(shape, [chunk], [long_ctx]),
+        "mixed_chunk": make_case(shape, [1] * 32 + [chunk], short + [long_ctx]),
+    }
+
+
+def time_call(fn, iters: int) -> float:
+    """Median ms of one call after a warm-up."""
+    for _ in range(3):
+        fn()
+    runs = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - start)
+    return statistics.median(runs) * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--iters", type=int, default=20, help="calls per case and run; the median is taken")
+    p.add_argument("--repeats", type=int, default=5, help="runs of every case; the median is recorded")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--label", default="")
+    p.add_argument("--results-dir", default="benchmarks/results")
+    p.add_argument("--no-save", action="store_true")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from pagedllm.bench.common import append_result, environment
+    from pagedllm.ops.kernels import TorchKernels
+
+    kernels = TorchKernels()
+    results: dict[str, dict] = {}
+    for name, shape in SHAPES.items():
+        built = cases(shape)
+        runs: dict[str, list[float]] = {c: [] for c in built}
+        for _ in range(args.repeats):
+            for case, (q, kc, vc, meta) in built.items():
+                runs[case].append(
+                    time_call(lambda q=q, kc=kc, vc=vc, m=meta: kernels.attend(q, q, q, kc, vc, m, 0.1), args.iters)
+                )
+        med = {c: round(statistics.median(r), 3) for c, r in runs.items()}
+        results[name] = {
+            "shape_hq_hkv_d": list(shape),
+            "median_ms": med,
+            "runs_ms": {c: [round(x, 3) for x in r] for c, r in runs.items()},
+            "mixed_over_short32": round(med["mixed"] / med["short32"], 2),
+            "mixed_over_short32_plus_long1": round(med["mixed"] / (med["short32"] + med["long1"]), 2),
+            "mixed_chunk_over_short32_plus_chunk": round(med["mixed_chunk"] / (med["short32"] + med["chunk"]), 2),
+        }
+        print(name, med, {k: v for k, v in results[name].items() if k.startswith("mixed")})
+    row = {
+        "benchmark": "cpu_attention",
+        "label": args.label,
+        "block_size": BLOCK_SIZE,
+        "dtype": "float32",
+        "iters": args.iters,
+        "repeats": args.repeats,
+        "threads": torch.get_num_threads(),
+        "cpu_model": cpu_model(),
+        "results": results,
+    }
+    row.update(environment())
+    if not args.no_save:
+        print(append_result(row, args.results_dir, "cpu-attention"))
+
+
+if __name__ == "__main__":
+    main()
