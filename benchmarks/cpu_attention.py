@@ -9,7 +9,8 @@ size 16, block tables shuffled over the pool (as after some traffic). Cases, per
 - `chunk`: a prefill chunk of 64 new tokens over a cached prefix of 1,824 (context 1,888);
 - `mixed_chunk`: `short32`'s decodes and that chunk in one step (the general varlen path).
 Head shapes: the bundled default model's (6 q heads, 2 KV heads, head dim 64) and a
-Qwen3-0.6B-like one (16 q heads, 8 KV heads, head dim 128).
+Qwen3-0.6B-like one (16 q heads, 8 KV heads, head dim 128). Then whole `LLM.generate` calls
+of the bundled model with the same three workloads (`engine_runs`; `--engine-tokens 0` skips).
 
 Prediction (written before the fix): attention that pads every sequence to the longest
 context costs `mixed` about 33/1 `long1` (the 32 short rows do 1,888 positions of work each),
@@ -110,11 +111,50 @@ def time_call(fn, iters: int) -> float:
     return statistics.median(runs) * 1e3
 
 
+def engine_runs(repeats: int, max_tokens: int) -> dict[str, object]:
+    """Whole `LLM.generate` calls of the bundled model (float32, CPU, no prefix caching so that
+    repeats recompute): 32 prompts of 48..80 random tokens, one of 1,888, and both together;
+    `max_tokens` greedy tokens each. Seconds per call, median of `repeats` (alternating)."""
+    import pagedllm
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(pagedllm.default_model_path(), dtype="float32", device="cpu", enable_prefix_caching=False)
+    g = torch.Generator().manual_seed(2)
+    short = [
+        torch.randint(100, 8000, (int(n),), generator=g).tolist() for n in torch.randint(48, 81, (32,), generator=g)
+    ]
+    long = [torch.randint(100, 8000, (1888,), generator=g).tolist()]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    workloads = {"short32": short, "long1": long, "mixed": short + long}
+    runs: dict[str, list[float]] = {w: [] for w in workloads}
+    llm.generate([{"prompt_token_ids": ids} for ids in short[:4]], params, use_tqdm=False)  # warm-up
+    for _ in range(repeats):
+        for w, prompts in workloads.items():
+            start = time.perf_counter()
+            llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+            runs[w].append(time.perf_counter() - start)
+    med = {w: round(statistics.median(r), 3) for w, r in runs.items()}
+    return {
+        "max_tokens": max_tokens,
+        "median_s": med,
+        "runs_s": {w: [round(x, 3) for x in r] for w, r in runs.items()},
+        "mixed_over_short32": round(med["mixed"] / med["short32"], 2),
+        "mixed_over_short32_plus_long1": round(med["mixed"] / (med["short32"] + med["long1"]), 2),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=20, help="calls per case and run; the median is taken")
     p.add_argument("--repeats", type=int, default=5, help="runs of every case; the median is recorded")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (0: torch's default); on a shared box more threads than free cores wait at every op",
+    )
+    p.add_argument("--engine-tokens", type=int, default=32, help="new tokens per request of the engine runs (0: skip)")
+    p.add_argument("--engine-repeats", type=int, default=3)
     p.add_argument("--label", default="")
     p.add_argument("--results-dir", default="benchmarks/results")
     p.add_argument("--no-save", action="store_true")
@@ -144,6 +184,9 @@ def main() -> None:
             "mixed_chunk_over_short32_plus_chunk": round(med["mixed_chunk"] / (med["short32"] + med["chunk"]), 2),
         }
         print(name, med, {k: v for k, v in results[name].items() if k.startswith("mixed")})
+    if args.engine_tokens:
+        results["engine_default_model"] = engine_runs(args.engine_repeats, args.engine_tokens)
+        print("engine", results["engine_default_model"])
     row = {
         "benchmark": "cpu_attention",
         "label": args.label,
@@ -151,6 +194,7 @@ def main() -> None:
         "dtype": "float32",
         "iters": args.iters,
         "repeats": args.repeats,
+        "engine_repeats": args.engine_repeats,
         "threads": torch.get_num_threads(),
         "cpu_model": cpu_model(),
         "results": results,

@@ -1,7 +1,9 @@
 """Torch references for the paged KV store and paged attention.
 
 They are exact (float32 math) and device-agnostic: the CPU path runs on them and the
-Triton kernels are tested against them.
+Triton kernels are tested against them. `paged_attention_ref` is the plain oracle (one
+sequence at a time); the CPU path uses the `*_grouped` forms, which give the same results
+without a Python loop over decode rows and without padding a sequence to another's length.
 """
 
 from __future__ import annotations
@@ -102,7 +104,9 @@ def paged_decode_attention_ref(
     """Decode only (one query per sequence), all sequences in one batched computation.
 
     Same result as paged_attention_ref with q_len 1, without its per-sequence loop: K/V are
-    gathered in block layout [B, nb, Hkv, bs, D] and positions past seq_len are masked.
+    gathered in block layout [B, nb, Hkv, bs, D] and positions past seq_len are masked. Every
+    row is padded to max_seqlen_k, so work and memory are B x max_seqlen_k: meant for rows of
+    similar length, which is how `paged_decode_attention_grouped` calls it.
     """
     b, hq, d = q.shape
     hkv, bs = k_cache.shape[1], k_cache.shape[2]
@@ -160,9 +164,9 @@ def paged_decode_attention_grouped(
     The rows are split by `decode_groups` and each group runs `paged_decode_attention_ref`
     padded to its own longest row, so work and memory follow the context each sequence has
     (plus at most PAD_BUDGET elements of padding per group), not batch size x longest context.
-    A row's result depends only on its group's padded length: a short sequence gets the same
-    bits whether or not a long one shares its step. Rows with seq_len 0 get zeros, as in
-    `paged_attention_ref`. Positions past a row's length are read and given probability 0, so
+    The padded positions are masked out exactly, so a row's result does not depend on the other
+    rows of its step (tests/ops/test_attention_ref.py checks it bit for bit when a long sequence
+    joins short ones). Rows with seq_len 0 get zeros, as in `paged_attention_ref`. Positions past a row's length are read and given probability 0, so
     every block a table names must hold finite values (the KV tensor starts zeroed).
     """
     hkv, bs, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
