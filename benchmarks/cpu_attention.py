@@ -15,12 +15,14 @@ of the bundled model with the same three workloads (`engine_runs`; `--engine-tok
 Prediction (written before the fix): attention that pads every sequence to the longest
 context costs `mixed` about 33/1 `long1` (the 32 short rows do 1,888 positions of work each),
 5-9x `short32`; gathered by block table without padding, `mixed` should cost about
-`short32` + `long1`, and `mixed_chunk` about `short32` + `chunk`.
+`short32` + `long1`, and `mixed_chunk` about `short32` + `chunk`; the same for whole
+`LLM.generate` calls (`mixed` about `short32` + `long1`, where it was 5-9x `short32`).
 
-Each case is timed as the median of `--iters` calls after a warm-up; the whole set is run
-`--repeats` times, alternating cases, and the median of the runs is recorded (the machine
-may be shared: medians, not minima). Runs against whatever `pagedllm` is importable, so an
-older tree is measured with the same script:
+Each case is timed as the median of `--iters` calls after a warm-up, the cases called in turn
+(round robin); that is repeated `--repeats` times and the median of the runs is recorded (the
+machine may be shared: medians, not minima; one torch thread by default, since on a loaded
+box a second thread makes every op wait for a core). Runs against whatever `pagedllm` is
+importable, so an older tree is measured with the same script:
 
     PAGEDLLM_COMMIT=80605b1 PYTHONPATH=/tmp/base python benchmarks/cpu_attention.py --label before
     python benchmarks/cpu_attention.py --label after
@@ -33,6 +35,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -99,16 +103,19 @@ def cases(shape: tuple[int, int, int]) -> dict[str, tuple]:
     }
 
 
-def time_call(fn, iters: int) -> float:
-    """Median ms of one call after a warm-up."""
-    for _ in range(3):
-        fn()
-    runs = []
+def time_round_robin(calls: dict[str, Callable[[], object]], iters: int) -> dict[str, float]:
+    """Median ms of one call of each case, the cases called in turn so that a shared machine's
+    load falls on all of them alike; after a warm-up of 3 calls each."""
+    for fn in calls.values():
+        for _ in range(3):
+            fn()
+    times: dict[str, list[float]] = {c: [] for c in calls}
     for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        runs.append(time.perf_counter() - start)
-    return statistics.median(runs) * 1e3
+        for c, fn in calls.items():
+            start = time.perf_counter()
+            fn()
+            times[c].append(time.perf_counter() - start)
+    return {c: statistics.median(t) * 1e3 for c, t in times.items()}
 
 
 def engine_runs(repeats: int, max_tokens: int) -> dict[str, object]:
@@ -168,12 +175,11 @@ def main() -> None:
     results: dict[str, dict] = {}
     for name, shape in SHAPES.items():
         built = cases(shape)
+        calls = {c: partial(kernels.attend, q, q, q, kc, vc, m, 0.1) for c, (q, kc, vc, m) in built.items()}
         runs: dict[str, list[float]] = {c: [] for c in built}
         for _ in range(args.repeats):
-            for case, (q, kc, vc, meta) in built.items():
-                runs[case].append(
-                    time_call(lambda q=q, kc=kc, vc=vc, m=meta: kernels.attend(q, q, q, kc, vc, m, 0.1), args.iters)
-                )
+            for c, ms in time_round_robin(calls, args.iters).items():
+                runs[c].append(ms)
         med = {c: round(statistics.median(r), 3) for c, r in runs.items()}
         results[name] = {
             "shape_hq_hkv_d": list(shape),
