@@ -123,9 +123,11 @@ def paged_decode_attention_ref(
 
 
 PAD_BUDGET = 1 << 18
-"""K and V elements of padding that one group of decode rows may carry (1 MiB in float32):
-about what one more group's fixed cost (a few index_selects and one batched call, ~0.1-0.3 ms
-on CPU) would gather instead. Measured with benchmarks/cpu_attention.py."""
+"""K and V elements of padding that one group of decode rows may carry (1 MiB in float32),
+against the fixed cost of one more group. Measured with benchmarks/cpu_attention.py on a
+shared 2-core CPU: a decode call costs ~0.2-0.3 ms at any size, plus ~8 us (default model
+heads) to ~110 us (Qwen3-0.6B heads) per block of 16 tokens, so a group's fixed cost gathers
+about 10^5 elements; near that point either choice costs about the same."""
 
 
 def decode_groups(seq_lens: list[int], block_size: int, budget_blocks: int) -> list[list[int]]:
