@@ -33,6 +33,7 @@ Rows are appended to benchmarks/results/cpu-attention.json (a JSON list).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -203,6 +204,7 @@ def main() -> None:
         "engine_repeats": args.engine_repeats,
         "threads": torch.get_num_threads(),
         "cpu_model": cpu_model(),
+        "load_average_1m_at_end": round(os.getloadavg()[0], 2),  # the box is shared: how loaded it was
         "results": results,
     }
     row.update(environment())
