@@ -7,7 +7,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from pagedllm.model.attention_metadata import AttentionMetadata
 from pagedllm.ops import PAD_SLOT_ID
-from pagedllm.ops.attention_ref import paged_attention_ref, paged_decode_attention_ref
+from pagedllm.ops.attention_ref import PAD_BUDGET, paged_attention_ref, paged_decode_attention_ref
 from pagedllm.ops.kernels import TorchKernels
 
 
@@ -99,15 +99,20 @@ def _flops(step) -> int:
     return counter.get_total_flops()
 
 
-SHORT = [48 + (7 * i) % 33 for i in range(16)]  # contexts 48..80, as 16 short decode streams
-LONG = 1200
+SHORT = [48 + (7 * i) % 33 for i in range(12)]  # contexts 48..80, as 12 short decode streams
+
+
+def _long_context(hkv, d, block_size=16):
+    """A context whose padding of even one short row to it is past PAD_BUDGET, so that no
+    grouping may pad the short rows to it (1,280 tokens at the default model's heads)."""
+    return block_size * (PAD_BUDGET // (2 * hkv * block_size * d) + 16)
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(6, 2, 64), (16, 8, 128)])  # default model, Qwen3-0.6B heads
 def test_decode_work_of_a_long_sequence_does_not_pad_the_short_ones(hq, hkv, d):
     """A long decode stream beside short ones adds its own work only (flops counted, not timed):
     padding the short rows to its context made the mixed step cost ~batch x longest."""
-    mixed = _step([1] * (len(SHORT) + 1), SHORT + [LONG], hq, hkv, d, 16)
+    mixed = _step([1] * (len(SHORT) + 1), SHORT + [_long_context(hkv, d)], hq, hkv, d, 16)
     short = _subset(*mixed, list(range(len(SHORT))))
     long = _subset(*mixed, [len(SHORT)])
     assert _flops(mixed) <= _flops(short) + _flops(long)
@@ -122,7 +127,7 @@ def test_decode_rows_of_a_mixed_step_are_batched_like_a_decode_step():
     """Decode rows beside a prefill chunk with a long cached prefix: no per-row work beyond their
     own context, and the same bits as in a decode-only step of the same rows."""
     q_lens = [1] * len(SHORT) + [64]
-    mixed = _step(q_lens, SHORT + [LONG], 6, 2, 64, 16)
+    mixed = _step(q_lens, SHORT + [_long_context(2, 64)], 6, 2, 64, 16)
     decode = _subset(*mixed, list(range(len(SHORT))))
     chunk = _subset(*mixed, [len(SHORT)])
     assert _flops(mixed) <= _flops(decode) + _flops(chunk)
