@@ -166,10 +166,10 @@ def paged_decode_attention_grouped(
     The rows are split by `decode_groups` and each group runs `paged_decode_attention_ref`
     padded to its own longest row, so work and memory follow the context each sequence has
     (plus at most PAD_BUDGET elements of padding per group), not batch size x longest context.
-    The padded positions are masked out exactly, so a row's result does not depend on the other
-    rows of its step (tests/ops/test_attention_ref.py checks it bit for bit when a long sequence
-    joins short ones). Rows with seq_len 0 get zeros, as in `paged_attention_ref`. Positions past a row's length are read and given probability 0, so
-    every block a table names must hold finite values (the KV tensor starts zeroed).
+    Padded positions are read and given probability exactly 0, so every block a table names
+    must hold finite values (the KV tensor starts zeroed); they add exact zeros, and a row gets
+    the same bits when a long sequence joins its step (tests/ops/test_attention_ref.py).
+    Rows with seq_len 0 get zeros, as in `paged_attention_ref`.
     """
     hkv, bs, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     lens = seq_lens.tolist()

@@ -3,7 +3,9 @@
 Every layer that computes (RMSNorm, rotary, SiLU-and-mul, paged attention) is given one
 `Kernels` object when the model is built and calls it; no layer looks at a tensor's device.
 - `TorchKernels`: the torch references (fused_ref.py, attention_ref.py). The CPU path, and
-  the oracle of the kernel tests (tests/ops), which therefore test what the CPU path runs.
+  the oracle of the kernel tests (tests/ops), which therefore test what the CPU path runs;
+  its paged attention is the references' grouped form (decode rows batched by length), tested
+  equal to the looped `paged_attention_ref` in tests/ops/test_attention_ref.py.
 - `TritonKernels`: the Triton kernels (fused.py, store_kv.py, paged_attention.py), on CUDA.
 """
 
