@@ -27,6 +27,7 @@ importable, so an older tree is measured with the same script:
     PAGEDLLM_COMMIT=80605b1 PYTHONPATH=/tmp/base python benchmarks/cpu_attention.py --label before
     python benchmarks/cpu_attention.py --label after
 
+`--budget-sweep` instead times the grouped decode at several pad budgets (`budget_sweep`).
 Rows are appended to benchmarks/results/cpu-attention.json (a JSON list).
 """
 
@@ -119,6 +120,44 @@ def time_round_robin(calls: dict[str, Callable[[], object]], iters: int) -> dict
     return {c: statistics.median(t) * 1e3 for c, t in times.items()}
 
 
+SWEEP_BUDGETS = [1 << 16, 1 << 17, 1 << 18, 1 << 19, 1 << 20, 1 << 40]  # 2^40: one group, padded to the longest
+
+
+def budget_sweep(shape: tuple[int, int, int], iters: int, repeats: int) -> dict[str, dict]:
+    """`paged_decode_attention_grouped` at each pad budget of SWEEP_BUDGETS, on decode batches of
+    similar lengths (`short32`), two far apart (`mixed`), two near (16 x 256 and 16 x 512) and a
+    spread (32 contexts uniform in 64..1024): ms (median of runs) and the number of groups."""
+    from pagedllm.ops.attention_ref import decode_groups, paged_decode_attention_grouped
+
+    g = torch.Generator().manual_seed(3)
+    built = {c: v for c, v in cases(shape).items() if c in ("short32", "mixed")}
+    built["two_lens"] = make_case(shape, [1] * 32, [256] * 16 + [512] * 16)
+    built["spread32"] = make_case(shape, [1] * 32, torch.randint(64, 1025, (32,), generator=g).tolist())
+    out: dict[str, dict] = {}
+    block_elems = 2 * shape[1] * BLOCK_SIZE * shape[2]
+    for c, (q, kc, vc, m) in built.items():
+        calls = {
+            f"2^{b.bit_length() - 1}": partial(
+                paged_decode_attention_grouped, q, kc, vc, m.block_tables, m.seq_lens, 0.1, b
+            )
+            for b in SWEEP_BUDGETS
+        }
+        runs: dict[str, list[float]] = {k: [] for k in calls}
+        for _ in range(repeats):
+            for k, ms in time_round_robin(calls, iters).items():
+                runs[k].append(ms)
+        lens = m.seq_lens.tolist()
+        out[c] = {
+            k: {
+                "ms": round(statistics.median(r), 3),
+                "groups": len(decode_groups(lens, BLOCK_SIZE, max(1, b // block_elems))),
+            }
+            for (k, r), b in zip(runs.items(), SWEEP_BUDGETS, strict=True)
+        }
+        print(c, {k: (v["ms"], v["groups"]) for k, v in out[c].items()}, flush=True)
+    return out
+
+
 def engine_runs(repeats: int, max_tokens: int) -> dict[str, object]:
     """Whole `LLM.generate` calls of the bundled model (float32, CPU, no prefix caching so that
     repeats recompute): 32 prompts of 48..80 random tokens, one of 1,888, and both together;
@@ -163,6 +202,7 @@ def main() -> None:
     )
     p.add_argument("--engine-tokens", type=int, default=32, help="new tokens per request of the engine runs (0: skip)")
     p.add_argument("--engine-repeats", type=int, default=3)
+    p.add_argument("--budget-sweep", action="store_true", help="only the PAD_BUDGET sweep (budget_sweep)")
     p.add_argument("--label", default="")
     p.add_argument("--results-dir", default="benchmarks/results")
     p.add_argument("--no-save", action="store_true")
@@ -175,6 +215,10 @@ def main() -> None:
     kernels = TorchKernels()
     results: dict[str, dict] = {}
     for name, shape in SHAPES.items():
+        if args.budget_sweep:
+            print(name)
+            results[f"pad_budget_sweep_{name}"] = budget_sweep(shape, args.iters, args.repeats)
+            continue
         built = cases(shape)
         calls = {c: partial(kernels.attend, q, q, q, kc, vc, m, 0.1) for c, (q, kc, vc, m) in built.items()}
         runs: dict[str, list[float]] = {c: [] for c in built}
@@ -191,7 +235,7 @@ def main() -> None:
             "mixed_chunk_over_short32_plus_chunk": round(med["mixed_chunk"] / (med["short32"] + med["chunk"]), 2),
         }
         print(name, med, {k: v for k, v in results[name].items() if k.startswith("mixed")})
-    if args.engine_tokens:
+    if args.engine_tokens and not args.budget_sweep:
         results["engine_default_model"] = engine_runs(args.engine_repeats, args.engine_tokens)
         print("engine", results["engine_default_model"])
     row = {

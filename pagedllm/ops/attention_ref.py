@@ -124,10 +124,10 @@ def paged_decode_attention_ref(
 
 PAD_BUDGET = 1 << 18
 """K and V elements of padding that one group of decode rows may carry (1 MiB in float32),
-against the fixed cost of one more group. Measured with benchmarks/cpu_attention.py on a
-shared 2-core CPU: a decode call costs ~0.2-0.3 ms at any size, plus ~8 us (default model
-heads) to ~110 us (Qwen3-0.6B heads) per block of 16 tokens, so a group's fixed cost gathers
-about 10^5 elements; near that point either choice costs about the same."""
+against the fixed cost of one more group (~0.2-0.3 ms on CPU). `benchmarks/cpu_attention.py
+--budget-sweep` times 2^16..2^20 on batches of one, two and spread lengths: within that range
+the choice moves the results little, 2^18 is at or near the best of each, and no grouping at
+all is up to 40x slower."""
 
 
 def decode_groups(seq_lens: list[int], block_size: int, budget_blocks: int) -> list[list[int]]:
@@ -160,12 +160,13 @@ def paged_decode_attention_grouped(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    pad_budget: int = PAD_BUDGET,
 ) -> torch.Tensor:
     """Decode (one query per sequence) without padding every sequence to the batch's longest.
 
     The rows are split by `decode_groups` and each group runs `paged_decode_attention_ref`
     padded to its own longest row, so work and memory follow the context each sequence has
-    (plus at most PAD_BUDGET elements of padding per group), not batch size x longest context.
+    (plus at most pad_budget K/V elements of padding per group), not batch x longest context.
     Padded positions are read and given probability exactly 0, so every block a table names
     must hold finite values (the KV tensor starts zeroed); they add exact zeros, and a row gets
     the same bits when a long sequence joins its step (tests/ops/test_attention_ref.py).
@@ -173,7 +174,7 @@ def paged_decode_attention_grouped(
     """
     hkv, bs, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     lens = seq_lens.tolist()
-    groups = decode_groups(lens, bs, max(1, PAD_BUDGET // (2 * hkv * bs * d)))
+    groups = decode_groups(lens, bs, max(1, pad_budget // (2 * hkv * bs * d)))
     if len(groups) == 1 and len(groups[0]) == len(lens):  # the common case: no copies in or out
         return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, max(lens), scale)
     out = torch.zeros_like(q)
