@@ -125,9 +125,9 @@ def paged_decode_attention_ref(
 PAD_BUDGET = 1 << 18
 """K and V elements of padding that one group of decode rows may carry (1 MiB in float32),
 against the fixed cost of one more group (~0.2-0.3 ms on CPU). `benchmarks/cpu_attention.py
---budget-sweep` times 2^16..2^20 on batches of one, two and spread lengths: within that range
-the choice moves the results little, 2^18 is at or near the best of each, and no grouping at
-all is up to 40x slower."""
+--budget-sweep` times 2^16..2^20 on batches of similar, two and spread lengths: within that
+range no choice wins everywhere and the differences are near the shared machine's noise, while
+one padded call for the whole batch is up to 2-30x slower (benchmarks/results/cpu-attention.json)."""
 
 
 def decode_groups(seq_lens: list[int], block_size: int, budget_blocks: int) -> list[list[int]]:
