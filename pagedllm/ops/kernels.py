@@ -3,7 +3,9 @@
 Every layer that computes (RMSNorm, rotary, SiLU-and-mul, paged attention) is given one
 `Kernels` object when the model is built and calls it; no layer looks at a tensor's device.
 - `TorchKernels`: the torch references (fused_ref.py, attention_ref.py). The CPU path, and
-  the oracle of the kernel tests (tests/ops), which therefore test what the CPU path runs.
+  the oracle of the kernel tests (tests/ops), which therefore test what the CPU path runs;
+  its paged attention is the references' grouped form (decode rows batched by length), tested
+  equal to the looped `paged_attention_ref` in tests/ops/test_attention_ref.py.
 - `TritonKernels`: the Triton kernels (fused.py, store_kv.py, paged_attention.py), on CUDA.
 """
 
@@ -14,8 +16,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from pagedllm.ops.attention_ref import (
-    paged_attention_ref,
-    paged_decode_attention_ref,
+    paged_attention_grouped,
+    paged_decode_attention_grouped,
     prefill_attention_ref,
     store_kvcache_ref,
 )
@@ -99,11 +101,9 @@ class TorchKernels:
     ) -> torch.Tensor:
         if meta.no_history or not k_cache.numel():  # pure prefill: attend over the new tokens directly
             return prefill_attention_ref(q, k, v, meta.cu_seqlens_q, scale)
-        if meta.decode_only:  # batched, no per-sequence loop
-            return paged_decode_attention_ref(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seqlen_k, scale
-            )
-        return paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, scale)
+        if meta.decode_only:  # batched in groups of similar length, never padded to the longest
+            return paged_decode_attention_grouped(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+        return paged_attention_grouped(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, scale)
 
 
 class TritonKernels:
