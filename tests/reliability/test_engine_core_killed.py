@@ -126,7 +126,12 @@ def test_engine_core_killed_under_load_the_server_exits_non_zero(server, sizes, 
         f"the API server kept serving {EXIT_BOUND_S:.0f} s after its engine core died; by default it must exit "
         f"non-zero so that a supervisor restarts it\n{server.log()[-2000:]}"
     )
-    assert code != 0, "the API server exited 0 after its engine core died (a supervisor would not see a failure)"
+    assert code == 1, f"exit code {code} after the engine core died: 1 (a run-time failure) so a supervisor restarts it"
+    last = server.log().strip().splitlines()[-1]
+    assert last == (
+        "pagedllm: error: the engine core process died (exit code -9): the server has stopped so that it can "
+        "be restarted (--keep-alive-on-engine-death keeps it serving 503s instead)"
+    ), last
     assert not left, f"left behind: {left}"
 
 
