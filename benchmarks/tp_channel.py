@@ -50,7 +50,6 @@ def decode_inputs(batch: int, context: int, block_size: int):
         top_p=np.ones(batch, np.float32),
         min_p=np.zeros(batch, np.float32),
         seeds=[None] * batch,
-        finished_seq_ids=[],
     )
 
 

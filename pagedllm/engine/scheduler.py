@@ -40,7 +40,6 @@ class ScheduledSequence:
 class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    finished_seq_ids: list[int] = field(default_factory=list)  # since the last step: drop their state
     num_preempted: int = 0
 
     @property
@@ -76,7 +75,6 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self._finished_seq_ids: list[int] = []
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -117,7 +115,6 @@ class Scheduler:
                 out.scheduled.append(ScheduledSequence(seq, num_new))
                 budget -= num_new
         out.blocks_to_copy = self.kv.take_blocks_to_copy()
-        out.finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, []
         return out
 
     def _preempt(self, seq: Sequence) -> None:
@@ -208,6 +205,5 @@ class Scheduler:
         if seq.num_pending:  # tokens of a step launched meanwhile: never sampled
             del seq.token_ids[-seq.num_pending :]
             seq.num_pending = 0
-        self._finished_seq_ids.append(seq.seq_id)
         seq.status = status
         seq.finish_time = time.monotonic() if now is None else now

@@ -36,7 +36,6 @@ class StepInputs:
     top_p: np.ndarray
     min_p: np.ndarray
     seeds: list[int | None]
-    finished_seq_ids: list[int]
     # min_tokens: (sample rows, token ids) to mask to -inf before sampling, two [M] int64 arrays;
     # None when no row has fewer than its min_tokens outputs (the common case costs nothing)
     min_tokens_mask: tuple[np.ndarray, np.ndarray] | None = None
@@ -130,11 +129,10 @@ def build_step_inputs(
         seq_ids=[s.seq.seq_id for s in sched],
         sample_seq_ids=[q.seq_id for q in sampled],
         temperature=np.array([p.temperature for p in params], dtype=np.float32),
-        # any int >= 1 is a valid top_k: clamped in Python first, so 2**63 does not overflow int64
+        # top_k at or above the vocabulary is off: clamped to it in Python (SamplingParams bounds it by 2**31 - 1)
         top_k=np.array([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params], dtype=np.int64),
         top_p=np.array([p.top_p for p in params], dtype=np.float32),
         min_p=np.array([p.min_p for p in params], dtype=np.float32),
         seeds=[p.seed for p in params],
-        finished_seq_ids=list(out.finished_seq_ids),
         min_tokens_mask=min_tokens_mask(sampled, eos_token_ids, vocab_size) if any_min_tokens else None,
     )
