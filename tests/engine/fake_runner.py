@@ -20,6 +20,16 @@ def next_token(context: list) -> int:
     return zlib.crc32(repr(context).encode()) % VOCAB
 
 
+def drain(engine) -> dict:
+    """Step an LLMEngine until nothing is unfinished: request id -> its final RequestOutput."""
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
 def reference_generate(prompt: list[int], max_tokens: int) -> list[int]:
     tokens = list(prompt)
     out = []

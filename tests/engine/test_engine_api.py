@@ -8,7 +8,7 @@ import pytest
 from pagedllm.engine import LLMEngine, SamplingParams, SchedulerConfig
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.errors import InvalidRequestError
-from tests.engine.fake_runner import CharTokenizer, ShadowRunner, reference_generate
+from tests.engine.fake_runner import CharTokenizer, ShadowRunner, drain, reference_generate
 
 
 def make_engine(async_scheduling=False, **kw):
@@ -26,15 +26,6 @@ def make_engine(async_scheduling=False, **kw):
 @pytest.fixture(params=[False, True], ids=["sync", "async"])
 def mode(request):
     return request.param
-
-
-def drain(engine):
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
 
 
 def test_control_plane_imports_without_torch():

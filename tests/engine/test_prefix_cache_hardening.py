@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from pagedllm.engine import KVCacheManager, LLMEngine, SamplingParams, SchedulerConfig, Sequence
 from pagedllm.engine.block_pool import BlockHasher
-from tests.engine.fake_runner import ShadowRunner, reference_generate
+from tests.engine.fake_runner import ShadowRunner, drain, reference_generate
 from tests.engine.test_block_pool import admit
 
 BS = 4
@@ -108,15 +108,6 @@ def test_engine_core_uses_the_configured_hash_algo():
         assert outs["b"].num_cached_tokens == 2 * BS
         assert outs["b"].outputs[0].token_ids == reference_generate(P_A + X + [1], 2)
         assert {len(h) for h in engine.kv.pool.cached} == {size}
-
-
-def drain(engine):
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
 
 
 def test_cache_salt_separates_tenants():

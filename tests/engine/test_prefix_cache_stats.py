@@ -5,7 +5,7 @@ and its num_cached_tokens stays what its first admission found."""
 import pytest
 
 from pagedllm.engine import LLMEngine, SamplingParams, SchedulerConfig
-from tests.engine.fake_runner import ShadowRunner, reference_generate
+from tests.engine.fake_runner import ShadowRunner, drain, reference_generate
 from tests.engine.test_engine_equivalence import make_workload
 
 
@@ -16,12 +16,7 @@ def run_preempting(reqs, block_size, num_kv_blocks, async_scheduling=False):
     engine = LLMEngine(cfg, ShadowRunner(block_size), async_scheduling=async_scheduling)
     for rid, prompt, max_tokens in reqs:
         engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return engine, done
+    return engine, drain(engine)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])

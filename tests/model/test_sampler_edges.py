@@ -20,6 +20,7 @@ from pagedllm.engine import LLMEngine, SchedulerConfig
 from pagedllm.ops.sampling import row_seeds
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.sampler import SamplingTensors, apply_top_k_top_p, sample
+from tests.engine.fake_runner import drain
 from tests.helpers import VOCAB
 
 PROMPT = [5, 6, 7]
@@ -98,12 +99,7 @@ def _engine(model_dir, eos, device, *, async_scheduling=False, max_num_seqs=4):
 def _run(engine, requests):
     for rid, prompt, params in requests:
         engine.add_request(rid, prompt, params, stream=False)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0]
-    return done
+    return {rid: out.outputs[0] for rid, out in drain(engine).items()}
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
