@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
-import ipaddress
 import logging
 import os
 import signal
@@ -33,9 +32,10 @@ import uvicorn
 from pagedllm import envs
 from pagedllm.entrypoints.args import CLIError, byte_size
 from pagedllm.entrypoints.async_llm import AsyncLLM
+from pagedllm.entrypoints.logs import LOG_DATEFMT, LOG_FORMAT
 from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.entrypoints.openai.connections import head_deadline_protocol
-from pagedllm.entrypoints.openai.guards import DEFAULT_MAX_REQUEST_BODY_SIZE
+from pagedllm.entrypoints.openai.guards import DEFAULT_MAX_REQUEST_BODY_SIZE, is_loopback
 
 logger = logging.getLogger("pagedllm")
 
@@ -151,7 +151,7 @@ def bind_sockets(host: str, port: int) -> list[socket.socket]:
 
 
 def is_loopback_bind(sockets: list[socket.socket]) -> bool:
-    return all(ipaddress.ip_address(s.getsockname()[0]).is_loopback for s in sockets)
+    return all(is_loopback(s.getsockname()[0]) for s in sockets)
 
 
 def allowed_hosts(flag: str | None, sockets: list[socket.socket]) -> list[str] | None:
@@ -178,7 +178,7 @@ def run_server(args: argparse.Namespace) -> int:
 
     level = getattr(logging, str(args.log_level).upper(), logging.INFO)
     if not logger.handlers and not logging.getLogger().handlers:
-        logging.basicConfig(format="%(levelname)s %(asctime)s %(message)s", datefmt="%m-%d %H:%M:%S")
+        logging.basicConfig(format=LOG_FORMAT, datefmt=LOG_DATEFMT)
     logger.setLevel(level)
     keep_alive = args.keep_alive_on_engine_death
     if keep_alive is None:
