@@ -179,12 +179,8 @@ class OpenAIServing:
     def _prepare_chat(self, body: dict[str, Any] | bytes, rid: str) -> tuple[ParsedRequest, list[EngineCoreRequest]]:
         body = json_body(body) if isinstance(body, bytes) else body
         parsed = parse_chat(body, self.served_model_name, self.engine.tokenizer)
-        try:  # the length is needed for the default max_tokens; process() then only checks the ids
-            text, ids = self.engine.input_processor.tokenize(parsed.prompts[0])
-        except InvalidRequestError as e:
-            raise invalid_request(e, parsed.prompt_param, parsed.max_tokens_param) from None
-        params = self.sampling_params(parsed, room=self._room(ids))
-        prompt = {"prompt": text, "prompt_token_ids": ids}
+        prompt = parsed.prompts[0]  # {"prompt", "prompt_token_ids"}: chat.py tokenized it; process() checks the ids
+        params = self.sampling_params(parsed, room=self._room(prompt["prompt_token_ids"]))
         return parsed, self._process(parsed, [(prompt, params)], rid)
 
     def _room(self, ids: list[int]) -> int:
