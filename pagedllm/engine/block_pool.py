@@ -232,13 +232,13 @@ class BlockPool:
 
     def register(
         self, block: Block, block_hash: BlockHash, token_ids: tuple[int, ...], extra: bytes, parent: Block | None
-    ) -> None:
-        """Make a block whose KV has been written findable under its hash, remembering what the KV
-        was computed from: token ids, extra keys and the prefix of `parent`, the block before it
-        in the caller's block table (None: a first block). A duplicate of a cached prefix takes
-        that prefix's id."""
+    ) -> bool:
+        """Make a block findable under its hash once a step that writes its KV is scheduled,
+        remembering what the KV is computed from: token ids, extra keys and the prefix of
+        `parent`, the block before it in the caller's block table (None: a first block). A
+        duplicate of a cached prefix takes that prefix's id. False: it was registered already."""
         if block.block_hash is not None:
-            return  # shared (fork) and registered by another holder: the same prefix
+            return False  # shared (fork) and registered by another holder: the same prefix
         assert parent is None or (parent.ref_cnt > 0 and parent.prefix_id is not None), (block, parent)
         same = self.lookup(block_hash, token_ids, extra, parent)
         block.prefix_id = next(self._prefix_ids) if same is None else same.prefix_id
@@ -247,6 +247,12 @@ class BlockPool:
         block.token_ids = token_ids
         block.extra = extra
         self.cached.setdefault(block_hash, {})[block.block_id] = block
+        return True
+
+    def unregister(self, block: Block) -> None:
+        """Undo `register`: the block is no longer findable (its KV was never written)."""
+        if block.block_hash is not None:
+            self._drop_hash(block)
 
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:

@@ -17,7 +17,7 @@ from typing import IO
 
 from pagedllm.engine.config import SchedulerConfig
 from pagedllm.engine.errors import InvalidRequestError
-from pagedllm.engine.executor import Executor, StepHandle
+from pagedllm.engine.executor import Executor, StepHandle, TokenLogprobs
 from pagedllm.engine.kv_cache_manager import KVCacheManager
 from pagedllm.engine.messages import EngineCoreOutput, EngineCoreRequest, Metrics
 from pagedllm.engine.sampling_params import SamplingParams
@@ -58,24 +58,39 @@ class EngineCore:
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Queue a checked request: params.n sequences (seeds seed, seed+1, ... when n > 1)."""
+        """Queue a checked request: params.num_samples sequences (seeds seed, seed+1, ... when more
+        than one). Only the first is queued; the scheduler forks the others from it when its
+        prompt is computed (parallel sampling, scheduler.py)."""
         rid = request.request_id
         self.check_new_request_id(rid)
         params, ids = request.params, request.prompt_token_ids
         assert isinstance(params, SamplingParams), "InputProcessor.process checks the params"
         assert 0 < len(ids) < self.config.max_model_len, "InputProcessor.process checks the prompt length"
+        num = params.num_samples
         seqs = []
-        for i in range(params.n):
+        for i in range(num):
             p = params
-            if params.n > 1 and params.seed is not None:
-                # one sample per sequence, drawn with seed + i (SamplingParams checked seed + n - 1)
-                p = dataclasses.replace(params, seed=params.seed + i, n=1)
+            if num > 1:
+                # one sample per sequence, drawn with seed + i (SamplingParams checked seed + num - 1);
+                # only the first computes the prompt, so only it keeps prompt_logprobs
+                seed = None if params.seed is None else params.seed + i
+                p = dataclasses.replace(
+                    params,
+                    seed=seed,
+                    n=1,
+                    best_of=None,
+                    logprobs=params.sample_logprobs,  # best_of ranks the samples by cumulative logprob
+                    prompt_logprobs=params.prompt_logprobs if i == 0 else None,
+                )
             seq = Sequence(rid, ids, p, request.arrival_time)
             self._index[seq.seq_id] = i
             seqs.append(seq)
+        parent = seqs[0]
+        parent.forks = seqs[1:]
+        for child in parent.forks:
+            child.fork_parent = parent
         self.requests[rid] = seqs
-        for seq in seqs:
-            self.scheduler.add(seq)
+        self.scheduler.add(parent)
 
     def check_new_request_id(self, request_id: str) -> None:
         if request_id in self.requests:
@@ -108,38 +123,55 @@ class EngineCore:
     # ---- the loop ----------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, execute, update. With async scheduling the step launched here runs on the
-        device while the previous step's ids are resolved, so outputs lag one launch behind."""
+        device while the previous step's ids are resolved, so outputs lag one launch behind.
+
+        A step that raises never ran (or not to the end): the blocks registered when it (and,
+        async, the step launched after it) was scheduled are uncached before the error goes on."""
         if self.async_scheduling:
             return self._step_async()
         sched = self.scheduler.schedule()
         if not sched:
             return []
-        sampled = self.executor.execute(sched)
-        return self._outputs(self.scheduler.update(sched, sampled), len(sampled))
+        try:
+            result = self.executor.execute(sched)
+        except BaseException:
+            self.kv.uncache(sched.new_cached)
+            raise
+        return self._outputs(self.scheduler.update(sched, result), len(result.sampled))
 
     def _step_async(self) -> list[EngineCoreOutput]:
         sched = self.scheduler.schedule()
         launched = None
-        if sched:
-            launched = (sched, self.executor.execute_async(sched))
-            self.scheduler.advance(sched)
-        outputs: list[EngineCoreOutput] = []
-        if self._inflight is not None:
-            prev, handle = self._inflight
-            sampled = handle.result()
-            outputs = self._outputs(self.scheduler.resolve(prev, sampled), len(sampled))
+        try:
+            if sched:
+                launched = (sched, self.executor.execute_async(sched))
+                self.scheduler.advance(sched)
+            outputs: list[EngineCoreOutput] = []
+            if self._inflight is not None:
+                prev, handle = self._inflight
+                result = handle.result()
+                outputs = self._outputs(self.scheduler.resolve(prev, result), len(result.sampled))
+        except BaseException:
+            for failed in (self._inflight[0] if self._inflight else None, sched):
+                if failed is not None:
+                    self.kv.uncache(failed.new_cached)
+            self._inflight = None
+            raise
         self._inflight = launched
         return outputs
 
-    def _outputs(self, touched: list[Sequence], num_sampled: int) -> list[EngineCoreOutput]:
+    def _outputs(
+        self, touched: list[tuple[Sequence, TokenLogprobs | None]], num_sampled: int
+    ) -> list[EngineCoreOutput]:
         self.num_generation_tokens += num_sampled
         outputs = []
         done: list[str] = []
-        for seq in touched:
+        for seq, logprobs in touched:
             index = self._index.get(seq.seq_id)
             if index is None:
                 continue  # aborted while its step ran
-            if seq.num_resolved_output_tokens == 1:
+            first = seq.num_resolved_output_tokens == 1
+            if first and index == 0:
                 self.num_prompt_tokens += seq.num_prompt_tokens
             out = EngineCoreOutput(
                 seq.request_id,
@@ -149,6 +181,9 @@ class EngineCore:
                 None,
                 seq.num_cached_tokens,
                 seq.first_token_time,
+                None,
+                None if logprobs is None else [logprobs],
+                seq.prompt_logprobs if first and seq.sampling_params.prompt_logprobs is not None else None,
             )
             if seq.status.finished:  # the finish fields only once (this loop runs per token)
                 out.finish_reason, out.stop_reason, out.finish_time = (
@@ -197,4 +232,6 @@ class EngineCore:
                 {s.request_id for s in self.scheduler.waiting} - {s.request_id for s in self.scheduler.running}
             ),
             "num_prefix_cache_evictions": kv.pool.num_evictions,
+            "num_forked_sequences": self.scheduler.num_forked_sequences,
+            "num_copy_on_write_blocks": kv.num_copy_on_writes,
         }

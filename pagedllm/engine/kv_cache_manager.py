@@ -9,6 +9,18 @@ of a sequence is never served from the cache (its logits are needed). A hit is v
 trusted to the hash: same token ids, same extra keys (the request's cache_salt, hashed into its
 first block) and computed after the same prefix as the previous block of the hit (block_pool.py).
 Admissions are counted in `prefix_cache_stats`, a resume after preemption apart.
+
+When blocks become findable (`cache_full_blocks`): as soon as the step that writes them is
+scheduled. In that step's forward pass every layer stores K/V before it runs attention, and
+later steps run after it on the same stream, so a reader of the same or a later step sees
+written KV. Only blocks that the scheduled tokens complete and whose token ids are all known are
+registered (a PLACEHOLDER token of async scheduling is registered when its id arrives); a step
+that is never executed gives back what it registered (`uncache`).
+
+Sharing (`fork`): a child takes every block of its parent by reference count; a shared block is
+read-only, and a sequence about to write into a shared, partly filled last block gets a private
+copy first (copy-on-write): `blocks_to_copy` lists (src, dst) pairs that the executor copies on
+the KV tensor before the step's forward.
 """
 
 from __future__ import annotations
@@ -78,6 +90,7 @@ class KVCacheManager:
         self.hash_fn: HashFn = BlockHasher(hash_algo, hash_seed) if hash_fn is None else hash_fn
         self.prefix_cache_stats = PrefixCacheStats()
         self.blocks_to_copy: list[tuple[int, int]] = []  # copy-on-write, drained by the scheduler
+        self.num_copy_on_writes = 0  # blocks copied because a sharer wrote into them (a counter, for metrics)
 
     # ---- views -------------------------------------------------------------------------
     @property
@@ -114,8 +127,9 @@ class KVCacheManager:
 
     # ---- scheduling API ------------------------------------------------------------------
     def get_computed_blocks(self, seq: Sequence) -> list[Block]:
-        """Longest cached prefix of a sequence not yet holding any block (in whole blocks)."""
-        if not self.enable_prefix_caching or seq.block_table:
+        """Longest cached prefix of a sequence not yet holding any block (in whole blocks). None for
+        a sequence that needs prompt logprobs: every prompt position's logits must be computed."""
+        if not self.enable_prefix_caching or seq.block_table or seq.needs_prompt_logprobs:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size  # keep the last token to compute
         hits: list[Block] = []
@@ -158,7 +172,6 @@ class KVCacheManager:
             seq.block_table.append(block.block_id)
         if computed_blocks:
             seq.num_computed_tokens += num_cached
-            seq.num_written = num_cached
             seq.num_registered_blocks = len(computed_blocks)
         if cow:
             self._copy_last_block(seq)
@@ -180,22 +193,34 @@ class KVCacheManager:
         self.pool.release(src, seq.seq_id)
         seq.block_table[idx] = dst.block_id
         self.blocks_to_copy.append((src.block_id, dst.block_id))
+        self.num_copy_on_writes += 1
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register the blocks whose KV is now completely written (num_written: set when the step
-        that wrote them has finished) and whose token ids are all known (no placeholder)."""
+    def cache_full_blocks(self, seq: Sequence, num_scheduled_tokens: int) -> list[Block]:
+        """Register the blocks that the sequence's first `num_scheduled_tokens` tokens fill (their
+        writing step is scheduled: the module docstring) and whose token ids are all known (no
+        PLACEHOLDER). Returns the blocks this call made findable (for `uncache`)."""
         if not self.enable_prefix_caching:
-            return
-        num_full = min(seq.num_written, seq.num_tokens - seq.num_pending) // self.block_size
+            return []
+        num_full = min(num_scheduled_tokens, seq.num_tokens - seq.num_pending) // self.block_size
         if num_full <= seq.num_registered_blocks:
-            return
+            return []
         hashes = self._block_hashes(seq, num_full)
         blocks = self.pool.blocks
+        registered = []
         for i in range(seq.num_registered_blocks, num_full):
             parent = blocks[seq.block_table[i - 1]] if i else None
             tokens, extra = self._block_tokens(seq, i), self._block_extra(seq, i)
-            self.pool.register(blocks[seq.block_table[i]], hashes[i], tokens, extra, parent)
+            block = blocks[seq.block_table[i]]
+            if self.pool.register(block, hashes[i], tokens, extra, parent):
+                registered.append(block)
         seq.num_registered_blocks = num_full
+        return registered
+
+    def uncache(self, blocks: list[Block]) -> None:
+        """Make blocks that a step which never ran had registered unfindable again (their KV was
+        never written). Blocks computed after them in the chain become unreachable with them."""
+        for block in blocks:
+            self.pool.unregister(block)
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks tail-first, so its prefix outlives its suffix in the LRU."""
@@ -203,17 +228,16 @@ class KVCacheManager:
             self.pool.release(self.pool.blocks[block_id], seq.seq_id)
         seq.block_table = []
         seq.num_computed_tokens = 0
-        seq.num_written = 0
         seq.num_registered_blocks = 0
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Child shares every block of the parent by reference count (parallel sampling)."""
-        assert not child.block_table
+        """Child shares every block of the parent by reference count (parallel sampling). Both
+        hold the same token ids, so the child takes the parent's hashes and registered count."""
+        assert not child.block_table and child.token_ids == parent.token_ids
         for block_id in parent.block_table:
             self.pool.touch(self.pool.blocks[block_id], child.seq_id)
         child.block_table = list(parent.block_table)
         child.num_computed_tokens = parent.num_computed_tokens
-        child.num_written = parent.num_written
         child.num_registered_blocks = parent.num_registered_blocks
         child.block_hashes = list(parent.block_hashes)
 

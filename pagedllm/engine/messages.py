@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.engine.errors import InvalidRequestError
+from pagedllm.engine.executor import TokenLogprobs
 from pagedllm.engine.sampling_params import SamplingParams
 
 Metrics = dict[str, Any]  # LLMEngine.get_metrics(): gauges and counters by name
@@ -46,9 +47,12 @@ class EngineCoreRequest:
 class EngineCoreOutput:
     """What one step did to one sequence: the token ids it got and, once, how it ended.
 
-    `index` is the sequence's place in its request (0 .. n-1). `finish_reason` is "stop" (EOS or a
-    stop token id, which is then `stop_reason`) or "length"; stop strings are the output
-    processor's business, the core never sees text."""
+    `index` is the sequence's place in its request (0 .. num_samples - 1). `finish_reason` is
+    "stop" (EOS or a stop token id, which is then `stop_reason`) or "length"; stop strings are the
+    output processor's business, the core never sees text. `new_logprobs` has one entry per new
+    token when the sequence's params ask for logprobs (SamplingParams.sample_logprobs), else None;
+    `prompt_logprobs` is sent once, with the request's first token of index 0: one entry per
+    prompt token after the first."""
 
     request_id: str
     index: int
@@ -58,6 +62,8 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     first_token_time: float | None = None
     finish_time: float | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     def __reduce__(self) -> tuple[type[EngineCoreOutput], tuple[Any, ...]]:
         return (EngineCoreOutput, _row(self))
@@ -74,6 +80,8 @@ def _row(o: EngineCoreOutput) -> tuple[Any, ...]:
         o.num_cached_tokens,
         o.first_token_time,
         o.finish_time,
+        o.new_logprobs,
+        o.prompt_logprobs,
     )
 
 

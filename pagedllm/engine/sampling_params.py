@@ -16,6 +16,7 @@ from pagedllm.engine.errors import InvalidRequestError
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a seed is a signed 64-bit integer (the device's generator key)
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS): 1/T would overflow
 TOKEN_ID_MAX = 2**31 - 1  # bound of token ids and top_k: no vocabulary is larger, every device integer holds it
+MAX_LOGPROBS = 20  # the most top-k logprobs a request may ask for, per token (vLLM's default max_logprobs)
 
 
 def has_surrogate(text: str) -> bool:
@@ -51,6 +52,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     seed: int | None = None
     n: int = 1
+    best_of: int | None = None  # sample this many (>= n) and return the n with the highest cumulative logprob
+    logprobs: int | None = None  # per output token: its logprob, rank and the top `logprobs` others
+    prompt_logprobs: int | None = None  # per prompt token after the first: the same, teacher-forced
     cache_salt: str | None = None  # mixed into the first KV block's hash: only requests with equal salts share KV
     stop_list: list[str] = field(init=False, repr=False)
 
@@ -86,14 +90,26 @@ class SamplingParams:
         need(self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens")
         need(self.n >= 1, "n", "must be >= 1")
         need(
+            self.best_of is None or (isinstance(self.best_of, int) and not isinstance(self.best_of, bool)),
+            "best_of",
+            "must be an integer or None",
+        )
+        need(self.best_of is None or self.best_of >= self.n, "best_of", f"must be >= n (n={self.n})")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            need(v is None or (isinstance(v, int) and not isinstance(v, bool)), name, "must be an integer or None")
+            need(v is None or 0 <= v <= MAX_LOGPROBS, name, f"must be in [0, {MAX_LOGPROBS}]")
+        need(
             self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
             "seed",
             "must be an integer or None",
         )
         need(self.seed is None or SEED_MIN <= self.seed <= SEED_MAX, "seed", "must fit in a signed 64-bit integer")
-        if self.seed is not None and self.n > 1:  # the i-th sample of the request draws with seed + i
+        if self.seed is not None and self.num_samples > 1:  # the i-th sample of the request draws with seed + i
             need(
-                self.seed + self.n - 1 <= SEED_MAX, "seed", f"+ n - 1 must fit in a signed 64-bit integer (n={self.n})"
+                self.seed + self.num_samples - 1 <= SEED_MAX,
+                "seed",
+                f"+ {'best_of' if self.best_of else 'n'} - 1 must fit in a signed 64-bit integer (n={self.num_samples})",
             )
         need(
             self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""),
@@ -127,6 +143,19 @@ class SamplingParams:
             )
             self.stop_token_ids = list(self.stop_token_ids)
             need(all(0 <= t <= TOKEN_ID_MAX for t in self.stop_token_ids), "stop_token_ids", "must be token ids >= 0")
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences the request samples: best_of when set, else n."""
+        return self.n if self.best_of is None else self.best_of
+
+    @property
+    def sample_logprobs(self) -> int | None:
+        """The top-k the sampler computes per output token: `logprobs`, or 0 (the sampled token's
+        logprob only) when best_of needs cumulative logprobs to rank the samples; None: nothing."""
+        if self.logprobs is not None:
+            return self.logprobs
+        return 0 if self.num_samples > self.n else None
 
     @property
     def greedy(self) -> bool:

@@ -7,6 +7,14 @@ while budget, sequence slots and blocks allow. When blocks run out, the most rec
 admitted running sequence is preempted by recompute: its blocks are freed and it goes back
 to the front of the waiting queue; on resume it re-hits its own cached prefix (a lookup the
 prefix-cache statistics count apart: kv_cache_manager.PrefixCacheStats).
+
+A scheduled sequence's full blocks are registered in the prefix cache at once, so the
+sequences admitted after it in the same step, and in every later step, hit them
+(kv_cache_manager.py says why that is safe). Parallel sampling: the step that computes the
+last prompt token of a request with n > 1 forks its other sequences (Sequence.forks); each
+samples from that step's logits row and they run on as separate sequences sharing the prompt's
+blocks. A request's sequences are admitted together (they need n sequence slots) and preempted
+together (those of them not yet scheduled in the step), and come back in order.
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from pagedllm.engine.block_pool import Block
+from pagedllm.engine.executor import StepResult, TokenLogprobs
 from pagedllm.engine.kv_cache_manager import KVCacheManager
 from pagedllm.engine.sequence import Sequence, SequenceStatus
 
@@ -25,6 +35,7 @@ PLACEHOLDER = -1  # a sampled token whose id has not reached the host yet (async
 class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int
+    forks: list[Sequence] = field(default_factory=list)  # children forked at this step: they sample from seq's row
     # set by Scheduler.advance() at launch
     sampled: bool = False
     computed_after: int = 0
@@ -35,12 +46,18 @@ class ScheduledSequence:
         """True when this step computes the sequence's last token, so a new one is sampled."""
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
+    @property
+    def sample_seqs(self) -> list[Sequence]:
+        """The sequences that draw a token from this row's logits (when it samples), in row order."""
+        return [self.seq, *self.forks] if self.forks else [self.seq]
+
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     num_preempted: int = 0
+    new_cached: list[Block] = field(default_factory=list)  # registered at scheduling: uncached if it never runs
 
     @property
     def num_batched_tokens(self) -> int:
@@ -75,6 +92,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_forked_sequences = 0  # children forked by parallel sampling (a counter, for metrics)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -83,6 +101,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        forked: list[Sequence] = []
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -91,20 +110,22 @@ class Scheduler:
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.kv.allocate_slots(seq, num_new):
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.num_preempted += 1
-                if victim is seq:
+                victims = self._preempt_last(i)
+                out.num_preempted += len(victims)
+                if seq in victims:
                     break
             else:
-                out.scheduled.append(ScheduledSequence(seq, num_new))
+                self._scheduled(out, ScheduledSequence(seq, num_new), forked)
                 budget -= num_new
                 i += 1
                 continue
             break  # seq itself was preempted: everything after it already was
         if out.num_preempted == 0:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            slots = len(self.running) + len(forked) + sum(len(s.forks) for s in self.running)
+            while self.waiting and budget > 0:
                 seq = self.waiting[0]
+                if slots + 1 + len(seq.forks) > self.max_num_seqs:
+                    break
                 computed = self.kv.get_computed_blocks(seq)
                 num_new = min(seq.num_tokens - len(computed) * self.kv.block_size, budget)
                 if not self.kv.allocate_slots(seq, num_new, computed):
@@ -112,10 +133,36 @@ class Scheduler:
                 self.waiting.popleft()
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
-                out.scheduled.append(ScheduledSequence(seq, num_new))
+                slots += 1 + len(seq.forks)
+                self._scheduled(out, ScheduledSequence(seq, num_new), forked)
                 budget -= num_new
+        self.running += forked
         out.blocks_to_copy = self.kv.take_blocks_to_copy()
         return out
+
+    def _scheduled(self, out: SchedulerOutput, sched: ScheduledSequence, forked: list[Sequence]) -> None:
+        """Register the blocks the step fills, and fork the children of a first sample."""
+        seq = sched.seq
+        out.new_cached += self.kv.cache_full_blocks(seq, seq.num_computed_tokens + sched.num_new_tokens)
+        if seq.forks and sched.samples:
+            for child in seq.forks:
+                self.kv.fork(seq, child)
+                child.fork_parent = None
+                child.status = SequenceStatus.RUNNING
+            sched.forks, seq.forks = seq.forks, []
+            forked += sched.forks
+            self.num_forked_sequences += len(sched.forks)
+        out.scheduled.append(sched)
+
+    def _preempt_last(self, first: int) -> list[Sequence]:
+        """Preempt the last running sequence together with its request's other sequences at
+        index >= first (those before were scheduled in this step already); returns them."""
+        rid = self.running[-1].request_id
+        group = [s for s in self.running[first:] if s.request_id == rid]
+        self.running = [s for s in self.running if s.request_id != rid or s not in group]
+        for seq in reversed(group):  # appendleft: the request's order at the queue's front
+            self._preempt(seq)
+        return group
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
@@ -124,10 +171,10 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
+    def update(self, out: SchedulerOutput, result: StepResult) -> list[tuple[Sequence, TokenLogprobs | None]]:
         """Apply one step's results (synchronous scheduling): advance, then resolve at once."""
         self.advance(out)
-        return self.resolve(out, sampled)
+        return self.resolve(out, result)
 
     def advance(self, out: SchedulerOutput) -> None:
         """At launch: advance computed counts and give every sampling sequence a PLACEHOLDER
@@ -136,42 +183,62 @@ class Scheduler:
         for sched in out.scheduled:
             seq = sched.seq
             sched.sampled = sched.samples
-            seq.num_computed_tokens += sched.num_new_tokens
+            for s in sched.sample_seqs:  # a child forked here starts from the parent's count
+                s.num_computed_tokens += sched.num_new_tokens
             sched.computed_after = seq.num_computed_tokens
             if not sched.sampled:
                 continue
             sched.placeholder_index = seq.num_tokens
-            seq.append_token(PLACEHOLDER)
-            seq.num_pending += 1
+            for s in sched.sample_seqs:
+                s.append_token(PLACEHOLDER)
+                s.num_pending += 1
 
-    def resolve(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
-        """When the step's sampled ids arrive: fill the placeholders (one per sampling sequence,
-        in scheduled order), register the blocks now known written, stop on EOS / stop token
-        ids. Returns the sequences that got a token (finished or not)."""
+    def resolve(self, out: SchedulerOutput, result: StepResult) -> list[tuple[Sequence, TokenLogprobs | None]]:
+        """When the step's results arrive: fill the placeholders (one per sample row, in row
+        order), keep prompt logprobs, register the blocks whose ids are now known, stop on EOS /
+        stop token ids. Returns the sequences that got a token (finished or not), each with the
+        token's logprobs (None when it asked for none)."""
         now = time.monotonic()
-        it = iter(sampled)
-        touched: list[Sequence] = []
+        rows = iter(range(len(result.sampled)))
+        logprobs = result.logprobs
+        touched: list[tuple[Sequence, TokenLogprobs | None]] = []
+        if result.prompt_logprobs:
+            self._keep_prompt_logprobs(out, result)
+        for sched in out.scheduled:
+            if not sched.sampled:
+                continue
+            idx = sched.placeholder_index
+            for seq in sched.sample_seqs:
+                row = next(rows)
+                if idx >= seq.num_tokens:
+                    continue  # finished (abort, stop) after this step launched
+                token = result.sampled[row]
+                seq.token_ids[idx] = token
+                seq.num_pending -= 1
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                if seq.status is SequenceStatus.RUNNING:
+                    self.kv.cache_full_blocks(seq, seq.num_computed_tokens)
+                status = self.check_stop(seq, token, idx + 1)
+                if status is not None:
+                    self.finish(seq, status, now)
+                touched.append((seq, None if logprobs is None else logprobs[row]))
+        return touched
+
+    @staticmethod
+    def _keep_prompt_logprobs(out: SchedulerOutput, result: StepResult) -> None:
+        """Append each chunk to its sequence's prompt logprobs (a resumed sequence recomputes
+        what it already has: only the entries past those are kept)."""
+        assert result.prompt_logprobs is not None
         for sched in out.scheduled:
             seq = sched.seq
-            if seq.status is SequenceStatus.RUNNING:
-                seq.num_written = max(seq.num_written, sched.computed_after)
-            if not sched.sampled:
-                self.kv.cache_full_blocks(seq)
+            chunk = result.prompt_logprobs.get(seq.seq_id)
+            if chunk is None:
                 continue
-            token = next(it)
-            idx = sched.placeholder_index
-            if idx >= seq.num_tokens:
-                continue  # finished (abort, stop) after this step launched
-            seq.token_ids[idx] = token
-            seq.num_pending -= 1
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            self.kv.cache_full_blocks(seq)
-            status = self.check_stop(seq, token, idx + 1)
-            if status is not None:
-                self.finish(seq, status, now)
-            touched.append(seq)
-        return touched
+            have = len(seq.prompt_logprobs) + 1  # the prompt index of the next entry it needs
+            skip = have - chunk.start
+            if 0 <= skip < len(chunk.entries):
+                seq.prompt_logprobs += chunk.entries[skip:]
 
     def check_stop(self, seq: Sequence, token: int, num_tokens: int) -> SequenceStatus | None:
         """Stop after `token`, the sequence's num_tokens-th token? EOS and stop token ids first
@@ -197,7 +264,10 @@ class Scheduler:
         """End a sequence wherever it is and free its blocks now."""
         if seq.status.finished:
             return
-        if seq.status is SequenceStatus.RUNNING:
+        if seq.fork_parent is not None:  # a child not forked yet: it holds nothing
+            seq.fork_parent.forks.remove(seq)
+            seq.fork_parent = None
+        elif seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)

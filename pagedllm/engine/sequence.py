@@ -6,6 +6,7 @@ import enum
 import itertools
 import time
 
+from pagedllm.engine.executor import TokenLogprobs
 from pagedllm.engine.sampling_params import SamplingParams
 
 
@@ -34,6 +35,11 @@ class Sequence:
     Invariant: num_computed_tokens <= num_tokens; block_table covers num_computed_tokens
     (plus the tokens scheduled this step). The last token is never computed until it is
     scheduled, so a step that completes the sequence's tokens yields a sampled next token.
+
+    Parallel sampling: the first sequence of a request with n > 1 holds the others in `forks`
+    until the step that computes its prompt's last token is scheduled; there the scheduler forks
+    them (they share every block by reference count, `fork_parent` is cleared) and each samples
+    its own first token from that step's logits. Until then a child is WAITING in no queue.
     """
 
     def __init__(
@@ -56,12 +62,21 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks (block_pool.BlockHash), lazily extended
         self.num_registered_blocks = 0  # leading blocks already in the prefix cache
-        self.num_written = 0  # tokens whose KV a finished step has written
+        self.forks: list[Sequence] = []  # children forked when this sequence samples its first token
+        self.fork_parent: Sequence | None = None  # set while this child waits in its parent's forks
+        self.prompt_logprobs: list[TokenLogprobs] = []  # scored prompt tokens so far (SamplingParams.prompt_logprobs)
         self.num_pending = 0  # trailing PLACEHOLDER tokens (async scheduling)
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.stop_reason: int | str | None = None
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed: the prompt must be run, not hit in the cache."""
+        return (
+            self.sampling_params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        )
 
     @property
     def num_tokens(self) -> int:

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from pagedllm import envs
+from pagedllm.engine.executor import StepResult
 from pagedllm.engine.scheduler import PLACEHOLDER, SchedulerOutput
 from pagedllm.model.attention_metadata import AttentionMetadata
 from pagedllm.model.loader import load_weights
@@ -264,7 +265,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
 
     # ---- one step ----------------------------------------------------------------------
-    def execute(self, out: SchedulerOutput) -> list[int]:
+    def execute(self, out: SchedulerOutput) -> StepResult:
         return self.run(self.step_inputs(out))
 
     def step_inputs(self, out: SchedulerOutput) -> StepInputs:
@@ -291,9 +292,8 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def run(self, inp: StepInputs) -> list[int]:
-        sampled = self.launch(inp)
-        return [] if sampled is None else sampled.tolist()
+    def run(self, inp: StepInputs) -> StepResult:
+        return StepHandle(self.launch(inp), self._host_ids).result()
 
     def execute_async(self, out: SchedulerOutput) -> StepHandle:
         """Launch a step and return at once; `.result()` waits for its sampled ids. The next

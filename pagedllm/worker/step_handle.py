@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.engine.executor import StepResult
+
 
 class StepHandle:
     """The sampled ids of a launched step: one device-to-host copy into pinned memory,
@@ -22,7 +24,7 @@ class StepHandle:
         else:
             self.host, self.n = sampled, sampled.numel()
 
-    def result(self) -> list[int]:
+    def result(self) -> StepResult:
         if self.event is not None:
             self.event.synchronize()
-        return [] if self.host is None else self.host[: self.n].tolist()
+        return StepResult([] if self.host is None else self.host[: self.n].tolist())

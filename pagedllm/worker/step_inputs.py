@@ -6,12 +6,25 @@ builds it once and ships it to the other ranks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.engine.sequence import Sequence
+
+
+@dataclass
+class PromptLogprobsRows:
+    """Prompt logprobs to compute for one sequence this step: hidden rows first_row ..
+    first_row + len(target_ids) - 1 predict prompt tokens start, start + 1, ... whose ids are
+    `target_ids`; `k` top logprobs each (SamplingParams.prompt_logprobs)."""
+
+    seq_id: int
+    first_row: int
+    start: int
+    k: int
+    target_ids: np.ndarray  # [L] int64
 
 
 @dataclass
@@ -39,6 +52,10 @@ class StepInputs:
     # min_tokens: (sample rows, token ids) to mask to -inf before sampling, two [M] int64 arrays;
     # None when no row has fewer than its min_tokens outputs (the common case costs nothing)
     min_tokens_mask: tuple[np.ndarray, np.ndarray] | None = None
+    # logprobs: per sample row the top-k to return with the sampled token's logprob (None: none);
+    # the list itself is None when no row asks (the common case costs nothing)
+    num_logprobs: list[int | None] | None = None
+    prompt_logprobs: list[PromptLogprobsRows] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -111,8 +128,13 @@ def build_step_inputs(
     samples = end == np.fromiter((s.seq.num_tokens for s in sched), dtype=np.int64, count=len(sched))
     logits_indices = (cu[1:][samples] - 1).astype(np.int64)
     sampled = [s.seq for s, keep in zip(sched, samples, strict=False) if keep]
+    if any(s.forks for s in sched):  # parallel sampling: a forking row is sampled once per child too
+        rows = [(s.sample_seqs, int(cu[i + 1]) - 1) for i, s in enumerate(sched) if samples[i]]
+        sampled = [q for seqs, _ in rows for q in seqs]
+        logits_indices = np.array([r for seqs, r in rows for _ in seqs], dtype=np.int64)
     params = [q.sampling_params for q in sampled]
     any_min_tokens = any(p.min_tokens for p in params)
+    num_logprobs = [p.logprobs for p in params]
     return StepInputs(
         input_ids=input_ids,
         positions=positions,
@@ -135,4 +157,27 @@ def build_step_inputs(
         min_p=np.array([p.min_p for p in params], dtype=np.float32),
         seeds=[p.seed for p in params],
         min_tokens_mask=min_tokens_mask(sampled, eos_token_ids, vocab_size) if any_min_tokens else None,
+        num_logprobs=num_logprobs if any(k is not None for k in num_logprobs) else None,
+        prompt_logprobs=prompt_logprobs_rows(sched, cu, start, end),
     )
+
+
+def prompt_logprobs_rows(sched: list, cu: np.ndarray, start: np.ndarray, end: np.ndarray) -> list[PromptLogprobsRows]:
+    """The rows of this step that score prompt tokens: the hidden state at position p predicts
+    token p + 1, for the prompt tokens the sequence has no logprobs for yet (a resumed sequence
+    recomputes rows it has)."""
+    out: list[PromptLogprobsRows] = []
+    for i, s in enumerate(sched):
+        seq = s.seq
+        if not seq.needs_prompt_logprobs:
+            continue
+        a, b = int(start[i]), int(end[i])
+        lo = max(a + 1, len(seq.prompt_logprobs) + 1)  # first prompt token to score
+        hi = min(b, seq.num_prompt_tokens - 1)  # last: position b - 1 predicts token b
+        if lo > hi:
+            continue
+        k = seq.sampling_params.prompt_logprobs
+        assert k is not None
+        targets = np.asarray(seq.token_ids[lo : hi + 1], dtype=np.int64)
+        out.append(PromptLogprobsRows(seq.seq_id, int(cu[i]) + lo - 1 - a, lo, k, targets))
+    return out

@@ -1,5 +1,5 @@
 """TPExecutor: tensor parallelism over torch.distributed, behind the engine's Executor
-protocol (engine/executor.py): `num_kv_blocks`, `execute(SchedulerOutput) -> list[int]`,
+protocol (engine/executor.py): `num_kv_blocks`, `execute(SchedulerOutput) -> StepResult`,
 `close()`; `supports_async` is False (every rank must run each step in turn).
 
 Rank 0 lives in the engine's process: the scheduler and the KV-cache manager stay there, so
@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from pagedllm import envs
-from pagedllm.engine.executor import StepHandle
+from pagedllm.engine.executor import StepHandle, StepResult
 from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.worker.step_inputs import StepInputs
 from pagedllm.worker.tp_channel import BroadcastChannel, ShmChannel
@@ -311,13 +311,13 @@ class TPExecutor:
     def num_kv_blocks(self) -> int:
         return self.driver.num_kv_blocks  # the same on every rank (agree_min)
 
-    def execute(self, scheduler_output: SchedulerOutput) -> list[int]:
+    def execute(self, scheduler_output: SchedulerOutput) -> StepResult:
         return self.run(self.driver.step_inputs(scheduler_output))
 
     def execute_async(self, scheduler_output: SchedulerOutput) -> StepHandle:
         raise NotImplementedError("TPExecutor.supports_async is False: use execute")
 
-    def run(self, inp: StepInputs) -> list[int]:
+    def run(self, inp: StepInputs) -> StepResult:
         self._check_alive()
         assert self.channel is not None
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import zlib
 
+from pagedllm.engine.executor import PromptLogprobsChunk, StepResult, TokenLogprobs
 from pagedllm.engine.scheduler import PLACEHOLDER, SchedulerOutput
 from pagedllm.engine.sequence import Sequence
 
@@ -30,11 +31,21 @@ def drain(engine) -> dict:
     return done
 
 
-def reference_generate(prompt: list[int], max_tokens: int) -> list[int]:
+def fake_logprobs(token: int, k: int, context: list) -> TokenLogprobs:
+    """What the fake reports for `token` drawn (or scored) after `context`: deterministic, and a
+    function of both, so a logprob attached to the wrong token or row shows."""
+    base = next_token([*context, ("lp", token)])
+    top = [(base + j) % VOCAB for j in range(k)]
+    return TokenLogprobs([token, *top], [-(base % 13) / 4.0] + [-j / 8.0 for j in range(k)], 1 + base % 5)
+
+
+def reference_generate(prompt: list[int], max_tokens: int, seed: int | None = None) -> list[int]:
+    """What ShadowRunner samples for a request alone (seed: with salt_by_seed=True)."""
     tokens = list(prompt)
     out = []
     for _ in range(max_tokens):
-        t = next_token([(p, tok) for p, tok in enumerate(tokens)])
+        ctx: list = [(p, tok) for p, tok in enumerate(tokens)]
+        t = next_token(ctx if seed is None else [*ctx, ("seed", seed)])
         tokens.append(t)
         out.append(t)
     return out
@@ -43,10 +54,15 @@ def reference_generate(prompt: list[int], max_tokens: int) -> list[int]:
 class ShadowRunner:
     """An Executor (engine/executor.py). The shadow cache is a dict, so any pool size fits:
     num_kv_blocks reports what the test asks for. supports_async=False makes the engine
-    drive it with execute only."""
+    drive it with execute only. salt_by_seed=True mixes a seeded row's seed into its token, so
+    the children of a forked row (seeds seed + i) draw different tokens from the same context.
+    Rows and prompts that ask for logprobs get `fake_logprobs`."""
 
-    def __init__(self, block_size: int, num_kv_blocks: int = 1 << 16, supports_async: bool = True):
+    def __init__(
+        self, block_size: int, num_kv_blocks: int = 1 << 16, supports_async: bool = True, salt_by_seed: bool = False
+    ):
         self.block_size = block_size
+        self.salt_by_seed = salt_by_seed
         self.num_kv_blocks = num_kv_blocks
         self.supports_async = supports_async
         self.closed = False
@@ -58,7 +74,7 @@ class ShadowRunner:
     def slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def execute(self, out: SchedulerOutput) -> list[int]:
+    def execute(self, out: SchedulerOutput) -> StepResult:
         self.steps += 1
         bs = self.block_size
         for src, dst in out.blocks_to_copy:
@@ -76,14 +92,35 @@ class ShadowRunner:
                 self.shadow[self.slot(seq, pos)] = (pos, token)
         if len(kinds) == 2:
             self.decode_and_prefill_mixed += 1
-        sampled = []
+        sampled: list[int] = []
+        logprobs: list[TokenLogprobs | None] = []
+        prompt: dict[int, PromptLogprobsChunk] = {}
         for s in out.scheduled:
-            if s.samples:
-                seq = s.seq
-                ctx = [self.shadow.get(self.slot(seq, p)) for p in range(seq.num_tokens)]
-                sampled.append(next_token(ctx))
-                self.device_tokens[(seq.seq_id, seq.num_tokens)] = sampled[-1]
-        return sampled
+            seq = s.seq
+            k = seq.sampling_params.prompt_logprobs
+            if k is not None and seq.needs_prompt_logprobs:
+                self._prompt_logprobs(s, k, prompt)
+            if not s.samples:
+                continue
+            ctx = [self.shadow.get(self.slot(seq, p)) for p in range(seq.num_tokens)]
+            for q in s.sample_seqs:
+                seed = q.sampling_params.seed
+                token = next_token(ctx if seed is None or not self.salt_by_seed else [*ctx, ("seed", seed)])
+                sampled.append(token)
+                self.device_tokens[(q.seq_id, seq.num_tokens)] = token
+                num = q.sampling_params.logprobs
+                logprobs.append(None if num is None else fake_logprobs(token, num, ctx))
+        has_logprobs = any(x is not None for x in logprobs)
+        return StepResult(sampled, logprobs if has_logprobs else None, prompt or None)
+
+    def _prompt_logprobs(self, s, k: int, into: dict[int, PromptLogprobsChunk]) -> None:
+        """Score the prompt tokens this chunk predicts that the sequence has no logprobs for yet."""
+        seq = s.seq
+        a, b = seq.num_computed_tokens, seq.num_computed_tokens + s.num_new_tokens
+        lo, hi = max(a + 1, len(seq.prompt_logprobs) + 1), min(b, seq.num_prompt_tokens - 1)
+        if lo <= hi:
+            entries = [fake_logprobs(seq.token_ids[t], k, list(seq.token_ids[:t])) for t in range(lo, hi + 1)]
+            into[seq.seq_id] = PromptLogprobsChunk(lo, entries)
 
     def execute_async(self, out: SchedulerOutput) -> Done:
         """Like a GPU launch: the work happens in launch order; the ids come back later."""
@@ -95,10 +132,10 @@ class ShadowRunner:
 
 
 class Done:
-    def __init__(self, value: list[int]):
+    def __init__(self, value: StepResult):
         self.value = value
 
-    def result(self) -> list[int]:
+    def result(self) -> StepResult:
         return self.value
 
 

@@ -18,8 +18,8 @@ def admit(kv: KVCacheManager, seq: Sequence) -> bool:
     num_new = seq.num_tokens - len(computed) * kv.block_size
     if not kv.allocate_slots(seq, num_new, computed):
         return False
-    seq.num_computed_tokens = seq.num_written = seq.num_tokens
-    kv.cache_full_blocks(seq)
+    seq.num_computed_tokens = seq.num_tokens
+    kv.cache_full_blocks(seq, seq.num_tokens)
     return True
 
 
@@ -149,8 +149,7 @@ def test_invariants_hold_under_random_operations(ops, block_size, num_blocks):
             s.append_token(r % 5)
             if kv.allocate_slots(s, 1):
                 s.num_computed_tokens += 1
-                s.num_written = s.num_computed_tokens
-                kv.cache_full_blocks(s)
+                kv.cache_full_blocks(s, s.num_computed_tokens)
             else:
                 s.token_ids.pop()
         elif op in ("free", "abort") and live:

@@ -62,8 +62,8 @@ def test_duplicate_prefixes_serve_each_other():
     for s in (a, b):  # admitted in one step: both miss
         assert kv.get_computed_blocks(s) == [] and kv.allocate_slots(s, s.num_tokens)
     for s in (a, b):
-        s.num_computed_tokens = s.num_written = s.num_tokens
-        kv.cache_full_blocks(s)
+        s.num_computed_tokens = s.num_tokens
+        kv.cache_full_blocks(s, s.num_tokens)
     table_a, table_b = a.block_table, b.block_table
     kv.free(a)
     kv.free(b)  # free queue: a's 4 blocks tail-first, then b's
@@ -180,8 +180,7 @@ def test_no_hit_ever_serves_another_prefix_under_total_collision(ops, block_size
             s.append_token(r % 2)
             if kv.allocate_slots(s, 1):
                 s.num_computed_tokens += 1
-                s.num_written = s.num_computed_tokens
-                kv.cache_full_blocks(s)
+                kv.cache_full_blocks(s, s.num_computed_tokens)
                 write(s, (s.num_computed_tokens - 1) // block_size)
             else:
                 s.token_ids.pop()
