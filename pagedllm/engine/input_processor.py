@@ -3,8 +3,8 @@
 Every door (LLM.generate, the CLI, AsyncLLM and the server) passes its requests through
 `InputProcessor.process`; what comes out is known good, so the layers below (the engine core,
 the scheduler) only assert their preconditions. Every refusal is an InvalidRequestError whose
-`param` names the field (`prompt`, `max_tokens`, `stop_token_ids`, `n`, `best_of`, `logprobs`,
-`prompt_logprobs`, `sampling_params`) and whose `code` is `context_length_exceeded` when the
+`param` names the field (`prompt`, `max_tokens`, `stop_token_ids`, `n`, `best_of`,
+`sampling_params`) and whose `code` is `context_length_exceeded` when the
 request is too long for the model or the KV cache.
 
 Parallel sampling: a request's sequences (SamplingParams.num_samples: best_of, or n) are
@@ -66,7 +66,7 @@ class InputProcessor:
         )
 
     def check_samples(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot know alone: the sequence slots and the vocabulary size."""
+        """What SamplingParams cannot know alone: the engine's sequence slots."""
         num = params.num_samples
         if self.max_num_seqs is not None and num > self.max_num_seqs:
             name = "best_of" if params.best_of is not None else "n"
@@ -75,12 +75,6 @@ class InputProcessor:
                 f"at once and a request's samples run together: ask for at most {self.max_num_seqs}",
                 name,
             )
-        if self.vocab_size is not None:
-            for name, k in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
-                if k is not None and k > self.vocab_size:
-                    raise InvalidRequestError(
-                        f"{name} is {k}, more than the vocabulary's {self.vocab_size} tokens", name
-                    )
 
     def tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
         """str | list[int] | {"prompt_token_ids": [...]} | {"prompt": str} -> (text, token ids)."""

@@ -45,7 +45,6 @@ from pagedllm.engine.executor import TokenLogprobs
 from pagedllm.engine.logprobs_processor import SampleLogprobsState, TokenTexts, prompt_logprobs_of
 from pagedllm.engine.messages import EngineCoreOutput, EngineCoreRequest
 from pagedllm.engine.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
-from pagedllm.engine.sampling_params import SamplingParams
 
 
 @dataclass

@@ -31,7 +31,9 @@ def test_best_of_returns_the_n_highest_cumulative_logprobs_best_first(mode, best
     seed, max_tokens = 21, 6
     engine = make_engine(mode)
     alone = independent(engine, range(seed, seed + best_of), max_tokens)
-    engine.add_request("r", PROMPT, SamplingParams(n=n, best_of=best_of, seed=seed, max_tokens=max_tokens, ignore_eos=True))
+    engine.add_request(
+        "r", PROMPT, SamplingParams(n=n, best_of=best_of, seed=seed, max_tokens=max_tokens, ignore_eos=True)
+    )
     out = drain(engine)["r"]
     ranked = sorted(alone.values(), key=lambda o: -o.cumulative_logprob)[:n]
     assert len({o.cumulative_logprob for o in alone.values()}) > 1  # a test where the choice matters
@@ -97,7 +99,9 @@ def test_an_aborted_best_of_request_ends_with_its_best_so_far():
 def test_n_streams_every_index_and_each_equals_its_seeded_request(mode, stop):
     seed, n = 40, 3
     engine = make_engine(mode)
-    engine.add_request("r", PROMPT, SamplingParams(n=n, seed=seed, max_tokens=7, ignore_eos=True, stop=stop), stream=True)
+    engine.add_request(
+        "r", PROMPT, SamplingParams(n=n, seed=seed, max_tokens=7, ignore_eos=True, stop=stop), stream=True
+    )
     outs = []
     while engine.has_unfinished_requests():
         outs += engine.step()

@@ -39,7 +39,7 @@ def expected_dict(token: int, k: int, context: list, texts: bool = True) -> dict
     its own rank, then the top k with ranks 1..k, the token skipped there if it is among them."""
     e = fake_logprobs(token, k, context)
     out = {token: Logprob(e.logprobs[0], e.rank, text_of(token) if texts else None)}
-    for r, (tid, lp) in enumerate(zip(e.token_ids[1:], e.logprobs[1:]), start=1):
+    for r, (tid, lp) in enumerate(zip(e.token_ids[1:], e.logprobs[1:], strict=True), start=1):
         if tid != token:
             out[tid] = Logprob(lp, r, text_of(tid) if texts else None)
     return out
@@ -56,7 +56,7 @@ def expected_sample_logprobs(prompt, tokens, k, texts=True):
 
 def cumulative(prompt, tokens) -> float:
     total = 0.0
-    for d, t in zip(expected_sample_logprobs(prompt, tokens, 0), tokens):
+    for d, t in zip(expected_sample_logprobs(prompt, tokens, 0), tokens, strict=True):
         total += d[t].logprob
     return total
 
@@ -72,7 +72,7 @@ def test_logprobs_per_output_token_in_vllm_shape(mode, k):
     tokens = reference_generate(PROMPT, 8)
     assert out.token_ids == tokens
     assert out.logprobs == expected_sample_logprobs(PROMPT, tokens, k)
-    for t, d in zip(out.token_ids, out.logprobs):
+    for t, d in zip(out.token_ids, out.logprobs, strict=True):
         assert next(iter(d)) == t  # the sampled token's entry comes first
         assert len(d) in (k, k + 1)
         top_ranks = [lp.rank for tid, lp in d.items() if tid != t]
@@ -80,7 +80,9 @@ def test_logprobs_per_output_token_in_vllm_shape(mode, k):
     # some token of the run is among its own top k (k entries, not k + 1), when k is large enough
     if k == 20:
         assert any(len(d) == k for d in out.logprobs) and any(len(d) == k + 1 for d in out.logprobs)
-    assert out.cumulative_logprob == pytest.approx(sum(d[t].logprob for t, d in zip(out.token_ids, out.logprobs)))
+    assert out.cumulative_logprob == pytest.approx(
+        sum(d[t].logprob for t, d in zip(out.token_ids, out.logprobs, strict=True))
+    )
     assert out.cumulative_logprob == pytest.approx(cumulative(PROMPT, tokens))
 
 
@@ -88,7 +90,7 @@ def test_the_sampled_token_keeps_its_own_rank_when_it_is_among_the_top_k():
     out = generate(make_engine(), logprobs=20, max_tokens=30).outputs[0]
     seen = 0
     ctx = [(p, t) for p, t in enumerate(PROMPT)]
-    for t, d in zip(out.token_ids, out.logprobs):
+    for t, d in zip(out.token_ids, out.logprobs, strict=True):
         e = fake_logprobs(t, 20, list(ctx))
         ctx.append((len(ctx), t))
         if t in e.token_ids[1:]:
@@ -149,7 +151,9 @@ def test_a_stop_string_drops_the_logprobs_of_the_tokens_it_cuts(mode, stream):
     at = next(i for i in range(3, 10) if text.find(text[i : i + 2]) == i)
     stop = stop_string_in(tokens, at)
     engine = make_engine(mode)
-    engine.add_request("r", PROMPT, SamplingParams(max_tokens=12, ignore_eos=True, stop=stop, logprobs=1), stream=stream)
+    engine.add_request(
+        "r", PROMPT, SamplingParams(max_tokens=12, ignore_eos=True, stop=stop, logprobs=1), stream=stream
+    )
     outs = []
     while engine.has_unfinished_requests():
         outs += engine.step()
@@ -180,7 +184,9 @@ def test_streamed_logprobs_grow_with_the_token_ids_and_end_as_the_unstreamed_one
             new = c.logprobs[len(c.logprobs) - len(c.delta_token_ids) :]
             assert [next(iter(d)) for d in new] == c.delta_token_ids  # the delta is the last entries
             sent = c.logprobs
-            assert c.cumulative_logprob == pytest.approx(sum(d[t].logprob for t, d in zip(c.token_ids, c.logprobs)))
+            assert c.cumulative_logprob == pytest.approx(
+                sum(d[t].logprob for t, d in zip(c.token_ids, c.logprobs, strict=True))
+            )
         assert outs[-1].outputs[i].logprobs == whole.outputs[i].logprobs
         assert outs[-1].outputs[i].cumulative_logprob == whole.outputs[i].cumulative_logprob
     assert all(o.prompt_logprobs == whole.prompt_logprobs for o in outs)

@@ -77,13 +77,15 @@ def test_logprobs_and_prompt_logprobs_shapes(llm):
         assert next(iter(d)) == ids[j] and len(d) in (2, 3)
     for o in out.outputs:
         assert len(o.logprobs) == len(o.token_ids)
-        for t, d in zip(o.token_ids, o.logprobs):
+        for t, d in zip(o.token_ids, o.logprobs, strict=True):
             assert next(iter(d)) == t and len(d) in (3, 4)
             assert d[t].decoded_token == tok.decode([t])
             among = len(d) == 3  # the token is one of the top 3: the others hold the other ranks
             others = sorted(lp.rank for tid, lp in d.items() if tid != t)
             assert others == [r for r in (1, 2, 3) if not (among and r == d[t].rank)]
-        assert o.cumulative_logprob == pytest.approx(sum(d[t].logprob for t, d in zip(o.token_ids, o.logprobs)))
+        assert o.cumulative_logprob == pytest.approx(
+            sum(d[t].logprob for t, d in zip(o.token_ids, o.logprobs, strict=True))
+        )
 
 
 def test_more_samples_than_sequence_slots_are_refused(llm):
