@@ -27,7 +27,7 @@ class ExecutorFailure(RuntimeError):
 
 class CheckedRunner(ShadowRunner):
     """ShadowRunner with the in-place-write check. `fail_at`: the launches (1-based) that raise
-    before touching the shadow; `fail_result_at`: async launches whose result() raises."""
+    before touching the shadow; `fail_result_at`: async launches that write nothing and whose result() raises."""
 
     def __init__(self, block_size: int, fail_at=(), fail_result_at=(), **kw):
         super().__init__(block_size, salt_by_seed=True, **kw)
@@ -79,10 +79,12 @@ class CheckedRunner(ShadowRunner):
         return result
 
     def execute_async(self, out: SchedulerOutput):
-        done = super().execute_async(out)
-        if self.launches in self.fail_result_at:
+        if self.launches + 1 in self.fail_result_at:  # launched, then lost: its KV writes never land
+            kept = dict(self.shadow)
+            super().execute_async(out)  # (its sampled ids still feed later launches, as garbage would)
+            self.shadow = kept
             return FailingHandle(self.launches)
-        return done
+        return super().execute_async(out)
 
 
 class FailingHandle:
