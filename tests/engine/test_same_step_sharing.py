@@ -22,7 +22,13 @@ def burst(seed: int, k: int = 6, shared_len: int = 40, n: int = 1, max_tokens: i
     rng = random.Random(seed)
     shared = [rng.randrange(97) for _ in range(shared_len)]
     return [
-        Req(f"r{i}", shared + [rng.randrange(97) for _ in range(rng.randrange(1, 7))], max_tokens, n=n, seed=seed + 10 * i)
+        Req(
+            f"r{i}",
+            shared + [rng.randrange(97) for _ in range(rng.randrange(1, 7))],
+            max_tokens,
+            n=n,
+            seed=seed + 10 * i,
+        )
         for i in range(k)
     ]
 
@@ -52,6 +58,7 @@ def test_registering_blocks_before_their_step_is_caught():
     from pagedllm.engine.kv_cache_manager import KVCacheManager
 
     orig = KVCacheManager.cache_full_blocks
+
     def eager(self, seq, num):  # every allocated block, as if its tokens were all scheduled
         return orig(self, seq, len(seq.block_table) * self.block_size)
 
@@ -77,7 +84,9 @@ def test_chunked_prefill_sharing_is_exact(budget, async_scheduling):
 def test_preemption_with_same_step_sharing_is_exact(block_size, async_scheduling):
     reqs = burst(3, k=8, shared_len=24, max_tokens=20)
     blocks = 3 * (-(-50 // block_size)) + 2
-    results, engine, _ = run(reqs, block_size=block_size, num_kv_blocks=blocks, budget=32, async_scheduling=async_scheduling)
+    results, engine, _ = run(
+        reqs, block_size=block_size, num_kv_blocks=blocks, budget=32, async_scheduling=async_scheduling
+    )
     assert results == expected(reqs)
     m = engine.get_metrics()
     assert m["num_preemptions"] > 0 and m["prefix_cache_hit_tokens"] > 0
@@ -98,7 +107,9 @@ def test_preempted_groups_go_back_together(async_scheduling):
     """n > 1 groups in a pool too small for all: whenever a step preempts a request's sequence, every
     sequence of that request not scheduled in that step goes back too, in index order."""
     rng = random.Random(5)
-    reqs = [Req(f"g{i}", [rng.randrange(97) for _ in range(rng.randrange(5, 14))], 16, n=4, seed=7 * i) for i in range(4)]
+    reqs = [
+        Req(f"g{i}", [rng.randrange(97) for _ in range(rng.randrange(5, 14))], 16, n=4, seed=7 * i) for i in range(4)
+    ]
     reqs.append(Req("solo", [rng.randrange(97) for _ in range(9)], 16))
     seen = {"preempted_groups": 0}
 
@@ -113,7 +124,11 @@ def test_preempted_groups_go_back_together(async_scheduling):
             out = schedule()
             scheduled = {s.seq.seq_id for s in out.scheduled} | {c.seq_id for s in out.scheduled for c in s.forks}
             for rid, seqs in engine.core.requests.items():
-                newly = [s for s in seqs if before.get(s.seq_id) is SequenceStatus.RUNNING and s.status is SequenceStatus.PREEMPTED]
+                newly = [
+                    s
+                    for s in seqs
+                    if before.get(s.seq_id) is SequenceStatus.RUNNING and s.status is SequenceStatus.PREEMPTED
+                ]
                 if not newly:
                     continue
                 seen["preempted_groups"] += len(newly) > 1
