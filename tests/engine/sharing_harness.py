@@ -38,6 +38,7 @@ class CheckedRunner(ShadowRunner):
         self.executed_tokens = 0
         self.executed_prompt_tokens = 0
         self.shared_writes = 0  # writes into blocks held by > 1 sequence (same-step sharing)
+        self.final_outputs: dict = {}  # request id -> its final RequestOutput (run())
 
     def live_sequences(self) -> list[Sequence]:
         assert self.engine is not None
@@ -168,7 +169,8 @@ def run(
 ) -> tuple[dict[str, list[list[int]]], LLMEngine, CheckedRunner]:
     """Add the requests (all before the first step, or `per_step` a step), step to the end checking
     the state after every step; `abort`: step number -> request ids aborted before that step.
-    Returns request id -> the token ids of each of its samples, by index."""
+    Returns request id -> the token ids of each of its samples, by index (the final RequestOutputs
+    are in `runner.final_outputs`)."""
     engine, runner = make_engine(**engine_kw)
     pending = list(reqs)
     results: dict[str, list[list[int]]] = {}
@@ -184,6 +186,7 @@ def run(
             if out.finished:
                 assert [o.index for o in out.outputs] == list(range(len(out.outputs)))
                 results[out.request_id] = [o.token_ids for o in out.outputs]
+                runner.final_outputs[out.request_id] = out
         check_state(engine, runner)
         if on_step is not None:
             on_step(engine, runner, step)

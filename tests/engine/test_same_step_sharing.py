@@ -228,9 +228,11 @@ def test_a_lost_decode_step_leaves_no_block_it_completes(lost):
 @SYNC_ASYNC
 def test_preemption_does_not_inflate_hit_statistics(async_scheduling):
     reqs = burst(6, k=6, shared_len=20, n=3, max_tokens=14)
-    results, engine, _ = run(reqs, block_size=4, num_kv_blocks=40, budget=32, async_scheduling=async_scheduling)
+    results, engine, runner = run(reqs, block_size=4, num_kv_blocks=40, budget=32, async_scheduling=async_scheduling)
     assert results == expected(reqs)
     m = engine.get_metrics()
+    cached = [runner.final_outputs[r.rid].num_cached_tokens for r in reqs]
+    assert m["prefix_cache_hit_tokens"] == sum(cached) and max(cached) <= 20  # each its first admission's
     assert m["num_preemptions"] > 0 and m["prefix_cache_preempted_requests"] > 0
     assert m["prefix_cache_requests"] == len(reqs)  # first admissions: one per request (children fork)
     assert m["prefix_cache_query_tokens"] == sum(len(r.prompt) for r in reqs)
