@@ -157,7 +157,7 @@ def finish_after_failure(engine, runner, reqs: list[Req]) -> dict[str, list[list
     """Abort what the failure left, check nothing is held, then run `reqs` on the repaired fake."""
     for rid in list(engine.core.requests):
         engine.abort_request(rid)
-    engine.core._inflight = None  # noqa: SLF001 - what the failing step's launch left is dropped with it
+    assert not engine.has_unfinished_requests()  # the failed launch is not in flight any more
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
     runner.fail_at, runner.fail_result_at = set(), set()
     for r in reqs:
