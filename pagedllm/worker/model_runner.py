@@ -21,6 +21,9 @@ from pagedllm.model.registry import build_model
 from pagedllm.ops import PAD_SLOT_ID
 from pagedllm.ops.copy_blocks import copy_blocks, copy_blocks_ref
 from pagedllm.ops.kernels import kernels_for
+from pagedllm.worker.device import GiB, available_ram_bytes
+from pagedllm.worker.device import resolve_device as resolve_device  # re-exported: entrypoints/llm.py
+from pagedllm.worker.device import resolve_dtype as resolve_dtype
 from pagedllm.worker.logprobs import PendingSampleLogprobs, prompt_logprobs
 from pagedllm.worker.sampler import sample, sampling_tensors
 from pagedllm.worker.step_handle import LaunchedStep, StepHandle
@@ -31,55 +34,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("pagedllm")
 
-GiB = 1 << 30
-
 
 def _is_arange(a: np.ndarray, n: int) -> bool:
     """a == [0, 1, ..., n - 1]: every row of a decode step samples once."""
     return len(a) == n and bool((a == np.arange(n)).all())
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but no CUDA GPU is available")
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype, hf_config, device: torch.device) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    names = {
-        "float32": torch.float32,
-        "float": torch.float32,
-        "bfloat16": torch.bfloat16,
-        "float16": torch.float16,
-        "half": torch.float16,
-    }
-    if dtype == "auto":
-        if device.type == "cpu":
-            return torch.float32
-        cfg_dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
-        if isinstance(cfg_dtype, torch.dtype):
-            return cfg_dtype
-        return names.get(str(cfg_dtype).replace("torch.", ""), torch.bfloat16)
-    if dtype not in names:
-        raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
-    return names[dtype]
-
-
-def available_ram_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 * GiB
 
 
 class ModelRunner:
@@ -240,8 +198,8 @@ class ModelRunner:
     def _warm_up_kernels(self) -> None:
         """Compile the attention kernel's prefill-with-history variant (a step mixing one
         decode row with a chunk over a cached prefix) and the sampling kernel at start-up, so
-        the first real requests do not wait for Triton. The profiling run covered the other
-        kernels, the CUDA graphs cover decode. Writes nothing to the KV cache (all slots PAD_SLOT_ID)."""
+        the first real requests do not wait for Triton; and the copy-on-write kernel. The profiling
+        run covered the other kernels, the CUDA graphs cover decode. Changes nothing in the KV cache."""
         hist, chunk = self.block_size, 8
         lens_q = np.array([1, chunk])
         seq_lens = (hist + lens_q).astype(np.int32)
@@ -270,6 +228,8 @@ class ModelRunner:
                 torch.tensor([1.0, 0.0], device=self.device),
                 torch.tensor([1, 2], dtype=torch.int64, device=self.device),
             )
+        zero = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._copy_blocks(self.kv_cache, zero, zero)  # the copy-on-write kernel (block 0 onto itself: a no-op)
         torch.cuda.synchronize(self.device)
 
     # ---- one step ----------------------------------------------------------------------
