@@ -184,6 +184,8 @@ def test_greedy_n2_equals_greedy_n1(tiny_models, prompt_len):
     greedy = dict(temperature=0, max_tokens=10, ignore_eos=True)
     one = sampled_alone(path, p, SamplingParams(**greedy), block_size=8)["r", 0]["tokens"]
     llm = LLM(path, num_kv_blocks=64, block_size=8)
-    got = run_core(llm, {"r": (p, SamplingParams(n=2, **greedy))})
+    got = run_core(llm, {"r": (p, SamplingParams(n=2, logprobs=0, **greedy))})
     assert got["r", 0]["tokens"] == got["r", 1]["tokens"] == one
+    for i in range(2):  # logprobs=0: the sampled token's own logprob and rank only
+        check_generated(path, p, got["r", i], 0)
     assert (llm.get_metrics()["num_copy_on_write_blocks"] > 0) == (prompt_len % 8 != 0)
