@@ -111,6 +111,16 @@ def run_variant(llm, probe: ScheduleProbe, variant: str, prompt: list[int], args
     }
 
 
+def free_device_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def main(args) -> int:
     from pagedllm import LLM, SamplingParams
     from pagedllm.bench.common import append_result, environment, gpu_slug
@@ -156,6 +166,8 @@ def main(args) -> int:
                 }
             )
         llm.close()
+        del llm, probe  # free the weights and the KV tensor before the next engine profiles the GPU
+        free_device_memory()
     rows.sort(key=lambda r: VARIANTS.index(r["variant"]))
     print(
         f"{'variant':<13} {'wall s':>8} {'tok/s':>9} {'TTFT mean/max ms':>18} {'prompt computed':>16} {'peak blocks':>12}"
