@@ -83,9 +83,17 @@ class RequestStream:
 class StreamRegistry:
     """Live streams by request id and by core id. `num_waiting`: registered, no token yet."""
 
-    def __init__(self, processor: OutputProcessor, abort_in_core: Callable[[list[str]], None]):
+    def __init__(
+        self,
+        processor: OutputProcessor,
+        abort_in_core: Callable[[list[str]], None],
+        stop_in_core: Callable[[list[tuple[str, int]]], None],
+    ):
+        """`abort_in_core(core ids)` ends whole requests in the core; `stop_in_core([(core id,
+        index)])` ends the sequences that hit a stop string (the others of an n > 1 request go on)."""
         self.processor = processor
         self._abort_in_core = abort_in_core
+        self._stop_in_core = stop_in_core
         self.by_request_id: dict[str, RequestStream] = {}
         self.by_core_id: dict[str, RequestStream] = {}
         self.num_waiting = 0
@@ -116,7 +124,7 @@ class StreamRegistry:
         """One step's outputs: stop strings abort in the core at once; finished streams end."""
         processed = self.processor.process(outputs)
         if processed.stopped:
-            self._abort_in_core([core_id for core_id, _ in processed.stopped])
+            self._stop_in_core(processed.stopped)
         get = self.by_core_id.get
         done = set(processed.finished)
         for state in processed.touched:

@@ -48,6 +48,7 @@ from pagedllm.entrypoints.openai.responses import (
     ChatResponses,
     CompletionResponses,
     ResponseBuilder,
+    Texts,
     sse,
 )
 
@@ -117,6 +118,7 @@ class OpenAIServing:
         self.served_model_name = served_model_name
         self.created = int(time.time())
         self.kv_tokens = async_llm.num_kv_blocks * async_llm.block_size
+        self.texts = Texts(async_llm.tokenizer)
 
     # ---- /v1/models ----------------------------------------------------------------------
     def model_card(self) -> dict[str, Any]:
@@ -144,7 +146,9 @@ class OpenAIServing:
         rid = f"cmpl-{uuid.uuid4().hex}"
         parsed, requests = await asyncio.to_thread(self._prepare_completion, body, rid)
         sub = self._submit(parsed, requests)
-        builder = CompletionResponses(rid, int(time.time()), self.served_model_name, parsed.include_usage)
+        builder = CompletionResponses(
+            rid, int(time.time()), self.served_model_name, parsed.include_usage, parsed.n, parsed.shown, self.texts
+        )
         return await self._answer(parsed, sub, builder, rid, disconnected)
 
     async def create_chat_completion(
@@ -153,7 +157,9 @@ class OpenAIServing:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         parsed, requests = await asyncio.to_thread(self._prepare_chat, body, rid)
         sub = self._submit(parsed, requests)
-        builder = ChatResponses(rid, int(time.time()), self.served_model_name, parsed.include_usage)
+        builder = ChatResponses(
+            rid, int(time.time()), self.served_model_name, parsed.include_usage, parsed.n, parsed.shown, self.texts
+        )
         return await self._answer(parsed, sub, builder, rid, disconnected)
 
     # ---- on a worker thread: JSON, the chat template, tokenizing, every check ----------------
@@ -278,7 +284,7 @@ class OpenAIServing:
             raise _step_failed(rid, e) from None
         except EngineShutdownError as e:
             raise APIError(503, str(e), "service_unavailable", None, "engine_dead") from None
-        if any(o.outputs[0].finish_reason == "abort" for o in outs):
+        if any(c.finish_reason == "abort" for o in outs for c in o.outputs):
             raise APIError(
                 503, "the request was aborted (the server is shutting down)", "service_unavailable", None, "aborted"
             )
@@ -293,7 +299,7 @@ class OpenAIServing:
             for event in builder.opening():
                 yield event
             async for i, out in _merged(sub.streams):
-                completion_tokens[i] = len(out.outputs[0].token_ids)
+                completion_tokens[i] = sum(len(o.token_ids) for o in out.outputs)
                 for event in builder.events(i, out):
                     yield event
             if include_usage:
