@@ -14,7 +14,6 @@ import json
 import math
 
 import httpx
-import openai
 import pytest
 
 from pagedllm.engine.input_processor import InputProcessor
@@ -262,25 +261,23 @@ GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
 
 
 def test_n3_distinct_seeded_choices_each_equal_to_its_own_seed(client):
-    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, n=3, seed=11, **SAMPLED)
+    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=5, n=3, seed=11, **SAMPLED)
     assert [c.index for c in out.choices] == [0, 1, 2]
     assert all(c.finish_reason == "length" for c in out.choices)
     texts = [c.text for c in out.choices]
     assert len(set(texts)) == 3, texts
-    assert out.usage.completion_tokens == 24
-    again = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, n=3, seed=11, **SAMPLED)
-    assert [c.text for c in again.choices] == texts
+    assert out.usage.completion_tokens == 15
     # sample i draws with seed + i: the same tokens as a request of its own with that seed
     for i in range(3):
-        alone = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, seed=11 + i, **SAMPLED)
+        alone = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=5, seed=11 + i, **SAMPLED)
         assert alone.choices[0].text == texts[i]
 
 
 def test_n3_streamed_equals_non_streamed(client):
-    kw = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, n=3, seed=5, **SAMPLED)
+    kw = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=5, n=3, seed=5, **SAMPLED)
     full = client.completions.create(**kw)
     chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 15
     for c in full.choices:
         parts = [ch.choices[0] for ch in chunks[:-1] if ch.choices[0].index == c.index]
         assert "".join(p.text for p in parts) == c.text
@@ -354,7 +351,7 @@ def test_fork_metrics_count_the_children(live, client):
 
 
 def test_limits_are_400_and_leave_a_stream_in_flight_alone(live, http):
-    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 48, "stream": True, "ignore_eos": True, "n": 2}
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 24, "stream": True, "ignore_eos": True, "n": 2}
     body["stream_options"] = {"include_usage": True}
     with http.stream("POST", "/v1/completions", json=body) as resp:
         lines = resp.iter_lines()
@@ -378,7 +375,7 @@ def test_limits_are_400_and_leave_a_stream_in_flight_alone(live, http):
         r = httpx.post(live.base_url + "/chat/completions", json=chat, headers=http.headers)
         assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
         rest = [json.loads(line[6:]) for line in [first, *lines] if line.startswith("data: {")]
-    assert rest[-1]["usage"]["completion_tokens"] == 96  # the stream in flight got every token
+    assert rest[-1]["usage"]["completion_tokens"] == 48  # the stream in flight got every token
 
 
 # ---- values: these need the engine's logprobs (SamplingParams.logprobs filled in the outputs) -------
