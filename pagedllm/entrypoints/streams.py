@@ -3,8 +3,9 @@ StreamRegistry that owns them.
 
 The registry is the only thing a stream talks to, and the only place its state changes: it
 feeds the core's outputs through the output processor (engine/output_processor.py), wakes the
-streams that have something new, finishes them, and tells the core to abort what a stream no
-longer wants (a stop string, a closed stream). Everything here runs on AsyncLLM's one event
+streams that have something new, finishes them, and tells the core what a stream no longer
+wants: a closed stream's request is aborted, a sequence that hit a stop string is stopped alone
+(an n > 1 request's other sequences go on). Everything here runs on AsyncLLM's one event
 loop (or, when no loop runs, on the one thread that reads the core: async_llm.py).
 
 A stream keeps state, not a queue of outputs: a consumer that falls behind gets one output with

@@ -216,8 +216,10 @@ def test_fields_reach_sampling_params():
     asyncio.run(serving.create_completion({"prompt": "hi", "logprobs": 4}))
     asyncio.run(serving.create_chat_completion({"messages": [{"role": "user", "content": "x"}], "logprobs": True}))
     asyncio.run(serving.create_chat_completion({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 0}))
+    chat = {"messages": [{"role": "user", "content": "x"}], "n": 2, "best_of": 4, "logprobs": True, "top_logprobs": 3}
+    asyncio.run(serving.create_chat_completion(chat))
     got = [(r.params.n, r.params.best_of, r.params.logprobs, r.params.prompt_logprobs) for r in engine.queued]
-    assert got == [(2, 3, 4, 4), (1, None, 4, None), (1, None, 0, None), (1, None, None, None)]
+    assert got == [(2, 3, 4, 4), (1, None, 4, None), (1, None, 0, None), (1, None, None, None), (2, 4, 3, None)]
 
 
 @pytest.mark.parametrize(
@@ -351,7 +353,7 @@ def test_fork_metrics_count_the_children(live, client):
 
 
 def test_limits_are_400_and_leave_a_stream_in_flight_alone(live, http):
-    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 24, "stream": True, "ignore_eos": True, "n": 2}
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 16, "stream": True, "ignore_eos": True, "n": 2}
     body["stream_options"] = {"include_usage": True}
     with http.stream("POST", "/v1/completions", json=body) as resp:
         lines = resp.iter_lines()
@@ -375,7 +377,7 @@ def test_limits_are_400_and_leave_a_stream_in_flight_alone(live, http):
         r = httpx.post(live.base_url + "/chat/completions", json=chat, headers=http.headers)
         assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
         rest = [json.loads(line[6:]) for line in [first, *lines] if line.startswith("data: {")]
-    assert rest[-1]["usage"]["completion_tokens"] == 48  # the stream in flight got every token
+    assert rest[-1]["usage"]["completion_tokens"] == 32  # the stream in flight got every token
 
 
 # ---- values: these need the engine's logprobs (SamplingParams.logprobs filled in the outputs) -------

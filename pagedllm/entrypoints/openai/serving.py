@@ -19,6 +19,11 @@ every other client, /health included. The fast tokenizers release the GIL while 
 A client that goes away aborts its requests: a stream through `SSEStream.close`, a
 non-streamed request through the `disconnected` watcher.
 
+Parallel sampling and logprobs: one engine request per prompt samples `n` (or `best_of`)
+sequences; its RequestOutputs carry them all, and the builder (responses.py) numbers prompt i's
+choices i * n .. i * n + n - 1. `usage.prompt_tokens` counts each prompt once,
+`completion_tokens` the returned choices' tokens (best_of's discarded samples are not in it).
+
 max_tokens when the client sets none: the model's `max_new_tokens` when its generation_config
 sets one, else 16 (SamplingParams' default, OpenAI's for completions); chat: the room left in
 the context and the KV cache, capped by the model's `max_new_tokens` when set.
