@@ -3,7 +3,9 @@ prefix-cache hash table. It knows nothing about scheduling policy.
 
 Invariants (checked by `check_invariants`, exercised by the property tests):
 - ref_cnt == 0  <=>  the block is in the free queue.
-- A block with a hash is findable through `cached` until it is reallocated (lazy eviction);
+- A block gets its hash when a step that writes its KV is scheduled (kv_cache_manager.py says
+  why a reader of that step or a later one sees written KV) and loses it when it is reallocated
+  (lazy eviction) or when that step never runs (`unregister`). Until then it is findable;
   `cached[h]` holds exactly the blocks whose block_hash is h. Several blocks share a hash when
   sequences computed the same prefix at the same time (duplicates), or when different prefixes
   collide (a crafted collision, a stub hash in a test): the hash only narrows the search.

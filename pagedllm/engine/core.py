@@ -150,7 +150,7 @@ class EngineCore:
             if self._inflight is not None:
                 prev, handle = self._inflight
                 result = handle.result()
-                outputs = self._outputs(self.scheduler.resolve(prev, result), len(result.sampled))
+                outputs = self._outputs(self.scheduler.resolve(prev, result, sched), len(result.sampled))
         except BaseException:
             for failed in (self._inflight[0] if self._inflight else None, sched):
                 if failed is not None:

@@ -3,8 +3,13 @@
 Every door (LLM.generate, the CLI, AsyncLLM and the server) passes its requests through
 `InputProcessor.process`; what comes out is known good, so the layers below (the engine core,
 the scheduler) only assert their preconditions. Every refusal is an InvalidRequestError whose
-`param` names the field (`prompt`, `max_tokens`, `stop_token_ids`, `sampling_params`) and whose
-`code` is `context_length_exceeded` when the request is too long for the model or the KV cache.
+`param` names the field (`prompt`, `max_tokens`, `stop_token_ids`, `n`, `best_of`,
+`sampling_params`) and whose `code` is `context_length_exceeded` when the
+request is too long for the model or the KV cache.
+
+Parallel sampling: a request's sequences (SamplingParams.num_samples: best_of, or n) are
+admitted together and each takes one of the scheduler's max_num_seqs slots, so more than
+max_num_seqs of them could never run: refused here, naming `best_of` when it is set, else `n`.
 
 The length rule: prompt + max_tokens must fit in max_model_len (as OpenAI and vLLM refuse it);
 a max_tokens beyond the room left is refused, never clamped. A door that wants "as much as fits"
@@ -24,10 +29,21 @@ CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any, vocab_size: int | None, max_model_len: int, block_size: int, num_kv_blocks: int):
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int | None,
+        max_model_len: int,
+        block_size: int,
+        num_kv_blocks: int,
+        *,
+        max_num_seqs: int | None = None,
+    ):
+        """max_num_seqs: the scheduler's sequence slots (None: no limit checked here)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len, self.block_size, self.num_kv_blocks = max_model_len, block_size, num_kv_blocks
+        self.max_num_seqs = max_num_seqs
 
     def process(
         self, request_id: str, prompt: Any, params: SamplingParams, arrival_time: float | None = None
@@ -37,6 +53,7 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"sampling_params must be a SamplingParams, got {type(params).__name__}", "sampling_params"
             )
+        self.check_samples(params)
         text, ids = self.tokenize(prompt)
         self.validate_length(len(ids), params.max_tokens)
         self.check_stop_token_ids(params.stop_token_ids)
@@ -47,6 +64,17 @@ class InputProcessor:
             params=params,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
         )
+
+    def check_samples(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot know alone: the engine's sequence slots."""
+        num = params.num_samples
+        if self.max_num_seqs is not None and num > self.max_num_seqs:
+            name = "best_of" if params.best_of is not None else "n"
+            raise InvalidRequestError(
+                f"{name} is {num}, but the engine runs at most max_num_seqs={self.max_num_seqs} sequences "
+                f"at once and a request's samples run together: ask for at most {self.max_num_seqs}",
+                name,
+            )
 
     def tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
         """str | list[int] | {"prompt_token_ids": [...]} | {"prompt": str} -> (text, token ids)."""

@@ -41,7 +41,12 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.input_processor = InputProcessor(
-            tokenizer, vocab_size, config.max_model_len, config.block_size, config.num_kv_blocks
+            tokenizer,
+            vocab_size,
+            config.max_model_len,
+            config.block_size,
+            config.num_kv_blocks,
+            max_num_seqs=config.max_num_seqs,
         )
         self.output_processor = OutputProcessor(tokenizer)  # tokenizer None: token ids only (text "")
         self._ids = itertools.count()
@@ -60,7 +65,8 @@ class LLMEngine:
         stream: bool = True,
     ) -> str:
         """Queue a request. With stream=True, step() returns an output for it whenever it gets a
-        token (cumulative text plus delta); with stream=False only once, when it finishes.
+        token (cumulative text plus delta); with stream=False only once, when it finishes. A
+        request with best_of > n is never streamed: its one output comes when it finishes.
 
         `prompt` is a str, token ids or a prompt dict (checked here by the InputProcessor,
         InvalidRequestError on failure), or an EngineCoreRequest that the InputProcessor already

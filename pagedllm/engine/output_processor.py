@@ -3,7 +3,7 @@
 One implementation for every front: LLMEngine (LLM.generate, the CLI) runs it in the engine's
 process after each core step; AsyncLLM runs it in the API process on the event loop, where the
 core in its own process ships token ids only (ARCHITECTURE.md). Per request a RequestState holds
-one SequenceState per sequence (parallel sampling: n of them).
+one SequenceState per sequence the core samples (SamplingParams.num_samples: best_of, or n).
 
 Two halves, so that a consumer may fall behind:
 - `process(core_outputs)` as tokens arrive: append ids, record finishes, and match stop strings
@@ -24,6 +24,14 @@ Invariants:
   stop_reason the string.
 - the detokenizer is flushed (an incomplete character at the very end) when a sequence finishes
   by EOS, stop token or length; not after a stop string (the text is cut) or an abort.
+- logprobs (logprobs_processor.py): a sequence that asks keeps one raw entry per token id it
+  keeps (a stop string's cut drops both), so `CompletionOutput.logprobs` always has
+  len(token_ids) entries and a streamed output's new ones are its last len(delta_token_ids);
+  the dicts and their texts are built by make_output, for the new positions only. Requests that
+  ask for no logprobs pay one attribute test per token.
+- best_of > n: the request samples best_of sequences and has no partial outputs (it is never
+  streamed, whatever `stream` says): its one output, when every sequence has finished, holds the
+  n with the highest cumulative logprob, best first (ties: the lower index), re-indexed 0..n-1.
 """
 
 from __future__ import annotations
@@ -33,9 +41,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.engine.detokenizer import Decoder, IncrementalDetokenizer, fast_decoder
+from pagedllm.engine.executor import TokenLogprobs
+from pagedllm.engine.logprobs_processor import SampleLogprobsState, TokenTexts, prompt_logprobs_of
 from pagedllm.engine.messages import EngineCoreOutput, EngineCoreRequest
-from pagedllm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.engine.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
 
 
 @dataclass
@@ -52,15 +61,22 @@ class SequenceState:
     first_token_time: float | None = None
     finish_time: float | None = None
     flushed: bool = False
+    logprobs: SampleLogprobsState | None = None  # None: the core sends none for this sequence
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def cumulative_logprob(self) -> float:
+        assert self.logprobs is not None, "only sequences with logprobs are ranked"
+        return self.logprobs.cumulative
+
 
 class RequestState:
     """One request's output state. `request_id` is the id its outputs carry; the processor's key
-    is the id the core knows it by (AsyncLLM gives the core ids of its own)."""
+    is the id the core knows it by (AsyncLLM gives the core ids of its own). `stream` is False
+    for a best_of > n request whatever the caller asked: it has no partial outputs."""
 
     def __init__(
         self, request_id: str, core_request_id: str, request: EngineCoreRequest, stream: bool, decoder: Decoder | None
@@ -69,16 +85,24 @@ class RequestState:
         self.core_request_id = core_request_id
         self.prompt = request.prompt
         self.prompt_token_ids = request.prompt_token_ids
-        self.params: SamplingParams = request.params
-        self.stream = stream  # False: one output, when finished
+        params = self.params = request.params
+        self.ranked = params.num_samples > params.n  # best_of: return the n best of num_samples
+        self.stream = stream and not self.ranked  # False: one output, when finished
         self.arrival_time = request.arrival_time
-        self.stops = request.params.stop_list
+        self.stops = params.stop_list
         self.longest_stop = max(map(len, self.stops), default=0)
-        eager = decoder is not None and (stream or bool(self.stops))
+        eager = decoder is not None and (self.stream or bool(self.stops))
         self.seqs = [
             SequenceState(i, IncrementalDetokenizer(decoder, self.prompt_token_ids) if eager and decoder else None)
-            for i in range(request.params.n)
+            for i in range(params.num_samples)
         ]
+        k = params.sample_logprobs
+        if k is not None:
+            for seq in self.seqs:
+                seq.logprobs = SampleLogprobsState(shown=params.logprobs is not None)
+        self.asks_logprobs = k is not None or params.prompt_logprobs is not None
+        self.raw_prompt_logprobs: list[TokenLogprobs] | None = None  # from index 0's first output
+        self.prompt_logprobs: PromptLogprobs | None = None  # built from it by the first make_output
 
     @property
     def finished(self) -> bool:
@@ -105,6 +129,7 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any):
         """tokenizer None: outputs carry token ids only (text ""), and stop strings are not matched."""
         self.decoder: Decoder | None = fast_decoder(tokenizer) if tokenizer is not None else None
+        self.token_texts = TokenTexts(self.decoder)  # logprobs' decoded_token, one decode per id
         self.requests: dict[str, RequestState] = {}  # core request id -> unfinished request
 
     def add_request(self, request: EngineCoreRequest, stream: bool, core_request_id: str | None = None) -> RequestState:
@@ -139,6 +164,8 @@ class OutputProcessor:
             if seq.finish_reason is not None:
                 continue  # stopped by a stop string; the core has not heard yet
             touched[out.request_id] = state
+            if state.asks_logprobs:
+                self._take_logprobs(state, seq, out)
             if out.finish_reason is None and not state.stops:  # the common case: one more token
                 seq.token_ids += out.new_token_ids
                 seq.num_cached_tokens = out.num_cached_tokens
@@ -151,6 +178,16 @@ class OutputProcessor:
                 del self.requests[out.request_id]
                 finished.append(state)
         return ProcessedOutputs(list(touched.values()), stopped, finished)
+
+    @staticmethod
+    def _take_logprobs(state: RequestState, seq: SequenceState, out: EngineCoreOutput) -> None:
+        """Keep the raw entries (before the token ids are appended: a stop string cuts both)."""
+        if out.prompt_logprobs is not None:
+            state.raw_prompt_logprobs = out.prompt_logprobs
+        if seq.logprobs is not None and out.new_token_ids:
+            lps = out.new_logprobs
+            assert lps is not None and len(lps) == len(out.new_token_ids), "the core sends one per token asked for"
+            seq.logprobs.extend(lps)
 
     def _append(self, state: RequestState, seq: SequenceState, out: EngineCoreOutput) -> bool:
         """Apply one core output; True when a stop string ended the sequence."""
@@ -183,15 +220,23 @@ class OutputProcessor:
             if hit is not None:
                 detok.text = detok.text[: hit[0]]
                 del seq.token_ids[i + 1 :]
+                if seq.logprobs is not None:
+                    seq.logprobs.truncate(i + 1)
                 seq.finish_reason, seq.stop_reason, seq.finish_time = "stop", hit[1], time.monotonic()
                 return True
         return False
 
     # ---- when asked ----------------------------------------------------------------------
     def make_output(self, state: RequestState) -> RequestOutput:
-        """Everything new since the last output of this request (its first: everything)."""
+        """Everything new since the last output of this request (its first: everything). A best_of
+        request (state.ranked) is asked only once it has finished: its n best sequences."""
+        seqs = state.seqs
+        if state.ranked:
+            assert state.finished, "a best_of request has no partial outputs (RequestState.stream is False)"
+            seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[: state.params.n]  # stable: ties by index
+        texts = self.token_texts
         completions = []
-        for seq in state.seqs:
+        for position, seq in enumerate(seqs):
             ids = seq.token_ids
             delta_ids = ids[seq.num_sent_tokens :]
             seq.num_sent_tokens = len(ids)
@@ -201,18 +246,26 @@ class OutputProcessor:
                 end = max(seq.num_sent_chars, end - state.longest_stop + 1)
             delta = text[seq.num_sent_chars : end]
             seq.num_sent_chars = end
+            lp = seq.logprobs
             completions.append(
                 CompletionOutput(
-                    index=seq.index,
+                    index=position if state.ranked else seq.index,
                     text=text,
                     token_ids=list(ids),
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
+                    cumulative_logprob=None if lp is None else lp.cumulative,
+                    logprobs=None if lp is None else lp.output(texts),
                     delta_text=delta,
                     delta_token_ids=delta_ids,
                 )
             )
+        if state.prompt_logprobs is None and state.raw_prompt_logprobs is not None:
+            state.prompt_logprobs = prompt_logprobs_of(state.raw_prompt_logprobs, texts)
         first = state.seqs[0]
+        finish_time = None  # the request's: its last sequence's
+        if state.finished:
+            finish_time = max((s.finish_time for s in state.seqs if s.finish_time is not None), default=None)
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,
@@ -220,7 +273,8 @@ class OutputProcessor:
             outputs=completions,
             finished=state.finished,
             num_cached_tokens=first.num_cached_tokens,
-            metrics=RequestMetrics(state.arrival_time, first.first_token_time, first.finish_time),
+            metrics=RequestMetrics(state.arrival_time, first.first_token_time, finish_time),
+            prompt_logprobs=state.prompt_logprobs,
         )
 
     def _text(self, state: RequestState, seq: SequenceState) -> str:

@@ -193,11 +193,17 @@ class Scheduler:
                 s.append_token(PLACEHOLDER)
                 s.num_pending += 1
 
-    def resolve(self, out: SchedulerOutput, result: StepResult) -> list[tuple[Sequence, TokenLogprobs | None]]:
+    def resolve(
+        self, out: SchedulerOutput, result: StepResult, inflight: SchedulerOutput | None = None
+    ) -> list[tuple[Sequence, TokenLogprobs | None]]:
         """When the step's results arrive: fill the placeholders (one per sample row, in row
         order), keep prompt logprobs, register the blocks whose ids are now known, stop on EOS /
         stop token ids. Returns the sequences that got a token (finished or not), each with the
-        token's logprobs (None when it asked for none)."""
+        token's logprobs (None when it asked for none).
+
+        `inflight` (async scheduling): the step launched since `out`. A block completed by a
+        resolved token is written by that step (the token is its input), so the block joins its
+        `new_cached`: uncached with it if it never runs."""
         now = time.monotonic()
         rows = iter(range(len(result.sampled)))
         logprobs = result.logprobs
@@ -218,7 +224,9 @@ class Scheduler:
                 if seq.first_token_time is None:
                     seq.first_token_time = now
                 if seq.status is SequenceStatus.RUNNING:
-                    self.kv.cache_full_blocks(seq, seq.num_computed_tokens)
+                    registered = self.kv.cache_full_blocks(seq, seq.num_computed_tokens)
+                    if inflight is not None:
+                        inflight.new_cached += registered
                 status = self.check_stop(seq, token, idx + 1)
                 if status is not None:
                     self.finish(seq, status, now)

@@ -52,6 +52,7 @@ _OPTIONAL = {
     ("serve",): (SERVER_MODULE, "serve", "add_server_args", "run_server", True),
     ("bench", "throughput"): ("pagedllm.bench.throughput", None, "add_args", "main", False),
     ("bench", "serve"): ("pagedllm.bench.serving", "serve", "add_args", "main", False),
+    ("bench", "sharing"): ("pagedllm.bench.sharing", None, "add_args", "main", False),
 }
 
 
@@ -122,7 +123,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     s = sub.add_parser("serve", parents=[debug], help="OpenAI-compatible HTTP server")
     _fill_optional(s, ("serve",), wanted)
 
-    b = sub.add_parser("bench", parents=[debug], help="benchmarks: throughput (offline), serve (HTTP)")
+    b = sub.add_parser(
+        "bench", parents=[debug], help="benchmarks: throughput (offline), serve (HTTP), sharing (KV blocks)"
+    )
     bsub = b.add_subparsers(dest="bench_command", metavar="BENCHMARK", parser_class=_Parser)
     bt = bsub.add_parser("throughput", parents=[debug], help="offline throughput of LLM.generate")
     _fill_optional(bt, ("bench", "throughput"), wanted)
@@ -133,6 +136,13 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     _fill_optional(bs, ("bench", "serve"), wanted)
+    bsh = bsub.add_parser(
+        "sharing",
+        parents=[debug],
+        help="KV blocks saved by sharing in parallel sampling (the vLLM paper's Fig. 15; CPU, no model)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    _fill_optional(bsh, ("bench", "sharing"), wanted)
     b.set_defaults(_help=b)
     return parser
 

@@ -141,8 +141,15 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run prompts to completion; outputs in prompt order. Without sampling_params each
-        request gets `get_default_sampling_params()` (the model's generation defaults)."""
+        """Run prompts to completion; outputs in prompt order, one RequestOutput per prompt (the
+        progress bar counts prompts). Without sampling_params each request gets
+        `get_default_sampling_params()` (the model's generation defaults).
+
+        As vLLM's: a RequestOutput holds `n` CompletionOutputs (index 0..n-1; with best_of > n
+        the n of the best_of samples with the highest cumulative logprob, best first); with
+        `logprobs=k` each has one {token id: Logprob} per output token and `cumulative_logprob`;
+        with `prompt_logprobs=k` the RequestOutput has one entry per prompt token (the first None).
+        n (or best_of) above max_num_seqs is refused: a request's samples run together."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)

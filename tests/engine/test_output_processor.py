@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from pagedllm.engine.executor import TokenLogprobs
 from pagedllm.engine.messages import EngineCoreOutput, EngineCoreRequest
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.sampling_params import SamplingParams
@@ -194,3 +195,28 @@ def test_n_sequences_keep_their_own_state():
     out = proc.make_output(state)
     assert done.finished == [state] and out.finished
     assert [(o.text, o.delta_token_ids) for o in out.outputs] == [("a", []), ("bcd", ids("d"))]
+
+
+def test_a_stop_string_inside_one_output_cuts_its_logprobs_and_the_sum():
+    proc = OutputProcessor(ByteTokenizer())
+    params = SamplingParams(n=2, best_of=3, stop="cd", logprobs=1, max_tokens=50)
+    state = proc.add_request(EngineCoreRequest("r", None, [1], params, 0.0), stream=True)
+    assert not state.stream  # best_of > n: never streamed
+
+    def lps(text, base):
+        return [TokenLogprobs([t, 7], [base - i, -0.1], 2) for i, t in enumerate(ids(text))]
+
+    done = proc.process(
+        [
+            EngineCoreOutput("r", 0, ids("abcdef"), None, new_logprobs=lps("abcdef", -1.0)),
+            EngineCoreOutput("r", 1, ids("xy"), "length", new_logprobs=lps("xy", -0.5)),
+            EngineCoreOutput("r", 2, ids("zw"), "length", new_logprobs=lps("zw", -3.0)),
+        ]
+    )
+    assert done.stopped == [("r", 0)] and done.finished == [state]
+    out = proc.make_output(state).outputs
+    # kept: "abcd" (-1 -2 -3 -4 = -10), "xy" (-0.5 -1.5 = -2), "zw" (-3 -4 = -7): the best two, re-indexed
+    assert [(o.index, o.token_ids, o.cumulative_logprob) for o in out] == [(0, ids("xy"), -2.0), (1, ids("zw"), -7.0)]
+    assert [list(d) for d in out[0].logprobs] == [[ids("x")[0], 7], [ids("y")[0], 7]]
+    assert out[0].logprobs[0][7].decoded_token == "\x07" and out[0].logprobs[0][7].rank == 1
+    assert proc.requests == {}
