@@ -36,7 +36,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pagedllm.engine.config import SchedulerConfig
-from pagedllm.engine.errors import InvalidRequestError
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.messages import Abort, EngineCoreRequest, Metrics, Shutdown
 from pagedllm.engine.output_processor import OutputProcessor
@@ -158,7 +157,12 @@ class AsyncLLM:
             else llm_kwargs.get("max_num_seqs", SchedulerConfig.max_num_seqs)  # LLM's default is the config's
         )
         self.input_processor = InputProcessor(
-            self.tokenizer, self.vocab_size, self.max_model_len, self.block_size, self.num_kv_blocks
+            self.tokenizer,
+            self.vocab_size,
+            self.max_model_len,
+            self.block_size,
+            self.num_kv_blocks,
+            max_num_seqs=self.max_num_seqs,
         )
         self.max_queue_len = max_queue_len
         self.log_stats = log_stats
@@ -213,13 +217,6 @@ class AsyncLLM:
             params = prompt.params
         elif params is None:
             params = SamplingParams()
-        if isinstance(params, SamplingParams) and params.num_samples > self.max_num_seqs:  # before tokenizing
-            name = "n" if params.best_of is None else "best_of"
-            raise InvalidRequestError(
-                f"{name}={params.num_samples} is more sequences than the engine runs at once "
-                f"(max_num_seqs={self.max_num_seqs})",
-                name,
-            )
         if checked:
             request = prompt
         else:
