@@ -19,9 +19,14 @@ from pagedllm.model.loader import load_weights
 from pagedllm.model.parallel import agree_min, tp_rank
 from pagedllm.model.registry import build_model
 from pagedllm.ops import PAD_SLOT_ID
+from pagedllm.ops.copy_blocks import copy_blocks, copy_blocks_ref
 from pagedllm.ops.kernels import kernels_for
+from pagedllm.worker.device import GiB, available_ram_bytes
+from pagedllm.worker.device import resolve_device as resolve_device  # re-exported: entrypoints/llm.py
+from pagedllm.worker.device import resolve_dtype as resolve_dtype
+from pagedllm.worker.logprobs import PendingSampleLogprobs, prompt_logprobs
 from pagedllm.worker.sampler import sample, sampling_tensors
-from pagedllm.worker.step_handle import StepHandle
+from pagedllm.worker.step_handle import LaunchedStep, StepHandle
 from pagedllm.worker.step_inputs import StepInputs, build_step_inputs
 
 if TYPE_CHECKING:
@@ -29,50 +34,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("pagedllm")
 
-GiB = 1 << 30
 
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but no CUDA GPU is available")
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype, hf_config, device: torch.device) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    names = {
-        "float32": torch.float32,
-        "float": torch.float32,
-        "bfloat16": torch.bfloat16,
-        "float16": torch.float16,
-        "half": torch.float16,
-    }
-    if dtype == "auto":
-        if device.type == "cpu":
-            return torch.float32
-        cfg_dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
-        if isinstance(cfg_dtype, torch.dtype):
-            return cfg_dtype
-        return names.get(str(cfg_dtype).replace("torch.", ""), torch.bfloat16)
-    if dtype not in names:
-        raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
-    return names[dtype]
-
-
-def available_ram_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 * GiB
+def _is_arange(a: np.ndarray, n: int) -> bool:
+    """a == [0, 1, ..., n - 1]: every row of a decode step samples once."""
+    return len(a) == n and bool((a == np.arange(n)).all())
 
 
 class ModelRunner:
@@ -125,6 +90,7 @@ class ModelRunner:
         self.is_driver = tp_rank() == 0  # with TP, rank 0 alone samples
         self.num_kv_blocks = agree_min(self.num_kv_blocks)  # TP: the same block ids on every rank
         self._allocate_kv_cache()
+        self._copy_blocks = copy_blocks_ref if device.type != "cuda" else copy_blocks
         # CUDA: Philox noise keyed per row (fused Gumbel-max kernel); PAGEDLLM_SAMPLER=torch
         # falls back to torch's generators
         self.philox_sampling = device.type == "cuda" and envs.sampler() != "torch"
@@ -232,8 +198,8 @@ class ModelRunner:
     def _warm_up_kernels(self) -> None:
         """Compile the attention kernel's prefill-with-history variant (a step mixing one
         decode row with a chunk over a cached prefix) and the sampling kernel at start-up, so
-        the first real requests do not wait for Triton. The profiling run covered the other
-        kernels, the CUDA graphs cover decode. Writes nothing to the KV cache (all slots PAD_SLOT_ID)."""
+        the first real requests do not wait for Triton; and the copy-on-write kernel. The profiling
+        run covered the other kernels, the CUDA graphs cover decode. Changes nothing in the KV cache."""
         hist, chunk = self.block_size, 8
         lens_q = np.array([1, chunk])
         seq_lens = (hist + lens_q).astype(np.int32)
@@ -262,6 +228,8 @@ class ModelRunner:
                 torch.tensor([1.0, 0.0], device=self.device),
                 torch.tensor([1, 2], dtype=torch.int64, device=self.device),
             )
+        zero = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._copy_blocks(self.kv_cache, zero, zero)  # the copy-on-write kernel (block 0 onto itself: a no-op)
         torch.cuda.synchronize(self.device)
 
     # ---- one step ----------------------------------------------------------------------
@@ -296,31 +264,45 @@ class ModelRunner:
         return StepHandle(self.launch(inp), self._host_ids).result()
 
     def execute_async(self, out: SchedulerOutput) -> StepHandle:
-        """Launch a step and return at once; `.result()` waits for its sampled ids. The next
-        step may be launched before that: its PLACEHOLDER inputs are read from this step's
-        sampled tensor on the device."""
+        """Launch a step and return at once; `.result()` waits for its sampled ids (and logprobs).
+        The next step may be launched before that: its PLACEHOLDER inputs are read from this
+        step's sampled tensor on the device."""
         with torch.inference_mode():
-            sampled = self.launch(self.step_inputs(out))
-        return StepHandle(sampled, self._host_ids)
+            launched = self.launch(self.step_inputs(out))
+        return StepHandle(launched, self._host_ids)
 
     def close(self) -> None:
         """Nothing to stop: the weights, the KV tensor and the CUDA graphs go with this object."""
 
-    def launch(self, inp: StepInputs) -> torch.Tensor | None:
-        """Queue one step's work on the device; the sampled ids stay there (None if none)."""
-        for src, dst in inp.blocks_to_copy:
-            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+    def launch(self, inp: StepInputs) -> LaunchedStep:
+        """Queue one step's work on the device; its results stay there until a StepHandle copies
+        them. Every tensor-parallel rank runs the same calls (compute_logits is a collective)."""
+        if inp.blocks_to_copy:  # copy-on-write, queued before the forward (and any graph replay)
+            pairs = self._to_device(np.array(inp.blocks_to_copy, dtype=np.int64).T.copy())
+            self._copy_blocks(self.kv_cache, pairs[0], pairs[1])
         fix = self._placeholder_sources(inp)
-        logits: torch.Tensor | None
-        if self.graphs is not None and inp.decode_only and self.graphs.can_run(inp):
+        logits: torch.Tensor | None = None
+        prompt = None
+        if self.graphs is not None and inp.decode_only and not inp.prompt_logprobs and self.graphs.can_run(inp):
             logits = self.graphs.run(inp, fix)
+            if not _is_arange(inp.logits_indices, inp.num_seqs):  # rows that do not sample, or forks
+                logits = logits[self._to_device(inp.logits_indices)]
         else:
-            logits = self.forward(inp, fix)
+            hidden = self.forward(inp, fix)
+            if len(inp.logits_indices):
+                logits = self.model.compute_logits(hidden[self._to_device(inp.logits_indices)])
+            if inp.prompt_logprobs:
+                prompt = prompt_logprobs(
+                    self.model.compute_logits, hidden, inp.prompt_logprobs, self._to_device, self.is_driver
+                )
         if logits is None or not self.is_driver:  # nothing to sample, or not rank 0 of a TP group
-            return None
+            return LaunchedStep(None, None, prompt)
+        pending = None  # the raw logits of the rows that ask, before the sampler masks in place
+        if inp.num_logprobs is not None:
+            pending = PendingSampleLogprobs(logits, inp.num_logprobs, self._to_device)
         sampled = self.sample(logits, inp)
         self._last_sampled, self._last_sample_seq_ids = sampled, inp.sample_seq_ids
-        return sampled
+        return LaunchedStep(sampled, None if pending is None else pending.finish(sampled), prompt)
 
     def _placeholder_sources(self, inp: StepInputs):
         """Async scheduling: input rows whose token id is still a PLACEHOLDER, and where the
@@ -339,7 +321,8 @@ class ModelRunner:
             assert self._last_sampled is not None, "a PLACEHOLDER input with no step launched before"
             input_ids[rows] = self._last_sampled[src]
 
-    def forward(self, inp: StepInputs, fix=None) -> torch.Tensor | None:
+    def forward(self, inp: StepInputs, fix=None) -> torch.Tensor:
+        """The step's hidden states [T, hidden] (eager)."""
         meta = self._metadata_from(
             slot_mapping=inp.slot_mapping,
             block_tables=inp.block_tables,
@@ -352,10 +335,7 @@ class ModelRunner:
         )
         input_ids = self._to_device(inp.input_ids)
         self.fill_placeholders(input_ids, fix)
-        hidden = self.model(input_ids, self._to_device(inp.positions), meta)
-        if len(inp.logits_indices) == 0:
-            return None
-        return self.model.compute_logits(hidden[self._to_device(inp.logits_indices)])
+        return self.model(input_ids, self._to_device(inp.positions), meta)
 
     def sample(self, logits: torch.Tensor, inp: StepInputs) -> torch.Tensor:
         rng = self._seed_rng if self.philox_sampling else None
