@@ -35,13 +35,14 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from pagedllm.engine.errors import InvalidRequestError
+from pagedllm.engine.config import SchedulerConfig
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.messages import Abort, EngineCoreRequest, Metrics, Shutdown
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.sampling_params import SamplingParams, sampling_params_with_defaults
 from pagedllm.entrypoints.core_client import EngineCoreClient
+from pagedllm.entrypoints.engine_core import StopSequences
 from pagedllm.entrypoints.output_handler import OutputHandler
 from pagedllm.entrypoints.streams import RequestStream, StreamRegistry
 
@@ -86,7 +87,9 @@ class AsyncLLM:
     the core loop on a thread of this process.
 
     `async for out in async_llm.generate(prompt, params): ...` streams RequestOutputs
-    (cumulative `text`, this output's `delta_text`). `abort(request_id)` from any thread.
+    (cumulative `text`, this output's `delta_text`). With n > 1 each output holds every sequence
+    (`outputs[i].index == i`), as LLMEngine's do; a best_of > n request yields only its final
+    output (the n best). `abort(request_id)` from any thread.
     """
 
     def __init__(
@@ -147,13 +150,24 @@ class AsyncLLM:
         self.block_size = info.block_size
         self.num_kv_blocks = info.num_kv_blocks
         self.vocab_size = info.vocab_size
+        # the core's sequence limit: a request of more samples (n, best_of) could never be scheduled
+        self.max_num_seqs: int = (
+            llm.engine.core.config.max_num_seqs
+            if llm is not None
+            else llm_kwargs.get("max_num_seqs", SchedulerConfig.max_num_seqs)  # LLM's default is the config's
+        )
         self.input_processor = InputProcessor(
-            self.tokenizer, self.vocab_size, self.max_model_len, self.block_size, self.num_kv_blocks
+            self.tokenizer,
+            self.vocab_size,
+            self.max_model_len,
+            self.block_size,
+            self.num_kv_blocks,
+            max_num_seqs=self.max_num_seqs,
         )
         self.max_queue_len = max_queue_len
         self.log_stats = log_stats
         self.stats = _Stats(info.metrics, time.monotonic())
-        self.registry = StreamRegistry(OutputProcessor(self.tokenizer), self._abort_in_core)
+        self.registry = StreamRegistry(OutputProcessor(self.tokenizer), self._abort_in_core, self._stop_in_core)
         self.finish_callbacks: list[Callable[[RequestOutput], None]] = self.registry.finish_callbacks
         self.state = EngineState.RUNNING
         self._dead_reason: str | None = None
@@ -203,8 +217,6 @@ class AsyncLLM:
             params = prompt.params
         elif params is None:
             params = SamplingParams()
-        if isinstance(params, SamplingParams) and params.n != 1:  # before tokenizing, as for every door
-            raise InvalidRequestError(f"n must be 1 in AsyncLLM (send several requests), got {params.n}", "n")
         if checked:
             request = prompt
         else:
@@ -298,6 +310,12 @@ class AsyncLLM:
     def _abort_in_core(self, core_ids: list[str]) -> None:
         try:
             self.core.send(Abort(core_ids))
+        except (OSError, ValueError):
+            pass
+
+    def _stop_in_core(self, sequences: list[tuple[str, int]]) -> None:
+        try:
+            self.core.send(StopSequences(sequences))
         except (OSError, ValueError):
             pass
 

@@ -20,6 +20,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.engine.errors import InvalidRequestError
@@ -45,6 +46,15 @@ logger = logging.getLogger("pagedllm")
 STATS_INTERVAL_S = 0.02  # metrics ride along with step outputs at most this often
 IDLE_POLL_S = 1.0  # how often an idle core checks that its parent is still there
 PIPE_BYTES = 1 << 20  # pipe buffer (Linux default 64 KiB): a burst of adds never blocks the sender
+
+
+@dataclass
+class StopSequences:
+    """API -> core: these (request id, sequence index) hit a stop string; finish them, and their
+    request once it has no other sequence left (EngineCore.stop_sequence). Not an Abort: with
+    n > 1 the request's other sequences go on."""
+
+    sequences: list[tuple[str, int]]
 
 
 class EngineCoreProc:
@@ -100,7 +110,7 @@ class EngineCoreProc:
         return ids
 
     # ---- inputs --------------------------------------------------------------------------
-    def _handle(self, msg: CoreInput) -> bool:
+    def _handle(self, msg: CoreInput | StopSequences) -> bool:
         if isinstance(msg, EngineCoreRequest):
             try:
                 self.core.add_request(msg)
@@ -112,6 +122,9 @@ class EngineCoreProc:
         elif isinstance(msg, Abort):
             for rid in msg.request_ids:
                 self.core.abort_request(rid)
+        elif isinstance(msg, StopSequences):
+            for rid, index in msg.sequences:
+                self.core.stop_sequence(rid, index)
         elif isinstance(msg, Shutdown):
             self._abort_all()
             self._send(Bye())

@@ -3,8 +3,9 @@ StreamRegistry that owns them.
 
 The registry is the only thing a stream talks to, and the only place its state changes: it
 feeds the core's outputs through the output processor (engine/output_processor.py), wakes the
-streams that have something new, finishes them, and tells the core to abort what a stream no
-longer wants (a stop string, a closed stream). Everything here runs on AsyncLLM's one event
+streams that have something new, finishes them, and tells the core what a stream no longer
+wants: a closed stream's request is aborted, a sequence that hit a stop string is stopped alone
+(an n > 1 request's other sequences go on). Everything here runs on AsyncLLM's one event
 loop (or, when no loop runs, on the one thread that reads the core: async_llm.py).
 
 A stream keeps state, not a queue of outputs: a consumer that falls behind gets one output with
@@ -83,9 +84,17 @@ class RequestStream:
 class StreamRegistry:
     """Live streams by request id and by core id. `num_waiting`: registered, no token yet."""
 
-    def __init__(self, processor: OutputProcessor, abort_in_core: Callable[[list[str]], None]):
+    def __init__(
+        self,
+        processor: OutputProcessor,
+        abort_in_core: Callable[[list[str]], None],
+        stop_in_core: Callable[[list[tuple[str, int]]], None],
+    ):
+        """`abort_in_core(core ids)` ends whole requests in the core; `stop_in_core([(core id,
+        index)])` ends the sequences that hit a stop string (the others of an n > 1 request go on)."""
         self.processor = processor
         self._abort_in_core = abort_in_core
+        self._stop_in_core = stop_in_core
         self.by_request_id: dict[str, RequestStream] = {}
         self.by_core_id: dict[str, RequestStream] = {}
         self.num_waiting = 0
@@ -116,7 +125,7 @@ class StreamRegistry:
         """One step's outputs: stop strings abort in the core at once; finished streams end."""
         processed = self.processor.process(outputs)
         if processed.stopped:
-            self._abort_in_core([core_id for core_id, _ in processed.stopped])
+            self._stop_in_core(processed.stopped)
         get = self.by_core_id.get
         done = set(processed.finished)
         for state in processed.touched:

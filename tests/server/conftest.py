@@ -33,10 +33,11 @@ def long_context_model(tiny_models, tmp_path_factory):
     return str(d)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def live(server_model):
     """The server as `pagedllm serve` runs it: the engine in its own core process. The KV cache
-    holds fewer tokens than max_model_len, so a request can be too long for the cache alone."""
+    holds fewer tokens than max_model_len, so a request can be too long for the cache alone.
+    One for the session (its start is the slow part): a test that changes it restores it."""
     from pagedllm.entrypoints.async_llm import AsyncLLM
     from pagedllm.entrypoints.model_dir import load_hf_config
     from pagedllm.entrypoints.openai.api_server import build_app

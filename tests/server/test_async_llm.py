@@ -105,6 +105,41 @@ def test_stop_strings_match_the_engine(engine, llm):
     asyncio.run(_idle(engine))  # the core was told to abort the rest
 
 
+def test_parallel_sampling_matches_the_engine_and_stops_one_sample(engine, llm):
+    """n=3: every output holds the three sequences (as LLM's); a stop string in one sample ends
+    that sample only; max_num_seqs bounds n and best_of; the group frees its blocks."""
+    kw = dict(temperature=1.0, top_k=50, max_tokens=10, ignore_eos=True, seed=4, n=3)
+    params = SamplingParams(**kw)
+    offline = llm.generate(["def fib"], params, use_tqdm=False)[0].outputs
+    texts = [o.text for o in offline]
+    assert len(set(texts)) == 3, texts
+    pieces = (texts[0][i : i + 2] for i in range(1, len(texts[0]) - 2))
+    stop = next((p for p in pieces if p.strip() and p not in texts[1] + texts[2]), None)
+    assert stop is not None, texts
+    stopped = SamplingParams(**kw, stop=[stop])
+
+    async def run():
+        outs = [o async for o in engine.generate("def fib", params)]
+        cut = [o async for o in engine.generate("def fib", stopped)]
+        with pytest.raises(ValueError, match="max_num_seqs") as e:
+            engine.add_request("x", SamplingParams(n=engine.max_num_seqs + 1))
+        assert e.value.param == "n"
+        with pytest.raises(ValueError, match="max_num_seqs") as e:
+            engine.add_request("x", SamplingParams(n=2, best_of=engine.max_num_seqs + 1))
+        assert e.value.param == "best_of"
+        return outs, cut, await _idle(engine)
+
+    outs, cut, m = asyncio.run(run())
+    assert all(len(o.outputs) == 3 and [c.index for c in o.outputs] == [0, 1, 2] for o in outs)
+    assert [c.text for c in outs[-1].outputs] == texts and outs[-1].finished
+    for i in range(3):
+        assert "".join(o.outputs[i].delta_text for o in outs) == texts[i]
+    assert [c.finish_reason for c in cut[-1].outputs] == ["stop", "length", "length"]
+    assert cut[-1].outputs[0].text == texts[0][: texts[0].find(stop)]
+    assert [c.text for c in cut[-1].outputs[1:]] == texts[1:]  # the others ran to the end
+    assert m["num_free_kv_blocks"] == m["num_kv_blocks"]
+
+
 def test_a_slow_consumer_gets_merged_deltas(engine):
     async def run():
         stream = engine.add_request("import os", GREEDY)

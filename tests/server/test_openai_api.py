@@ -160,10 +160,10 @@ def test_auth(live):
         ({"prompt": [1, "a"]}, "prompt"),
         ({"prompt": [10**9]}, "prompt"),
         ({"prompt": None}, "prompt"),
-        ({"n": 2}, "n"),
-        ({"logprobs": 1}, "logprobs"),
-        ({"best_of": 3}, "best_of"),
-        ({"echo": True}, "echo"),
+        ({"n": 0}, "n"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"best_of": 3, "stream": True}, "best_of"),
+        ({"echo": "yes"}, "echo"),
         ({"suffix": "x"}, "suffix"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
@@ -175,11 +175,11 @@ def test_bad_completion_values_are_400_naming_the_field(http, body, param):
 
 
 def test_openai_client_sees_bad_request_errors(client):
-    with pytest.raises(openai.BadRequestError, match="n=2"):
-        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, n=2)
-    with pytest.raises(openai.BadRequestError, match="logprobs"):
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, n=2, best_of=1)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
         client.chat.completions.create(
-            model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2, logprobs=True
+            model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2, top_logprobs=2
         )
     with pytest.raises(openai.BadRequestError, match="top_p"):
         client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, top_p=5, stream=True)

@@ -158,7 +158,7 @@ class _Stream:
                 request.request_id,
                 request.prompt,
                 request.prompt_token_ids,
-                [CompletionOutput(0, "ok", [7], "length", None, "ok", [7])],
+                [CompletionOutput(0, "ok", [7], "length", None, delta_text="ok", delta_token_ids=[7])],
                 True,
             )
         ]

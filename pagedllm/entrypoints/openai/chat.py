@@ -183,5 +183,5 @@ def parse_chat(body: dict[str, Any], served_model_name: str, tokenizer: Any) -> 
     check_model(body, served_model_name)
     stream, include_usage = stream_flags(body)
     prompt = chat_prompt(body, tokenizer, served_model_name)
-    fields, max_name = sampling_fields(body, chat=True)
-    return ParsedRequest([prompt], fields, stream, include_usage, "messages", max_name)
+    fields, max_name, shown = sampling_fields(body, chat=True, stream=stream)
+    return ParsedRequest([prompt], fields, stream, include_usage, "messages", max_name, fields.get("n", 1), shown)

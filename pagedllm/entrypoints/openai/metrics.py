@@ -40,6 +40,14 @@ COUNTERS = [  # exposed with the _total suffix
     ("pagedllm:num_preemptions", "Sequences preempted (by recompute).", "num_preemptions"),
     ("pagedllm:prompt_tokens", "Prompt tokens processed (prefilled).", "num_prompt_tokens"),
     ("pagedllm:generation_tokens", "Tokens generated.", "num_generation_tokens"),
+    # parallel sampling: children forked from a request's first sequence, and the blocks copied
+    # because a sequence wrote into a partial block it shared (copy-on-write)
+    ("pagedllm:forked_sequences", "Sequences forked by parallel sampling (n, best_of).", "num_forked_sequences"),
+    (
+        "pagedllm:copy_on_write_blocks",
+        "KV blocks copied before a write into a shared block (copy-on-write).",
+        "num_copy_on_write_blocks",
+    ),
 ]
 TTFT_BUCKETS = [
     0.001,
@@ -169,7 +177,11 @@ class ServerMetrics:
         async_llm.finish_callbacks.append(self.observe_finished)
 
     def observe_finished(self, out: RequestOutput) -> None:
-        reason = out.outputs[0].finish_reason if out.outputs else None
+        """One count per request (n > 1 included: "abort" when any of its sequences was), its
+        finish reason the first choice's. TPOT is over the request's longest returned sequence:
+        its samples decode side by side, one token per step each."""
+        reasons = [o.finish_reason for o in out.outputs]
+        reason = "abort" if not reasons or "abort" in reasons else reasons[0]
         self.finished.labels(self.model_name, reason or "abort").inc()
         m = out.metrics
         if m is None or reason == "abort" or m.first_token_time is None:
@@ -177,9 +189,9 @@ class ServerMetrics:
         self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
         if m.finish_time is not None:
             self.e2e.observe(max(0.0, m.finish_time - m.arrival_time))
-            n = len(out.outputs[0].token_ids)
-            if n > 1:
-                self.tpot.observe(max(0.0, (m.finish_time - m.first_token_time) / (n - 1)))
+            num_tokens = max(len(o.token_ids) for o in out.outputs)
+            if num_tokens > 1:  # the first token's time is TTFT's
+                self.tpot.observe(max(0.0, (m.finish_time - m.first_token_time) / (num_tokens - 1)))
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

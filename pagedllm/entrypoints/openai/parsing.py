@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.engine.sampling_params import has_surrogate
+from pagedllm.engine.sampling_params import MAX_LOGPROBS, has_surrogate
 from pagedllm.entrypoints.openai.errors import APIError, bad_request
 
 MAX_JSON_DEPTH = 64  # the body object is depth 1: {"prompt": [[1]]} is 3 deep
@@ -49,6 +49,15 @@ _KIND_NAMES = {
 
 
 @dataclass
+class ShownLogprobs:
+    """What an answer shows besides the text: `top` None = no logprobs, else the top-k per token
+    (completions' `logprobs`, chat's `top_logprobs`); `echo`: the prompt precedes each choice."""
+
+    top: int | None = None
+    echo: bool = False
+
+
+@dataclass
 class ParsedRequest:
     """One body, shape-checked. `fields` holds only what the client set (the model's defaults
     fill the rest); `prompt_param` and `max_tokens_param` are the fields' names as this
@@ -60,6 +69,8 @@ class ParsedRequest:
     include_usage: bool = False
     prompt_param: str = "prompt"
     max_tokens_param: str = "max_tokens"
+    n: int = 1  # choices per prompt
+    shown: ShownLogprobs = field(default_factory=ShownLogprobs)
 
 
 def _reject_constant(name: str) -> None:
@@ -152,29 +163,14 @@ def get(body: dict[str, Any], name: str, kind: str, default: Any = None) -> Any:
 
 
 def refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
-    n = get(body, "n", "int", 1)
-    if n != 1:
-        raise bad_request(f"n={n} is not supported (only n=1); send several requests instead", "n")
-    best_of = get(body, "best_of", "int", 1)
-    if best_of != 1:
-        raise bad_request("best_of is not supported", "best_of")
     if chat:
-        if get(body, "logprobs", "bool", False):
-            raise bad_request("logprobs is not supported", "logprobs")
-        if body.get("top_logprobs") not in (None, 0):
-            raise bad_request("top_logprobs is not supported", "top_logprobs")
         if body.get("tools") or body.get("functions"):
             raise bad_request("tool calling is not supported", "tools" if body.get("tools") else "functions")
         fmt = get(body, "response_format", "dict")
         if fmt is not None and fmt.get("type", "text") != "text":
             raise bad_request("response_format other than text is not supported", "response_format")
-    else:
-        if body.get("logprobs") is not None:
-            raise bad_request("logprobs is not supported", "logprobs")
-        if get(body, "echo", "bool", False):
-            raise bad_request("echo is not supported", "echo")
-        if get(body, "suffix", "str"):
-            raise bad_request("suffix is not supported", "suffix")
+    elif get(body, "suffix", "str"):
+        raise bad_request("suffix is not supported", "suffix")
     for name in ("presence_penalty", "frequency_penalty"):
         if get(body, name, "number", 0) != 0:
             raise bad_request(f"{name} is not supported", name)
@@ -186,11 +182,51 @@ def refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
         raise bad_request("beam search is not supported", "use_beam_search")
 
 
-def sampling_fields(body: dict[str, Any], chat: bool) -> tuple[dict[str, Any], str]:
-    """The SamplingParams fields the body sets (JSON types checked, values not) and the name the
-    client used for the token limit (`max_completion_tokens` wins over `max_tokens`)."""
-    refuse_unsupported(body, chat)
+def sample_fields(body: dict[str, Any], chat: bool, stream: bool) -> tuple[dict[str, Any], ShownLogprobs]:
+    """`n`, `best_of` and the logprob fields as SamplingParams fields, and what the answer shows.
+
+    Completions: `logprobs` is the top-k per token (0..MAX_LOGPROBS); with `echo` the prompt's
+    tokens are scored too (`prompt_logprobs` = logprobs). Chat: `logprobs` is a boolean and
+    `top_logprobs` the top-k (0..MAX_LOGPROBS, only with logprobs: vLLM's rule). Ranges of n,
+    best_of and completions' logprobs are SamplingParams' (a 400 naming the field); a best_of above n cannot
+    be streamed (its samples are ranked once all have finished), as OpenAI and vLLM refuse it."""
     fields: dict[str, Any] = {}
+    n = get(body, "n", "int")
+    best_of = get(body, "best_of", "int")
+    if n is not None:
+        fields["n"] = n
+    if best_of is not None:
+        fields["best_of"] = best_of
+        if stream and best_of > (1 if n is None else n):
+            raise bad_request(
+                f"best_of={best_of} > n cannot be streamed; set stream to false or best_of to n", "best_of"
+            )
+    shown = ShownLogprobs()
+    if chat:
+        top = get(body, "top_logprobs", "int")
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
+        if get(body, "logprobs", "bool", False):
+            shown.top = top or 0
+            fields["logprobs"] = shown.top
+        elif top:
+            raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+    else:
+        shown.echo = get(body, "echo", "bool", False)
+        k = get(body, "logprobs", "int")
+        if k is not None:  # SamplingParams checks the range, naming `logprobs`
+            shown.top = fields["logprobs"] = k
+            if shown.echo:
+                fields["prompt_logprobs"] = k
+    return fields, shown
+
+
+def sampling_fields(body: dict[str, Any], chat: bool, stream: bool) -> tuple[dict[str, Any], str, ShownLogprobs]:
+    """The SamplingParams fields the body sets (JSON types checked, values not), the name the
+    client used for the token limit (`max_completion_tokens` wins over `max_tokens`) and the
+    logprobs the answer shows."""
+    refuse_unsupported(body, chat)
+    fields, shown = sample_fields(body, chat, stream)
     max_tokens, max_name = get(body, "max_completion_tokens", "int"), "max_completion_tokens"
     if max_tokens is None:
         max_tokens, max_name = get(body, "max_tokens", "int"), "max_tokens"
@@ -207,7 +243,7 @@ def sampling_fields(body: dict[str, Any], chat: bool) -> tuple[dict[str, Any], s
         stop = [stop] if isinstance(stop, str) else stop
         if stop:  # [] is no stop string; [""] is refused by SamplingParams
             fields["stop"] = stop
-    return fields, max_name
+    return fields, max_name, shown
 
 
 def check_model(body: dict[str, Any], served_model_name: str) -> None:
@@ -261,5 +297,6 @@ def completion_prompts(body: dict[str, Any]) -> list[Any]:
 def parse_completion(body: dict[str, Any], served_model_name: str) -> ParsedRequest:
     check_model(body, served_model_name)
     stream, include_usage = stream_flags(body)
-    fields, max_name = sampling_fields(body, chat=False)
-    return ParsedRequest(completion_prompts(body), fields, stream, include_usage, "prompt", max_name)
+    fields, max_name, shown = sampling_fields(body, chat=False, stream=stream)
+    prompts = completion_prompts(body)
+    return ParsedRequest(prompts, fields, stream, include_usage, "prompt", max_name, fields.get("n", 1), shown)

@@ -3,15 +3,23 @@
 A builder per endpoint turns the engine's RequestOutputs into OpenAI's shapes: the final JSON
 object of a non-streamed request, and for a streamed one the opening event, one event per
 output and the usage event. A mid-stream token event is formatted from a template made once per
-request (`sse_template`), so a token costs one `json.dumps` of its text, not of the whole chunk.
+request (`sse_template`), so a token costs one `json.dumps` of its text, not of the whole chunk;
+a request with n > 1, logprobs or echo builds each choice's chunk (logprobs.py formats those).
+
+Streams: every chunk holds one choice, with its `index`; each choice ends with a chunk of its
+own finish_reason; a choice's logprobs cover only that chunk's tokens. With `echo` a choice's
+first chunk starts with the prompt (and, with logprobs, the prompt's tokens).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pagedllm.engine.outputs import RequestOutput
+from pagedllm.engine.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
+from pagedllm.entrypoints.openai.logprobs import Entry, chat_logprobs, completion_logprobs, entries_of
+from pagedllm.entrypoints.openai.parsing import ShownLogprobs
 
 SSE_DONE = "data: [DONE]\n\n"
 _HOLE = "\x00pagedllm-delta\x00"
@@ -73,17 +81,99 @@ class _Chunks:
         return sse(self.chunk([], usage(prompt_tokens, completion_tokens)))
 
 
-class CompletionResponses(_Chunks):
-    def __init__(self, request_id: str, created: int, model: str, include_usage: bool = False):
-        super().__init__(request_id, "text_completion", created, model, include_usage)
+class Texts:
+    """Token ids -> text for what the output processor does not decode: a token's own text
+    (a logprobs position without `decoded_token`) and an echoed prompt given as token ids."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+
+    def token(self, token_id: int) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode([token_id])
+
+    def prompt(self, out: RequestOutput) -> str:
+        if out.prompt is not None:
+            return out.prompt
+        return "" if self.tokenizer is None else self.tokenizer.decode(out.prompt_token_ids)
+
+
+@dataclass
+class _ChoiceState:
+    """A streamed choice: what its chunks have carried so far."""
+
+    echoed: bool = False
+    finished: bool = False
+    text_offset: int = 0  # completions logprobs: where the next token's text starts
+
+
+class _Choices(_Chunks):
+    """The per-choice bookkeeping both endpoints share. A prompt of index i has choices
+    i * n .. i * n + n - 1 (vLLM's numbering); a streamed RequestOutput carries every sequence,
+    and a choice gets a chunk when it has new tokens or text, or has just finished."""
+
+    def __init__(
+        self,
+        request_id: str,
+        obj: str,
+        created: int,
+        model: str,
+        include_usage: bool,
+        n: int,
+        shown: ShownLogprobs,
+        texts: Texts,
+    ):
+        super().__init__(request_id, obj, created, model, include_usage)
+        self.n, self.shown, self.texts = n, shown, texts
+        self.simple = n == 1 and shown.top is None and not shown.echo  # the template path
+        self.states: dict[int, _ChoiceState] = {}
+
+    def changed(self, index: int, out: RequestOutput) -> list[tuple[int, _ChoiceState, CompletionOutput]]:
+        """(choice index, its state, its output) of the choices with something to send."""
+        todo = []
+        for o in out.outputs:
+            i = index * self.n + o.index
+            st = self.states.get(i)
+            if st is None:
+                st = self.states[i] = _ChoiceState()
+            if st.finished or not (o.delta_token_ids or o.delta_text or o.finish_reason is not None):
+                continue
+            st.finished = o.finish_reason is not None
+            todo.append((i, st, o))
+        return todo
+
+
+class CompletionResponses(_Choices):
+    def __init__(
+        self,
+        request_id: str,
+        created: int,
+        model: str,
+        include_usage: bool = False,
+        n: int = 1,
+        shown: ShownLogprobs | None = None,
+        texts: Texts | None = None,
+    ):
+        super().__init__(
+            request_id,
+            "text_completion",
+            created,
+            model,
+            include_usage,
+            n,
+            shown or ShownLogprobs(),
+            texts or Texts(None),
+        )
         self.head, self.tail = sse_template(self.chunk([self._choice(0, _HOLE, None, None)], self.chunk_usage))
+        self.prompt_logprobs: dict[int, PromptLogprobs] = {}  # by prompt index, once seen (streams)
 
     @staticmethod
-    def _choice(index: int, text: str, finish_reason: str | None, stop_reason: Any) -> dict[str, Any]:
+    def _choice(
+        index: int, text: str, finish_reason: str | None, stop_reason: Any, logprobs: Any = None
+    ) -> dict[str, Any]:
         return {
             "index": index,
             "text": text,
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish_reason,
             "stop_reason": stop_reason,
         }
@@ -91,62 +181,151 @@ class CompletionResponses(_Chunks):
     def opening(self) -> list[str]:
         return []
 
+    def _with_echo(
+        self, out: RequestOutput, prompt_lps: PromptLogprobs | None, text: str, ids: list[int], entries: list[Entry]
+    ) -> tuple[str, list[int], list[Entry]]:
+        """The prompt's text, ids and entries before the choice's own."""
+        p_ids = out.prompt_token_ids
+        p_entries = list(prompt_lps) if prompt_lps is not None else [None] * len(p_ids)
+        return self.texts.prompt(out) + text, [*p_ids, *ids], p_entries + entries
+
     def events(self, index: int, out: RequestOutput) -> list[str]:
-        o = out.outputs[0]
-        if index == 0 and o.finish_reason is None:
-            return [self.head + json.dumps(o.delta_text, ensure_ascii=False) + self.tail]
-        choice = self._choice(index, o.delta_text, o.finish_reason, o.stop_reason)
-        return [sse(self.chunk([choice], self.chunk_usage))]
+        if self.simple:
+            o = out.outputs[0]
+            if index == 0 and o.finish_reason is None:
+                return [self.head + json.dumps(o.delta_text, ensure_ascii=False) + self.tail]
+            choice = self._choice(index, o.delta_text, o.finish_reason, o.stop_reason)
+            return [sse(self.chunk([choice], self.chunk_usage))]
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs.setdefault(index, out.prompt_logprobs)
+        events = []
+        top = self.shown.top
+        for i, st, o in self.changed(index, out):
+            text, ids = o.delta_text, list(o.delta_token_ids)
+            entries = entries_of(o.logprobs, len(ids)) if top is not None else []
+            if self.shown.echo and not st.echoed:
+                st.echoed = True
+                text, ids, entries = self._with_echo(out, self.prompt_logprobs.get(index), text, ids, entries)
+            lps = None
+            if top is not None:
+                lps, st.text_offset = completion_logprobs(ids, entries, self.texts.token, st.text_offset)
+            events.append(
+                sse(self.chunk([self._choice(i, text, o.finish_reason, o.stop_reason, lps)], self.chunk_usage))
+            )
+        return events
 
     def final(self, outs: list[RequestOutput], prompt_lens: list[int]) -> dict[str, Any]:
-        choices = [
-            self._choice(i, o.outputs[0].text, o.outputs[0].finish_reason, o.outputs[0].stop_reason)
-            for i, o in enumerate(outs)
-        ]
-        return self.chunk(choices, usage(sum(prompt_lens), sum(len(o.outputs[0].token_ids) for o in outs)))
+        choices = []
+        top = self.shown.top
+        for index, out in enumerate(outs):
+            for j, o in enumerate(out.outputs):  # best_of: the n best, best first
+                text, ids = o.text, list(o.token_ids)
+                entries = entries_of(o.logprobs, len(ids)) if top is not None else []
+                if self.shown.echo:
+                    text, ids, entries = self._with_echo(out, out.prompt_logprobs, text, ids, entries)
+                lps = completion_logprobs(ids, entries, self.texts.token)[0] if top is not None else None
+                choices.append(self._choice(index * self.n + j, text, o.finish_reason, o.stop_reason, lps))
+        return self.chunk(choices, usage(sum(prompt_lens), completion_tokens(outs)))
 
 
-class ChatResponses(_Chunks):
-    def __init__(self, request_id: str, created: int, model: str, include_usage: bool = False):
-        super().__init__(request_id, "chat.completion.chunk", created, model, include_usage)
-        self.head, self.tail = sse_template(self.chunk([self._choice({"content": _HOLE}, None)], self.chunk_usage))
+def completion_tokens(outs: list[RequestOutput]) -> int:
+    """usage.completion_tokens: the returned choices' tokens (vLLM's count; best_of's discarded
+    samples are not in it, though /metrics' generation_tokens counts them)."""
+    return sum(len(o.token_ids) for out in outs for o in out.outputs)
+
+
+class ChatResponses(_Choices):
+    def __init__(
+        self,
+        request_id: str,
+        created: int,
+        model: str,
+        include_usage: bool = False,
+        n: int = 1,
+        shown: ShownLogprobs | None = None,
+        texts: Texts | None = None,
+    ):
+        super().__init__(
+            request_id,
+            "chat.completion.chunk",
+            created,
+            model,
+            include_usage,
+            n,
+            shown or ShownLogprobs(),
+            texts or Texts(None),
+        )
+        self.head, self.tail = sse_template(self.chunk([self._choice(0, {"content": _HOLE}, None)], self.chunk_usage))
 
     @staticmethod
-    def _choice(delta: dict[str, Any], finish_reason: str | None, stop_reason: Any = None) -> dict[str, Any]:
+    def _choice(
+        index: int, delta: dict[str, Any], finish_reason: str | None, stop_reason: Any = None, logprobs: Any = None
+    ) -> dict[str, Any]:
         return {
-            "index": 0,
+            "index": index,
             "delta": delta,
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish_reason,
             "stop_reason": stop_reason,
         }
 
     def opening(self) -> list[str]:
-        """The role comes first, on a chunk of its own."""
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        return [sse(self.chunk([choice], self.chunk_usage))]
+        """The role comes first, on a chunk of its own per choice."""
+        return [
+            sse(
+                self.chunk(
+                    [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                    self.chunk_usage,
+                )
+            )
+            for i in range(self.n)
+        ]
+
+    def _logprobs(self, token_ids: list[int], logprobs: SampleLogprobs | None) -> dict[str, Any] | None:
+        top = self.shown.top
+        if top is None:
+            return None
+        return {"content": chat_logprobs(token_ids, entries_of(logprobs, len(token_ids)), top, self.texts.token)}
 
     def events(self, index: int, out: RequestOutput) -> list[str]:
-        o = out.outputs[0]
-        if o.finish_reason is None:
-            return [self.head + json.dumps(o.delta_text, ensure_ascii=False) + self.tail]
-        delta = {"content": o.delta_text} if o.delta_text else {}
-        return [sse(self.chunk([self._choice(delta, o.finish_reason, o.stop_reason)], self.chunk_usage))]
+        if self.simple:
+            o = out.outputs[0]
+            if o.finish_reason is None:
+                return [self.head + json.dumps(o.delta_text, ensure_ascii=False) + self.tail]
+            delta = {"content": o.delta_text} if o.delta_text else {}
+            return [sse(self.chunk([self._choice(0, delta, o.finish_reason, o.stop_reason)], self.chunk_usage))]
+        events = []
+        for i, _, o in self.changed(index, out):
+            delta = {"content": o.delta_text} if o.delta_text or o.finish_reason is None else {}
+            lps = self._logprobs(list(o.delta_token_ids), o.logprobs)
+            events.append(
+                sse(self.chunk([self._choice(i, delta, o.finish_reason, o.stop_reason, lps)], self.chunk_usage))
+            )
+        return events
 
     def final(self, outs: list[RequestOutput], prompt_lens: list[int]) -> dict[str, Any]:
-        o = outs[0].outputs[0]
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": o.text},
-            "logprobs": None,
-            "finish_reason": o.finish_reason,
-            "stop_reason": o.stop_reason,
-        }
+        choices = [
+            {
+                "index": j,
+                "message": {"role": "assistant", "content": o.text},
+                "logprobs": self._logprobs(list(o.token_ids), o.logprobs),
+                "finish_reason": o.finish_reason,
+                "stop_reason": o.stop_reason,
+            }
+            for j, o in enumerate(outs[0].outputs)
+        ]
         return {
             "id": self.request_id,
             "object": "chat.completion",
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
-            "usage": usage(prompt_lens[0], len(o.token_ids)),
+            "choices": choices,
+            "usage": usage(prompt_lens[0], completion_tokens(outs)),
         }

@@ -19,6 +19,11 @@ every other client, /health included. The fast tokenizers release the GIL while 
 A client that goes away aborts its requests: a stream through `SSEStream.close`, a
 non-streamed request through the `disconnected` watcher.
 
+Parallel sampling and logprobs: one engine request per prompt samples `n` (or `best_of`)
+sequences; its RequestOutputs carry them all, and the builder (responses.py) numbers prompt i's
+choices i * n .. i * n + n - 1. `usage.prompt_tokens` counts each prompt once,
+`completion_tokens` the returned choices' tokens (best_of's discarded samples are not in it).
+
 max_tokens when the client sets none: the model's `max_new_tokens` when its generation_config
 sets one, else 16 (SamplingParams' default, OpenAI's for completions); chat: the room left in
 the context and the KV cache, capped by the model's `max_new_tokens` when set.
@@ -48,6 +53,7 @@ from pagedllm.entrypoints.openai.responses import (
     ChatResponses,
     CompletionResponses,
     ResponseBuilder,
+    Texts,
     sse,
 )
 
@@ -117,6 +123,7 @@ class OpenAIServing:
         self.served_model_name = served_model_name
         self.created = int(time.time())
         self.kv_tokens = async_llm.num_kv_blocks * async_llm.block_size
+        self.texts = Texts(async_llm.tokenizer)
 
     # ---- /v1/models ----------------------------------------------------------------------
     def model_card(self) -> dict[str, Any]:
@@ -144,7 +151,9 @@ class OpenAIServing:
         rid = f"cmpl-{uuid.uuid4().hex}"
         parsed, requests = await asyncio.to_thread(self._prepare_completion, body, rid)
         sub = self._submit(parsed, requests)
-        builder = CompletionResponses(rid, int(time.time()), self.served_model_name, parsed.include_usage)
+        builder = CompletionResponses(
+            rid, int(time.time()), self.served_model_name, parsed.include_usage, parsed.n, parsed.shown, self.texts
+        )
         return await self._answer(parsed, sub, builder, rid, disconnected)
 
     async def create_chat_completion(
@@ -153,7 +162,9 @@ class OpenAIServing:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         parsed, requests = await asyncio.to_thread(self._prepare_chat, body, rid)
         sub = self._submit(parsed, requests)
-        builder = ChatResponses(rid, int(time.time()), self.served_model_name, parsed.include_usage)
+        builder = ChatResponses(
+            rid, int(time.time()), self.served_model_name, parsed.include_usage, parsed.n, parsed.shown, self.texts
+        )
         return await self._answer(parsed, sub, builder, rid, disconnected)
 
     # ---- on a worker thread: JSON, the chat template, tokenizing, every check ----------------
@@ -278,7 +289,7 @@ class OpenAIServing:
             raise _step_failed(rid, e) from None
         except EngineShutdownError as e:
             raise APIError(503, str(e), "service_unavailable", None, "engine_dead") from None
-        if any(o.outputs[0].finish_reason == "abort" for o in outs):
+        if any(c.finish_reason == "abort" for o in outs for c in o.outputs):
             raise APIError(
                 503, "the request was aborted (the server is shutting down)", "service_unavailable", None, "aborted"
             )
@@ -293,7 +304,7 @@ class OpenAIServing:
             for event in builder.opening():
                 yield event
             async for i, out in _merged(sub.streams):
-                completion_tokens[i] = len(out.outputs[0].token_ids)
+                completion_tokens[i] = sum(len(o.token_ids) for o in out.outputs)
                 for event in builder.events(i, out):
                     yield event
             if include_usage:
