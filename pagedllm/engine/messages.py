@@ -6,6 +6,7 @@ name; nothing is a positional tuple.
 
     API -> core    EngineCoreRequest          a checked request (InputProcessor.process made it)
                    Abort(request_ids)         finish these now, wherever they are
+                   StopSequences(sequences)   these (request id, index) hit a stop string
                    Shutdown()                 abort everything, answer Bye, exit
     core -> API    Ready(info)                once the model is loaded
                    StartupError(error)        instead of Ready when start-up fails
@@ -91,6 +92,15 @@ class Abort:
 
 
 @dataclass
+class StopSequences:
+    """These (request id, sequence index) hit a stop string: finish them, and their request once
+    it has no other sequence left (EngineCore.stop_sequence). Not an Abort: with n > 1 the
+    request's other sequences go on."""
+
+    sequences: list[tuple[str, int]]
+
+
+@dataclass
 class Shutdown:
     pass
 
@@ -105,6 +115,7 @@ class EngineCoreInfo:
     block_size: int
     num_kv_blocks: int
     vocab_size: int | None
+    max_num_seqs: int  # a request of more samples (n, best_of) could never be scheduled
     metrics: Metrics = field(default_factory=dict)
 
 
@@ -155,5 +166,5 @@ class Bye:
     pass
 
 
-CoreInput = EngineCoreRequest | Abort | Shutdown
+CoreInput = EngineCoreRequest | Abort | StopSequences | Shutdown
 CoreEvent = Ready | StartupError | Step | Stats | Rejected | Failed | Bye

@@ -35,14 +35,12 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from pagedllm.engine.config import SchedulerConfig
 from pagedllm.engine.input_processor import InputProcessor
-from pagedllm.engine.messages import Abort, EngineCoreRequest, Metrics, Shutdown
+from pagedllm.engine.messages import Abort, EngineCoreRequest, Metrics, Shutdown, StopSequences
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.sampling_params import SamplingParams, sampling_params_with_defaults
 from pagedllm.entrypoints.core_client import EngineCoreClient
-from pagedllm.entrypoints.engine_core import StopSequences
 from pagedllm.entrypoints.output_handler import OutputHandler
 from pagedllm.entrypoints.streams import RequestStream, StreamRegistry
 
@@ -150,12 +148,7 @@ class AsyncLLM:
         self.block_size = info.block_size
         self.num_kv_blocks = info.num_kv_blocks
         self.vocab_size = info.vocab_size
-        # the core's sequence limit: a request of more samples (n, best_of) could never be scheduled
-        self.max_num_seqs: int = (
-            llm.engine.core.config.max_num_seqs
-            if llm is not None
-            else llm_kwargs.get("max_num_seqs", SchedulerConfig.max_num_seqs)  # LLM's default is the config's
-        )
+        self.max_num_seqs = info.max_num_seqs
         self.input_processor = InputProcessor(
             self.tokenizer,
             self.vocab_size,

@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from pagedllm.engine.messages import CoreEvent, CoreInput, EngineCoreInfo, Ready, StartupError
-from pagedllm.entrypoints.engine_core import StopSequences, core_process_main, core_thread_main, set_pipe_size
+from pagedllm.entrypoints.engine_core import core_process_main, core_thread_main, set_pipe_size
 
 logger = logging.getLogger("pagedllm")
 
@@ -97,7 +97,7 @@ class EngineCoreClient:
         assert isinstance(msg, Ready), type(msg).__name__
         return msg.info
 
-    def send(self, msg: CoreInput | StopSequences) -> None:
+    def send(self, msg: CoreInput) -> None:
         """Raises OSError (BrokenPipeError) when the core is gone."""
         with self._lock:
             self._in_w.send(msg)

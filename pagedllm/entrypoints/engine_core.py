@@ -20,7 +20,6 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.engine.errors import InvalidRequestError
@@ -39,6 +38,7 @@ from pagedllm.engine.messages import (
     StartupError,
     Stats,
     Step,
+    StopSequences,
 )
 
 logger = logging.getLogger("pagedllm")
@@ -46,15 +46,6 @@ logger = logging.getLogger("pagedllm")
 STATS_INTERVAL_S = 0.02  # metrics ride along with step outputs at most this often
 IDLE_POLL_S = 1.0  # how often an idle core checks that its parent is still there
 PIPE_BYTES = 1 << 20  # pipe buffer (Linux default 64 KiB): a burst of adds never blocks the sender
-
-
-@dataclass
-class StopSequences:
-    """API -> core: these (request id, sequence index) hit a stop string; finish them, and their
-    request once it has no other sequence left (EngineCore.stop_sequence). Not an Abort: with
-    n > 1 the request's other sequences go on."""
-
-    sequences: list[tuple[str, int]]
 
 
 class EngineCoreProc:
@@ -77,6 +68,7 @@ class EngineCoreProc:
             block_size=core.config.block_size,
             num_kv_blocks=core.kv.num_blocks,
             vocab_size=self.llm.engine.vocab_size,
+            max_num_seqs=core.config.max_num_seqs,
             metrics=core.get_metrics(),
         )
 
@@ -110,7 +102,7 @@ class EngineCoreProc:
         return ids
 
     # ---- inputs --------------------------------------------------------------------------
-    def _handle(self, msg: CoreInput | StopSequences) -> bool:
+    def _handle(self, msg: CoreInput) -> bool:
         if isinstance(msg, EngineCoreRequest):
             try:
                 self.core.add_request(msg)

@@ -190,8 +190,10 @@ def sampling_mutations(max_name: str) -> list[Mutation]:
         Mutation("stream", {"stream": True, "stream_options": {"include_usage": "yes"}}, ERR),
         Mutation("stream", {"stream": True, "stream_options": "x"}, ERR),
     ]
-    m += _table("n", "n", [1], [2, 0, -1, "1", 1.5, 2**64])
-    m += _table("best_of", "best_of", [1], [2, "x"])
+    # n / best_of > 1 are valid, but ANY: a mutated seed near 2**63 - 1 overflows seed + n - 1, and
+    # best_of > n refuses stream
+    m += _table("n", "n", [1], [0, -1, "1", 1.5, True, 2**64], [2, 3])
+    m += _table("n", "best_of", [1], [0, "x", True], [2, 3])
     for name in ("presence_penalty", "frequency_penalty"):
         m += _table(name, name, [0, 0.0], [0.5, -2, "0", INF, 10**400])
     m += _table("repetition_penalty", "repetition_penalty", [1], [1.2, "1", INF])
@@ -234,8 +236,8 @@ def completion_mutations() -> list[Mutation]:
         ],
         [*LONE_SURROGATES, ["ok", "\ud800"], [VOCAB - 1]],
     )
-    m += _table("logprobs", "logprobs", [], [1, 5, True, "x"])
-    m += _table("echo", "echo", [False], [True, "x"])
+    m += _table("logprobs", "logprobs", [0, 1, 5, 20], [-1, 21, True, "x", 1.5])
+    m += _table("echo", "echo", [False, True], ["x", 1])
     m += _table("suffix", "suffix", [""], ["x", 5])
     return m + sampling_mutations("max_tokens")
 
@@ -293,8 +295,12 @@ def chat_mutations() -> list[Mutation]:
         "chat_template_kwargs", "chat_template_kwargs", [{}], ["x", [], 5, {"tokenize": True}, {"messages": []}]
     )
     m += _table("chat_template_kwargs", "chat_template_kwargs", [], [], [{"foo": 1}])
-    m += _table("logprobs", "logprobs", [False], [True, "x", 1])
-    m += _table("top_logprobs", "top_logprobs", [0], [2, "x"])
+    m += _table("logprobs", "logprobs", [False, True], ["x", 1])
+    m += _table("logprobs", "top_logprobs", [0], [2, "x", -1, 21])  # > 0 needs logprobs: true
+    m += [
+        Mutation("logprobs", {"logprobs": True, "top_logprobs": 2}, OK),
+        Mutation("logprobs", {"logprobs": True, "top_logprobs": 21}, ERR),
+    ]
     m += _table("tools", "tools", [], [[{"type": "function", "function": {"name": "f"}}], "x"])
     m += _table("functions", "functions", [], [[{"name": "f"}]])
     m += _table("response_format", "response_format", [{"type": "text"}, {}], [{"type": "json_object"}, "x", 5, []])
