@@ -13,6 +13,7 @@ from tests.tp.common import PREEMPTING, generate, hf_reference, workload
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tp2_equals_tp1_and_hf(tiny_models, family):
     path = tiny_models[family]
+    others = set(multiprocessing.active_children())  # e.g. a live test server's engine core
     prompts, max_tokens = workload()
     expected = hf_reference(path, prompts, max_tokens)
     tp1 = LLM(path, **PREEMPTING)  # before the TP group exists in this process
@@ -31,4 +32,4 @@ def test_tp2_equals_tp1_and_hf(tiny_models, family):
         assert m["num_free_kv_blocks"] == m["num_kv_blocks"] == 9
     # close() stopped the worker cleanly and left nothing behind
     assert workers[0].exitcode == 0
-    assert not multiprocessing.active_children()
+    assert set(multiprocessing.active_children()) <= others

@@ -22,16 +22,18 @@ def tp2(path):
 
 
 def test_head_count_not_divisible_fails_at_startup(tiny_models):
+    others = set(multiprocessing.active_children())  # e.g. a live test server's engine core
     with pytest.raises(
         ValueError,
         match=r"tensor_parallel_size=3 must divide num_attention_heads \(4\), "
         r"num_key_value_heads \(2\).*not replicated",
     ):
         LLM(tiny_models["qwen3"], tensor_parallel_size=3)
-    assert not multiprocessing.active_children()
+    assert set(multiprocessing.active_children()) <= others
 
 
 def test_killed_worker_fails_the_next_generate_fast(tiny_models):
+    others = set(multiprocessing.active_children())
     llm = tp2(tiny_models["qwen3"])
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, **GREEDY), use_tqdm=False)
     worker = llm.runner.procs[0]
@@ -44,7 +46,7 @@ def test_killed_worker_fails_the_next_generate_fast(tiny_models):
         llm.generate([[4, 5]], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     llm.close()
-    assert not multiprocessing.active_children()
+    assert set(multiprocessing.active_children()) <= others
 
 
 def test_worker_killed_mid_step_fails_fast(tiny_models):
