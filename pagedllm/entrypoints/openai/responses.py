@@ -111,21 +111,28 @@ class _Choices(_Chunks):
     i * n .. i * n + n - 1 (vLLM's numbering); a streamed RequestOutput carries every sequence,
     and a choice gets a chunk when it has new tokens or text, or has just finished."""
 
+    OBJECT: str  # the "object" of a streamed chunk
+
     def __init__(
         self,
         request_id: str,
-        obj: str,
         created: int,
         model: str,
-        include_usage: bool,
-        n: int,
-        shown: ShownLogprobs,
-        texts: Texts,
+        include_usage: bool = False,
+        n: int = 1,
+        shown: ShownLogprobs | None = None,
+        texts: Texts | None = None,
     ):
-        super().__init__(request_id, obj, created, model, include_usage)
-        self.n, self.shown, self.texts = n, shown, texts
-        self.simple = n == 1 and shown.top is None and not shown.echo  # the template path
+        super().__init__(request_id, self.OBJECT, created, model, include_usage)
+        self.n, self.shown, self.texts = n, shown or ShownLogprobs(), texts or Texts(None)
+        self.simple = n == 1 and self.shown.top is None and not self.shown.echo  # the template path
         self.states: dict[int, _ChoiceState] = {}
+        self.prompt_logprobs: dict[int, PromptLogprobs] = {}  # echo: by prompt index, once seen (streams)
+        self.head, self.tail = self._template()
+
+    def _template(self) -> tuple[str, str]:
+        """The SSE text of a one-choice chunk around its content (the fast path of `simple`)."""
+        raise NotImplementedError
 
     def changed(self, index: int, out: RequestOutput) -> list[tuple[int, _ChoiceState, CompletionOutput]]:
         """(choice index, its state, its output) of the choices with something to send."""
@@ -143,28 +150,10 @@ class _Choices(_Chunks):
 
 
 class CompletionResponses(_Choices):
-    def __init__(
-        self,
-        request_id: str,
-        created: int,
-        model: str,
-        include_usage: bool = False,
-        n: int = 1,
-        shown: ShownLogprobs | None = None,
-        texts: Texts | None = None,
-    ):
-        super().__init__(
-            request_id,
-            "text_completion",
-            created,
-            model,
-            include_usage,
-            n,
-            shown or ShownLogprobs(),
-            texts or Texts(None),
-        )
-        self.head, self.tail = sse_template(self.chunk([self._choice(0, _HOLE, None, None)], self.chunk_usage))
-        self.prompt_logprobs: dict[int, PromptLogprobs] = {}  # by prompt index, once seen (streams)
+    OBJECT = "text_completion"
+
+    def _template(self) -> tuple[str, str]:
+        return sse_template(self.chunk([self._choice(0, _HOLE, None, None)], self.chunk_usage))
 
     @staticmethod
     def _choice(
@@ -235,27 +224,10 @@ def completion_tokens(outs: list[RequestOutput]) -> int:
 
 
 class ChatResponses(_Choices):
-    def __init__(
-        self,
-        request_id: str,
-        created: int,
-        model: str,
-        include_usage: bool = False,
-        n: int = 1,
-        shown: ShownLogprobs | None = None,
-        texts: Texts | None = None,
-    ):
-        super().__init__(
-            request_id,
-            "chat.completion.chunk",
-            created,
-            model,
-            include_usage,
-            n,
-            shown or ShownLogprobs(),
-            texts or Texts(None),
-        )
-        self.head, self.tail = sse_template(self.chunk([self._choice(0, {"content": _HOLE}, None)], self.chunk_usage))
+    OBJECT = "chat.completion.chunk"
+
+    def _template(self) -> tuple[str, str]:
+        return sse_template(self.chunk([self._choice(0, {"content": _HOLE}, None)], self.chunk_usage))
 
     @staticmethod
     def _choice(
