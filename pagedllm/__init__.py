@@ -4,8 +4,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from pagedllm.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402  (torch-free)
-from pagedllm.engine.sampling_params import SamplingParams  # noqa: E402
+from pagedllm.engine.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput  # noqa: E402  (torch-free)
+from pagedllm.engine.sampling_params import BeamSearchParams, SamplingParams  # noqa: E402
 from pagedllm.entrypoints.model_dir import default_model_path  # noqa: E402  (the one reader of model directories)
 
 
@@ -18,4 +18,14 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "default_model_path", "__version__"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "BeamSearchParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
+    "default_model_path",
+    "__version__",
+]

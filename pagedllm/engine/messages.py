@@ -65,6 +65,10 @@ class EngineCoreOutput:
     finish_time: float | None = None
     new_logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # beam search: a request's outputs come once, at the end, one per returned beam (index = rank,
+    # new_token_ids = all its output tokens) with its cumulative logprob and score
+    cumulative_logprob: float | None = None
+    score: float | None = None
 
     def __reduce__(self) -> tuple[type[EngineCoreOutput], tuple[Any, ...]]:
         return (EngineCoreOutput, _row(self))
@@ -83,6 +87,8 @@ def _row(o: EngineCoreOutput) -> tuple[Any, ...]:
         o.finish_time,
         o.new_logprobs,
         o.prompt_logprobs,
+        o.cumulative_logprob,
+        o.score,
     )
 
 

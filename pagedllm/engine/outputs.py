@@ -30,6 +30,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs (when logprobs or best_of)
     logprobs: SampleLogprobs | None = None  # one entry per token of token_ids (SamplingParams.logprobs set)
+    score: float | None = None  # beam search: cumulative_logprob / len(token_ids) ** length_penalty
     # streaming: what this step added
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
@@ -55,3 +56,24 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     prompt_logprobs: PromptLogprobs | None = None  # one entry per prompt token (SamplingParams.prompt_logprobs set)
+
+
+@dataclass
+class BeamSearchSequence:
+    """One returned beam (vLLM's BeamSearchSequence): `tokens` and `text` are the prompt's and
+    the output's together, as vLLM's; `output_token_ids` / `output_text` the generated part."""
+
+    tokens: list[int]
+    text: str
+    output_token_ids: list[int]
+    output_text: str
+    cum_logprob: float
+    score: float
+    finish_reason: str | None = None  # "stop" (EOS) or "length"
+
+
+@dataclass
+class BeamSearchOutput:
+    """The beams of one prompt, best (highest score) first."""
+
+    sequences: list[BeamSearchSequence]

@@ -17,6 +17,8 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a seed is a signed 64-bit integer (t
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS): 1/T would overflow
 TOKEN_ID_MAX = 2**31 - 1  # bound of token ids and top_k: no vocabulary is larger, every device integer holds it
 MAX_LOGPROBS = 20  # the most top-k logprobs a request may ask for, per token (vLLM's default max_logprobs)
+MAX_BEAM_WIDTH = 64  # the widest beam search a request may ask for (also bounded by max_num_seqs)
+EARLY_STOPPING = (True, False, "never")  # HF's generation_config.early_stopping values
 
 
 def has_surrogate(text: str) -> bool:
@@ -56,6 +58,11 @@ class SamplingParams:
     logprobs: int | None = None  # per output token: its logprob, rank and the top `logprobs` others
     prompt_logprobs: int | None = None  # per prompt token after the first: the same, teacher-forced
     cache_salt: str | None = None  # mixed into the first KV block's hash: only requests with equal salts share KV
+    # beam search (vLLM's v0 names; the engine runs HF's algorithm, engine/beam_search.py): n beams,
+    # greedy only, score = cumulative logprob / generated_len ** length_penalty
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -121,6 +128,21 @@ class SamplingParams:
             "cache_salt",
             "must be text (no lone UTF-16 surrogates)",
         )
+        need(isinstance(self.use_beam_search, bool), "use_beam_search", "must be a boolean")
+        need(
+            isinstance(self.length_penalty, (int, float))
+            and not isinstance(self.length_penalty, bool)
+            and _finite(self.length_penalty),
+            "length_penalty",
+            "must be a finite number",
+        )
+        need(
+            self.early_stopping in EARLY_STOPPING and isinstance(self.early_stopping, (bool, str)),
+            "early_stopping",
+            "must be true, false or 'never'",
+        )
+        if self.use_beam_search:
+            self._check_beam_search(need)
         if self.stop is None:
             self.stop_list = []
         elif isinstance(self.stop, str):
@@ -144,6 +166,20 @@ class SamplingParams:
             self.stop_token_ids = list(self.stop_token_ids)
             need(all(0 <= t <= TOKEN_ID_MAX for t in self.stop_token_ids), "stop_token_ids", "must be token ids >= 0")
 
+    def _check_beam_search(self, need: Any) -> None:
+        """What beam search (HF's, exact) supports: n beams, greedy, no logprobs or other samplers."""
+        need(self.n <= MAX_BEAM_WIDTH, "n", f"(the beam width) must be <= {MAX_BEAM_WIDTH} with use_beam_search")
+        need(self.temperature == 0, "temperature", "must be 0 with use_beam_search (beam search is greedy)")
+        need(self.best_of is None or self.best_of == self.n, "best_of", "must be unset or equal n with use_beam_search")
+        for name, off in (("top_p", 1.0), ("min_p", 0.0), ("min_tokens", 0)):
+            need(getattr(self, name) == off, name, f"must be {off} with use_beam_search")
+        need(self.top_k in (-1, 0), "top_k", "must be -1 or 0 with use_beam_search")
+        need(self.logprobs is None, "logprobs", "is not supported with use_beam_search")
+        need(self.prompt_logprobs is None, "prompt_logprobs", "is not supported with use_beam_search")
+        need(self.stop is None or self.stop == [], "stop", "is not supported with use_beam_search")
+        need(not self.stop_token_ids, "stop_token_ids", "is not supported with use_beam_search")
+        need(self.seed is None, "seed", "has no effect with use_beam_search (it is deterministic): leave it unset")
+
     @property
     def num_samples(self) -> int:
         """Sequences the request samples: best_of when set, else n."""
@@ -160,6 +196,36 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass
+class BeamSearchParams:
+    """`LLM.beam_search`'s parameters, vLLM's names. Beam search is greedy and exact against HF
+    transformers' `generate(num_beams=beam_width, do_sample=False, length_penalty=...,
+    early_stopping=...)`; it runs as SamplingParams(use_beam_search=True, n=beam_width)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+    def __post_init__(self) -> None:
+        try:
+            self.sampling = SamplingParams(
+                n=self.beam_width,
+                max_tokens=self.max_tokens,
+                ignore_eos=self.ignore_eos,
+                temperature=self.temperature,
+                use_beam_search=True,
+                length_penalty=self.length_penalty,
+                early_stopping=self.early_stopping,
+            )
+        except InvalidRequestError as e:
+            if e.param != "n":
+                raise
+            raise InvalidRequestError(str(e).replace("n ", "beam_width ", 1), "beam_width", e.code) from None
 
 
 def sampling_params_with_defaults(defaults: Mapping[str, Any], **given: Any) -> SamplingParams:

@@ -36,7 +36,8 @@ def fake_logprobs(token: int, k: int, context: list) -> TokenLogprobs:
     function of both, so a logprob attached to the wrong token or row shows."""
     base = next_token([*context, ("lp", token)])
     top = [(base + j) % VOCAB for j in range(k)]
-    return TokenLogprobs([token, *top], [-(base % 13) / 4.0] + [-j / 8.0 for j in range(k)], 1 + base % 5)
+    offset = (base % 89) / 100.0  # the top k's values differ between contexts (beam search ranks across rows)
+    return TokenLogprobs([token, *top], [-(base % 13) / 4.0] + [-(j + offset) / 8.0 for j in range(k)], 1 + base % 5)
 
 
 def reference_generate(prompt: list[int], max_tokens: int, seed: int | None = None) -> list[int]:
