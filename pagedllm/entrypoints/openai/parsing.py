@@ -197,9 +197,13 @@ def beam_fields(body: dict[str, Any], stream: bool) -> dict[str, Any]:
         raise bad_request(f"'early_stopping' must be true, false or \"never\", got {shown}", "early_stopping")
     if not beam:
         if length_penalty is not None and length_penalty != 1:
-            raise bad_request("length_penalty only applies to beam search: set use_beam_search to true", "length_penalty")
+            raise bad_request(
+                "length_penalty only applies to beam search: set use_beam_search to true", "length_penalty"
+            )
         if early:  # true or "never"
-            raise bad_request("early_stopping only applies to beam search: set use_beam_search to true", "early_stopping")
+            raise bad_request(
+                "early_stopping only applies to beam search: set use_beam_search to true", "early_stopping"
+            )
         return {}
     if stream:
         raise bad_request(
