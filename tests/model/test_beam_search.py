@@ -4,7 +4,6 @@ the same order, the same scores, under every scheduling configuration."""
 from __future__ import annotations
 
 import functools
-import json
 import os
 import shutil
 
