@@ -121,7 +121,7 @@ def run_beam(w: sharing.Workload, width: int, gap: float) -> dict:
     executor.engine = engine
 
     def add(j: int) -> None:
-        params = SamplingParams(n=width, use_beam_search=True, max_tokens=lens[j], ignore_eos=True)
+        params = SamplingParams(n=width, use_beam_search=True, temperature=0.0, max_tokens=lens[j], ignore_eos=True)
         engine.add_request(f"r{j}", w.prompts[j], params, stream=False)
 
     t0 = time.perf_counter()
