@@ -263,12 +263,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="same: a request's samples all run to its drawn output length (vLLM's benchmarks: ignore_eos, "
         "max_tokens); independent: each sample draws its own",
     )
-    p.add_argument(
-        "--beam-gap",
-        type=float,
-        default=None,
-        help="beam mode: mean gap in nats between a fake beam row's consecutive top logprobs (default 1.0)",
-    )
     p.add_argument("--seed", type=int, default=0, help="seeds the lengths, prompts and arrivals")
     p.add_argument("--output-json", help="write the rows, with commit, date, machine and parameters, to this file")
 
@@ -295,14 +289,9 @@ def main(args) -> int:
         raise ValueError(
             "--sample-lengths independent is for --mode parallel (a request's beams all run to its length)"
         )
-    if not beam and args.beam_gap is not None:
-        raise ValueError("--beam-gap is for --mode beam")
     if beam:
         from pagedllm.bench.sharing_beam import measure_beam
 
-        args.beam_gap = 1.0 if args.beam_gap is None else args.beam_gap
-        if args.beam_gap <= 0:
-            raise ValueError("--beam-gap must be positive")
         rows = [measure_beam(d, n, args) for d in args.datasets for n in args.n]
         key, paper = "beam_width", "paper_saving_pct_w2_to_w6"
     else:
@@ -320,7 +309,7 @@ def main(args) -> int:
         )
     if args.output_json:
         names = ["mode", "datasets", "n", "num_requests", "concurrency", "distribution", "sample_lengths", "seed"]
-        params = {name: getattr(args, name) for name in names + (["beam_gap"] if beam else [])}
+        params = {name: getattr(args, name) for name in names}
         doc = {
             "benchmark": "sharing",
             **environment(),

@@ -6,8 +6,10 @@ max_tokens=its drawn output length, ignore_eos=True) through the real Scheduler 
 over a fake executor. Beam search asks each beam row for its top 2 x W next tokens; the fake
 answers with ids and logprobs that are a deterministic function of the row's context (no model,
 no torch). Its logprobs: the best is -g1, the next ones -(g1 + g2), -(g1 + g2 + g3), ..., with
-the gaps g drawn from an exponential of mean `--beam-gap` nats (seeded by the context), so how
-often beams split, and how often a beam's every child loses, follows from one knob.
+the gaps g drawn from an exponential of mean 1 nat (seeded by the context). Beam search only
+ranks sums of logprobs, so the scale of the gaps changes nothing; their shape is the fake's one
+assumption (how often a beam's children all lose to another beam's, which is what merges beams'
+histories).
 
 With sharing: the KV blocks in use in the pool at every step once it is scheduled (beams of a
 request share their prompt and common history by reference count). Without sharing: what one
@@ -40,16 +42,16 @@ def _mix(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def fake_candidates(context: list[int], k: int, gap: float) -> TokenLogprobs:
+def fake_candidates(context: list[int], k: int) -> TokenLogprobs:
     """The fake model's answer after `context` (token ids): the best next token first, then the
     top k (the same best one included, as a model's log-softmax would list it), best first;
-    distinct non-EOS ids, logprobs falling by exponential gaps of mean `gap`."""
+    distinct non-EOS ids, logprobs falling by exponential gaps of mean 1."""
     h = _mix(hash(tuple(context)) & _MASK)  # a tuple of ints hashes the same in every process
     first = h % (VOCAB - 1)
     ids, values, v = [], [], 0.0
     for j in range(max(k, 1)):
         h = _mix(h)
-        v -= -gap * math.log1p(-(h >> 11) / float(1 << 53))
+        v += math.log1p(-(h >> 11) / float(1 << 53))  # minus an Exp(1) draw
         ids.append(1 + (first + j) % (VOCAB - 1))
         values.append(v)
     return TokenLogprobs([ids[0], *ids[:k]], [values[0], *values[:k]], 1)
@@ -69,9 +71,8 @@ class BeamExecutor:
 
     supports_async = False
 
-    def __init__(self, num_kv_blocks: int, gap: float):
+    def __init__(self, num_kv_blocks: int):
         self.num_kv_blocks = num_kv_blocks
-        self.gap = gap
         self.engine: LLMEngine | None = None
         self.blocks_in_use: list[int] = []
         self.contiguous: list[int] = []
@@ -98,7 +99,7 @@ class BeamExecutor:
                     sampled.append(1 + s.seq.num_tokens % (VOCAB - 1))
                     logprobs.append(None)
                     continue
-                entry = fake_candidates(s.seq.token_ids, k, self.gap)
+                entry = fake_candidates(s.seq.token_ids, k)
                 sampled.append(entry.token_ids[0])
                 logprobs.append(entry)
                 self.rows_with_logprobs += 1
@@ -111,12 +112,12 @@ class BeamExecutor:
         pass
 
 
-def run_beam(w: sharing.Workload, width: int, gap: float) -> dict:
+def run_beam(w: sharing.Workload, width: int) -> dict:
     """The workload under beam search of `width` beams per request (its first drawn output length)."""
     lens = [o[0] for o in w.output_lens]
     blocks_per_beam = sum(-(-(len(p) + o) // sharing.BLOCK_SIZE) + 2 for p, o in zip(w.prompts, lens, strict=True))
     num_blocks = width * blocks_per_beam + 16  # a copy per beam of every request: never binds
-    executor = BeamExecutor(num_blocks, gap)
+    executor = BeamExecutor(num_blocks)
     engine = sharing.make_engine(executor, num_blocks)
     executor.engine = engine
 
@@ -151,7 +152,7 @@ def run_beam(w: sharing.Workload, width: int, gap: float) -> dict:
 
 def measure_beam(dataset: str, width: int, args) -> dict:
     w = sharing.make_workload(dataset, 1, args.num_requests, args.concurrency, args.seed, args.distribution, True)
-    r = run_beam(w, width, args.beam_gap)
+    r = run_beam(w, width)
     lo, hi = sharing.PAPER_BEAM_SAVING_PCT[dataset]
     avg_with, avg_without = r["mean_blocks"], r["mean_contiguous_blocks"]
     return {
