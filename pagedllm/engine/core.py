@@ -13,8 +13,10 @@ checking them again; the one refusal it can still make is a request id already i
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import IO
 
+from pagedllm.engine.beam_search import BeamSearch
 from pagedllm.engine.config import SchedulerConfig
 from pagedllm.engine.errors import InvalidRequestError
 from pagedllm.engine.executor import Executor, StepHandle, TokenLogprobs
@@ -53,6 +55,7 @@ class EngineCore:
         self.requests: dict[str, list[Sequence]] = {}  # unfinished: request id -> its sequences, by index
         self._index: dict[int, int] = {}  # seq_id -> the sequence's index in its request
         self._inflight: tuple[SchedulerOutput, StepHandle] | None = None  # async: launched, not yet resolved
+        self._beam_first: dict[str, Sequence] = {}  # beam search: the request's first sequence (its prompt's)
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
 
@@ -66,6 +69,9 @@ class EngineCore:
         params, ids = request.params, request.prompt_token_ids
         assert isinstance(params, SamplingParams), "InputProcessor.process checks the params"
         assert 0 < len(ids) < self.config.max_model_len, "InputProcessor.process checks the prompt length"
+        if params.use_beam_search:
+            self._add_beam_search(rid, ids, params, request.arrival_time)
+            return
         num = params.num_samples
         seqs = []
         for i in range(num):
@@ -92,6 +98,17 @@ class EngineCore:
         self.requests[rid] = seqs
         self.scheduler.add(parent)
 
+    def _add_beam_search(self, rid: str, ids: list[int], params: SamplingParams, arrival_time: float) -> None:
+        """One sequence computes the prompt; the search grows it into params.n beams (scheduler.py).
+        The request's entry is the search's list of live beams."""
+        seq = Sequence(rid, ids, params, arrival_time)
+        search = BeamSearch(rid, params, self.scheduler.eos_token_ids)
+        seq.beam, seq.num_logprobs = search, search.num_candidates
+        search.beams.append(seq)
+        self.requests[rid] = search.beams
+        self._beam_first[rid] = seq
+        self.scheduler.add(seq)
+
     def check_new_request_id(self, request_id: str) -> None:
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", "request_id")
@@ -104,6 +121,7 @@ class EngineCore:
         for seq in seqs:
             self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
             self._index.pop(seq.seq_id, None)
+        self._beam_first.pop(request_id, None)
         return True
 
     def stop_sequence(self, request_id: str, index: int) -> None:
@@ -137,7 +155,7 @@ class EngineCore:
         except BaseException:
             self.kv.uncache(sched.new_cached)
             raise
-        return self._outputs(self.scheduler.update(sched, result), len(result.sampled))
+        return self._outputs(self.scheduler.update(sched, result), len(result.sampled), sched.finished_searches)
 
     def _step_async(self) -> list[EngineCoreOutput]:
         sched = self.scheduler.schedule()
@@ -150,7 +168,8 @@ class EngineCore:
             if self._inflight is not None:
                 prev, handle = self._inflight
                 result = handle.result()
-                outputs = self._outputs(self.scheduler.resolve(prev, result, sched), len(result.sampled))
+                touched = self.scheduler.resolve(prev, result, sched)
+                outputs = self._outputs(touched, len(result.sampled), prev.finished_searches)
         except BaseException:
             for failed in (self._inflight[0] if self._inflight else None, sched):
                 if failed is not None:
@@ -161,7 +180,10 @@ class EngineCore:
         return outputs
 
     def _outputs(
-        self, touched: list[tuple[Sequence, TokenLogprobs | None]], num_sampled: int
+        self,
+        touched: list[tuple[Sequence, TokenLogprobs | None]],
+        num_sampled: int,
+        searches: list[BeamSearch],
     ) -> list[EngineCoreOutput]:
         self.num_generation_tokens += num_sampled
         outputs = []
@@ -197,7 +219,33 @@ class EngineCore:
             seqs = self.requests.get(rid)
             if seqs is not None:
                 self._forget_if_done(rid, seqs)
+        for search in searches:
+            outputs += self._beam_outputs(search)
         return outputs
+
+    def _beam_outputs(self, search: BeamSearch) -> list[EngineCoreOutput]:
+        """A finished search's outputs: one per returned hypothesis, best first (index = rank)."""
+        first = self._beam_first.pop(search.request_id, None)
+        if first is None:
+            return []  # aborted meanwhile
+        del self.requests[search.request_id]
+        self.num_prompt_tokens += first.num_prompt_tokens
+        now = time.monotonic()
+        return [
+            EngineCoreOutput(
+                search.request_id,
+                rank,
+                hyp.token_ids,
+                hyp.finish_reason,
+                None,
+                first.num_cached_tokens,
+                first.first_token_time,
+                now,
+                cumulative_logprob=hyp.cumulative_logprob,
+                score=hyp.score,
+            )
+            for rank, hyp in enumerate(search.results())
+        ]
 
     def _forget_if_done(self, request_id: str, seqs: list[Sequence]) -> None:
         if all(s.status.finished for s in seqs):

@@ -56,6 +56,8 @@ class InputProcessor:
         self.check_samples(params)
         text, ids = self.tokenize(prompt)
         self.validate_length(len(ids), params.max_tokens)
+        if params.use_beam_search:
+            self.check_beams_fit(len(ids), params)
         self.check_stop_token_ids(params.stop_token_ids)
         return EngineCoreRequest(
             request_id=str(request_id),
@@ -74,6 +76,18 @@ class InputProcessor:
                 f"{name} is {num}, but the engine runs at most max_num_seqs={self.max_num_seqs} sequences "
                 f"at once and a request's samples run together: ask for at most {self.max_num_seqs}",
                 name,
+            )
+
+    def check_beams_fit(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """A search's beams wait for each other every step, so all of them must fit in the pool at
+        once even when preemption has undone their sharing: n x (prompt + max_tokens) blocks."""
+        need = params.n * -(-(num_prompt_tokens + params.max_tokens) // self.block_size)
+        if need > self.num_kv_blocks:
+            raise InvalidRequestError(
+                f"beam search with n={params.n} needs up to {need} KV blocks (n x (prompt {num_prompt_tokens} + "
+                f"max_tokens {params.max_tokens})) but the KV cache has only {self.num_kv_blocks}",
+                "n",
+                CONTEXT_LENGTH_EXCEEDED,
             )
 
     def tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:

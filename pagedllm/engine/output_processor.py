@@ -29,6 +29,8 @@ Invariants:
   len(token_ids) entries and a streamed output's new ones are its last len(delta_token_ids);
   the dicts and their texts are built by make_output, for the new positions only. Requests that
   ask for no logprobs pay one attribute test per token.
+- beam search: the core sends each returned beam once, finished, best first (index = rank),
+  with its cumulative logprob and score; such a request is never streamed either.
 - best_of > n: the request samples best_of sequences and has no partial outputs (it is never
   streamed, whatever `stream` says): its one output, when every sequence has finished, holds the
   n with the highest cumulative logprob, best first (ties: the lower index), re-indexed 0..n-1.
@@ -62,6 +64,7 @@ class SequenceState:
     finish_time: float | None = None
     flushed: bool = False
     logprobs: SampleLogprobsState | None = None  # None: the core sends none for this sequence
+    beam: tuple[float, float] | None = None  # beam search: (cumulative logprob, score), sent by the core
 
     @property
     def finished(self) -> bool:
@@ -87,7 +90,8 @@ class RequestState:
         self.prompt_token_ids = request.prompt_token_ids
         params = self.params = request.params
         self.ranked = params.num_samples > params.n  # best_of: return the n best of num_samples
-        self.stream = stream and not self.ranked  # False: one output, when finished
+        # False: one output, when finished (best_of and beam search have no partial outputs)
+        self.stream = stream and not self.ranked and not params.use_beam_search
         self.arrival_time = request.arrival_time
         self.stops = params.stop_list
         self.longest_stop = max(map(len, self.stops), default=0)
@@ -201,6 +205,9 @@ class OutputProcessor:
                 return True
         if out.finish_reason is not None:
             seq.finish_reason, seq.stop_reason, seq.finish_time = out.finish_reason, out.stop_reason, out.finish_time
+        if out.score is not None:
+            assert out.cumulative_logprob is not None
+            seq.beam = (out.cumulative_logprob, out.score)
         return False
 
     @staticmethod
@@ -254,8 +261,9 @@ class OutputProcessor:
                     token_ids=list(ids),
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
-                    cumulative_logprob=None if lp is None else lp.cumulative,
+                    cumulative_logprob=seq.beam[0] if seq.beam else (None if lp is None else lp.cumulative),
                     logprobs=None if lp is None else lp.output(texts),
+                    score=seq.beam[1] if seq.beam else None,
                     delta_text=delta,
                     delta_token_ids=delta_ids,
                 )

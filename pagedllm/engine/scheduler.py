@@ -15,6 +15,12 @@ last prompt token of a request with n > 1 forks its other sequences (Sequence.fo
 samples from that step's logits row and they run on as separate sequences sharing the prompt's
 blocks. A request's sequences are admitted together (they need n sequence slots) and preempted
 together (those of them not yet scheduled in the step), and come back in order.
+
+Beam search (beam_search.py decides, this file acts): a beam's step returns its top-k instead
+of a token; the beam then has nothing to compute until every live beam of its request has its
+result, when the search steps: a beam chosen once is extended in place, one chosen again is
+forked (it shares the blocks; copy-on-write on the partial one), one not chosen is freed at once.
+No beam carries a PLACEHOLDER: async scheduling simply skips beams that wait for their search.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from pagedllm.engine.beam_search import BeamSearch
 from pagedllm.engine.block_pool import Block
 from pagedllm.engine.executor import StepResult, TokenLogprobs
 from pagedllm.engine.kv_cache_manager import KVCacheManager
@@ -58,6 +65,7 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     num_preempted: int = 0
     new_cached: list[Block] = field(default_factory=list)  # registered at scheduling: uncached if it never runs
+    finished_searches: list[BeamSearch] = field(default_factory=list)  # set by resolve: beam searches that ended
 
     @property
     def num_batched_tokens(self) -> int:
@@ -105,12 +113,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.num_pending and self.reached_length(seq):
-                i += 1  # async: finishes when its last token arrives
-                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if (seq.num_pending and self.reached_length(seq)) or num_new == 0:
+                i += 1  # async: finishes when its last token arrives; a beam waiting for its search
+                continue
             while not self.kv.allocate_slots(seq, num_new):
-                victims = self._preempt_last(i)
+                victims = self._preempt_group(self.running[-1].request_id, out)
                 out.num_preempted += len(victims)
                 if seq in victims:
                     break
@@ -121,24 +129,45 @@ class Scheduler:
                 continue
             break  # seq itself was preempted: everything after it already was
         if out.num_preempted == 0:
-            slots = len(self.running) + len(forked) + sum(len(s.forks) for s in self.running)
-            while self.waiting and budget > 0:
-                seq = self.waiting[0]
-                if slots + 1 + len(seq.forks) > self.max_num_seqs:
-                    break
-                computed = self.kv.get_computed_blocks(seq)
-                num_new = min(seq.num_tokens - len(computed) * self.kv.block_size, budget)
-                if not self.kv.allocate_slots(seq, num_new, computed):
-                    break
-                self.waiting.popleft()
-                seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
-                slots += 1 + len(seq.forks)
-                self._scheduled(out, ScheduledSequence(seq, num_new), forked)
-                budget -= num_new
+            budget = self._admit(out, budget, forked)
+            if not out.scheduled and self.waiting:
+                # every running sequence is a beam waiting for its search while the queue's head
+                # cannot get blocks: free the newest other search, or nothing would ever move
+                head = self.waiting[0].request_id
+                others = [s for s in self.running if s.request_id != head]
+                if others:
+                    out.num_preempted += len(self._preempt_group(others[-1].request_id, out))
+                    self._admit(out, budget, forked)
         self.running += forked
         out.blocks_to_copy = self.kv.take_blocks_to_copy()
         return out
+
+    def _admit(self, out: SchedulerOutput, budget: int, forked: list[Sequence]) -> int:
+        """Admit waiting sequences, in order, while budget, sequence slots and blocks allow."""
+        slots = len(self.running) + len(forked) + sum(self._reserved(s) - 1 for s in self.running)
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if slots + self._reserved(seq) > self.max_num_seqs:
+                break
+            computed = self.kv.get_computed_blocks(seq)
+            num_new = min(seq.num_tokens - len(computed) * self.kv.block_size, budget)
+            if not self.kv.allocate_slots(seq, num_new, computed):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            slots += self._reserved(seq)
+            self._scheduled(out, ScheduledSequence(seq, num_new), forked)
+            budget -= num_new
+        return budget
+
+    @staticmethod
+    def _reserved(seq: Sequence) -> int:
+        """Sequence slots a sequence stands for: itself, the children it will fork, and for the
+        first beam of a search that has not stepped yet, the beams it will become."""
+        if seq.beam is not None and len(seq.beam.beams) == 1:
+            return seq.beam.width
+        return 1 + len(seq.forks)
 
     def _scheduled(self, out: SchedulerOutput, sched: ScheduledSequence, forked: list[Sequence]) -> None:
         """Register the blocks the step fills, and fork the children of a first sample."""
@@ -154,18 +183,20 @@ class Scheduler:
             self.num_forked_sequences += len(sched.forks)
         out.scheduled.append(sched)
 
-    def _preempt_last(self, first: int) -> list[Sequence]:
-        """Preempt the last running sequence together with its request's other sequences at
-        index >= first (those before were scheduled in this step already); returns them."""
-        rid = self.running[-1].request_id
-        group = [s for s in self.running[first:] if s.request_id == rid]
-        self.running = [s for s in self.running if s.request_id != rid or s not in group]
+    def _preempt_group(self, request_id: str, out: SchedulerOutput) -> list[Sequence]:
+        """Preempt a request's running sequences, all but those already scheduled in this step
+        (parallel samples, the beams of a search, waiting ones included); returns them."""
+        scheduled = {id(x.seq) for x in out.scheduled}
+        group = [s for s in self.running if s.request_id == request_id and id(s) not in scheduled]
+        gone = {id(s) for s in group}
+        self.running = [s for s in self.running if id(s) not in gone]
         for seq in reversed(group):  # appendleft: the request's order at the queue's front
             self._preempt(seq)
         return group
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
+        seq.beam_result = None  # a beam recomputes its last token, and its top-k with it
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -186,8 +217,8 @@ class Scheduler:
             for s in sched.sample_seqs:  # a child forked here starts from the parent's count
                 s.num_computed_tokens += sched.num_new_tokens
             sched.computed_after = seq.num_computed_tokens
-            if not sched.sampled:
-                continue
+            if not sched.sampled or seq.beam is not None:
+                continue  # a beam's next token is its search's choice (resolve)
             sched.placeholder_index = seq.num_tokens
             for s in sched.sample_seqs:
                 s.append_token(PLACEHOLDER)
@@ -210,8 +241,12 @@ class Scheduler:
         touched: list[tuple[Sequence, TokenLogprobs | None]] = []
         if result.prompt_logprobs:
             self._keep_prompt_logprobs(out, result)
+        searches: dict[int, BeamSearch] = {}
         for sched in out.scheduled:
             if not sched.sampled:
+                continue
+            if sched.seq.beam is not None:
+                self._keep_beam_result(sched.seq, result, next(rows), now, searches)
                 continue
             idx = sched.placeholder_index
             for seq in sched.sample_seqs:
@@ -231,7 +266,54 @@ class Scheduler:
                 if status is not None:
                     self.finish(seq, status, now)
                 touched.append((seq, None if logprobs is None else logprobs[row]))
+        for search in searches.values():
+            if all(b.beam_result is not None for b in search.beams):
+                self._step_search(search, out)
         return touched
+
+    @staticmethod
+    def _keep_beam_result(
+        seq: Sequence, result: StepResult, row: int, now: float, searches: dict[int, BeamSearch]
+    ) -> None:
+        if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != seq.num_tokens:
+            return  # freed (abort, preempted) after this step launched: it recomputes
+        assert result.logprobs is not None and seq.beam is not None
+        seq.beam_result = result.logprobs[row]
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        searches[id(seq.beam)] = seq.beam
+
+    def _step_search(self, search: BeamSearch, out: SchedulerOutput) -> None:
+        """Every live beam has its top-k: step the search and make its next beams (forks first,
+        from the unchanged parents; then the tokens; then the dropped beams' blocks freed)."""
+        parents = list(search.beams)
+        topk: list[TokenLogprobs] = []
+        for b in parents:
+            assert b.beam_result is not None  # the caller checked
+            topk.append(b.beam_result)
+            b.beam_result = None
+        survivors = search.step([b.output_token_ids for b in parents], topk)
+        beams: list[Sequence] = []
+        taken: set[int] = set()
+        for sv in survivors:
+            parent = parents[sv.parent]
+            if sv.parent in taken:
+                child = parent.fork_child()
+                self.kv.fork(parent, child)
+                self.running.append(child)
+                self.num_forked_sequences += 1
+                beams.append(child)
+            else:
+                taken.add(sv.parent)
+                beams.append(parent)
+        for beam, sv in zip(beams, survivors, strict=True):
+            beam.append_token(sv.token)
+        for i, parent in enumerate(parents):
+            if i not in taken:
+                self.finish(parent, SequenceStatus.FINISHED_STOPPED)
+        search.beams[:] = beams
+        if search.done:
+            out.finished_searches.append(search)
 
     @staticmethod
     def _keep_prompt_logprobs(out: SchedulerOutput, result: StepResult) -> None:

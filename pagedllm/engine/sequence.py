@@ -5,9 +5,13 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from typing import TYPE_CHECKING
 
 from pagedllm.engine.executor import TokenLogprobs
 from pagedllm.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.engine.beam_search import BeamSearch
 
 
 class SequenceStatus(enum.Enum):
@@ -65,6 +69,11 @@ class Sequence:
         self.forks: list[Sequence] = []  # children forked when this sequence samples its first token
         self.fork_parent: Sequence | None = None  # set while this child waits in its parent's forks
         self.prompt_logprobs: list[TokenLogprobs] = []  # scored prompt tokens so far (SamplingParams.prompt_logprobs)
+        self.num_logprobs: int | None = sampling_params.logprobs  # top-k the sampler returns per token
+        # beam search: the request's search, and this beam's top-k of the step that computed its
+        # last token, kept until every beam of the request has one (then the search steps)
+        self.beam: BeamSearch | None = None
+        self.beam_result: TokenLogprobs | None = None
         self.num_pending = 0  # trailing PLACEHOLDER tokens (async scheduling)
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
@@ -109,6 +118,17 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def fork_child(self) -> Sequence:
+        """A new sequence of the same request with this one's tokens and prompt split (beam
+        search); its blocks come from KVCacheManager.fork."""
+        child = Sequence(self.request_id, self.prompt_token_ids, self.sampling_params, self.arrival_time)
+        child.token_ids = list(self.token_ids)
+        child.num_cached_tokens = self.num_cached_tokens
+        child.first_token_time = self.first_token_time
+        child.num_logprobs, child.beam = self.num_logprobs, self.beam
+        child.status = self.status
+        return child
 
     def __repr__(self) -> str:
         return (

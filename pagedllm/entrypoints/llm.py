@@ -11,7 +11,8 @@ from typing import Any
 from pagedllm.engine import LLMEngine, RequestOutput, SamplingParams, SchedulerConfig
 from pagedllm.engine.errors import InvalidRequestError
 from pagedllm.engine.executor import Executor
-from pagedllm.engine.sampling_params import sampling_params_with_defaults
+from pagedllm.engine.outputs import BeamSearchOutput, BeamSearchSequence
+from pagedllm.engine.sampling_params import BeamSearchParams, sampling_params_with_defaults
 from pagedllm.entrypoints.logs import ensure_log_handler
 from pagedllm.entrypoints.model_dir import eos_token_ids, generation_defaults, load_hf_config, load_tokenizer
 
@@ -174,6 +175,35 @@ class LLM:
         for r in requests:  # queued as checked, not validated again
             self.engine.add_request(r.request_id, r, stream=False)
         return self._run([r.request_id for r in requests], use_tqdm)
+
+    def beam_search(self, prompts: Any, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search (vLLM's `LLM.beam_search`; HF transformers' algorithm, engine/beam_search.py):
+        per prompt its `params.beam_width` best sequences, best (highest score) first. The beams
+        of a prompt share the prompt's KV blocks and every common prefix (fork + copy-on-write)
+        and all beams of all prompts run in one batched decode per step."""
+        if not isinstance(params, BeamSearchParams):
+            raise InvalidRequestError(f"params must be a BeamSearchParams, got {type(params).__name__}", "params")
+        outputs = self.generate(prompts, params.sampling, use_tqdm=use_tqdm)
+        decode = self.engine.tokenizer.decode if self.engine.tokenizer is not None else None
+        return [
+            BeamSearchOutput(
+                [
+                    BeamSearchSequence(
+                        tokens=out.prompt_token_ids + c.token_ids,
+                        text=""
+                        if decode is None
+                        else decode(out.prompt_token_ids + c.token_ids, skip_special_tokens=True),
+                        output_token_ids=c.token_ids,
+                        output_text=c.text,
+                        cum_logprob=c.cumulative_logprob if c.cumulative_logprob is not None else float("nan"),
+                        score=c.score if c.score is not None else float("nan"),
+                        finish_reason=c.finish_reason,
+                    )
+                    for c in out.outputs
+                ]
+            )
+            for out in outputs
+        ]
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         wanted = set(request_ids)

@@ -134,7 +134,7 @@ def build_step_inputs(
         logits_indices = np.array([r for seqs, r in rows for _ in seqs], dtype=np.int64)
     params = [q.sampling_params for q in sampled]
     any_min_tokens = any(p.min_tokens for p in params)
-    num_logprobs = [p.logprobs for p in params]
+    num_logprobs = [q.num_logprobs for q in sampled]
     return StepInputs(
         input_ids=input_ids,
         positions=positions,

@@ -109,7 +109,7 @@ class ShadowRunner:
                 token = next_token(ctx if seed is None or not self.salt_by_seed else [*ctx, ("seed", seed)])
                 sampled.append(token)
                 self.device_tokens[(q.seq_id, seq.num_tokens)] = token
-                num = q.sampling_params.logprobs
+                num = q.num_logprobs
                 logprobs.append(None if num is None else fake_logprobs(token, num, ctx))
         has_logprobs = any(x is not None for x in logprobs)
         return StepResult(sampled, logprobs if has_logprobs else None, prompt or None)

@@ -198,9 +198,34 @@ def sampling_mutations(max_name: str) -> list[Mutation]:
         m += _table(name, name, [0, 0.0], [0.5, -2, "0", INF, 10**400])
     m += _table("repetition_penalty", "repetition_penalty", [1], [1.2, "1", INF])
     m += _table("logit_bias", "logit_bias", [{}], [{"1": 5}, "x", []])
-    m += _table("use_beam_search", "use_beam_search", [False], [True, "x"])
+    m += beam_mutations()
     m += _table("cache_salt", "cache_salt", ["tenant-a"], ["", 5, True, [], {}])
     m += _table("unknown", "x_unknown_field", [], [], [1, {"a": [1]}, nested(5000), nested_objects(5000)])
+    return m
+
+
+def beam_mutations() -> list[Mutation]:
+    """use_beam_search, length_penalty, early_stopping: one group, so no case sets them twice. A
+    valid beam request is ANY, not OK: the other groups' valid values (a temperature, top_p,
+    logprobs, stop, a seed, stream) are refused with it. ERR patches set only these three
+    fields, which no other group overrides."""
+    beam = {"use_beam_search": True}
+    m = _table("use_beam_search", "use_beam_search", [False], ["x", 1, "true"], [True])
+    m += _table("use_beam_search", "length_penalty", [1, 1.0], [0.5, 2, "1", True, INF])  # without beam search
+    m += _table("use_beam_search", "early_stopping", [False], [True, "never", "x", 1])
+    m += [
+        Mutation("use_beam_search", {**beam, "n": 2, "length_penalty": 0.5}, ANY),
+        Mutation("use_beam_search", {**beam, "n": 3, "early_stopping": "never", "length_penalty": -1}, ANY),
+        Mutation("use_beam_search", {**beam, "n": 2, "early_stopping": True}, ANY),
+        Mutation("use_beam_search", {**beam, "n": 2, "stream": True}, ANY),  # refused; another group may unset stream
+        Mutation("use_beam_search", {**beam, "n": 65}, ANY),  # past the widest beam; another group may set n
+        Mutation("use_beam_search", {**beam, "length_penalty": "x"}, ERR),
+        Mutation("use_beam_search", {**beam, "length_penalty": INF}, ERR),
+        Mutation("use_beam_search", {**beam, "length_penalty": 10**400}, ERR),
+        Mutation("use_beam_search", {**beam, "early_stopping": "always"}, ERR),
+        Mutation("use_beam_search", {**beam, "early_stopping": 0}, ERR),
+        Mutation("use_beam_search", {**beam, "early_stopping": None, "length_penalty": []}, ERR),
+    ]
     return m
 
 

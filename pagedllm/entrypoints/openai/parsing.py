@@ -178,8 +178,44 @@ def refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
         raise bad_request("repetition_penalty is not supported", "repetition_penalty")
     if get(body, "logit_bias", "dict"):
         raise bad_request("logit_bias is not supported", "logit_bias")
-    if get(body, "use_beam_search", "bool", False):
-        raise bad_request("beam search is not supported", "use_beam_search")
+
+
+def beam_fields(body: dict[str, Any], stream: bool) -> dict[str, Any]:
+    """vLLM's beam-search extras as SamplingParams fields: `use_beam_search` (`n` is the beam
+    width), `length_penalty` (a number) and `early_stopping` (true, false or "never").
+
+    The two knobs change only beam search, so without `use_beam_search` a value other than the
+    default is refused (vLLM 0.5's rule) rather than accepted and ignored. A beam-search answer
+    exists only once every beam has finished (the best beam can change until the last step), so
+    a streamed beam-search request is refused, naming `stream`. The other rules (greedy only, no
+    logprobs or stop strings, n <= MAX_BEAM_WIDTH) are SamplingParams'."""
+    beam = get(body, "use_beam_search", "bool", False)
+    length_penalty = get(body, "length_penalty", "number")
+    early = body.get("early_stopping")
+    if early is not None and not (isinstance(early, bool) or early == "never"):
+        shown = repr(early[:40]) if isinstance(early, str) else json_type(early)
+        raise bad_request(f"'early_stopping' must be true, false or \"never\", got {shown}", "early_stopping")
+    if not beam:
+        if length_penalty is not None and length_penalty != 1:
+            raise bad_request(
+                "length_penalty only applies to beam search: set use_beam_search to true", "length_penalty"
+            )
+        if early:  # true or "never"
+            raise bad_request(
+                "early_stopping only applies to beam search: set use_beam_search to true", "early_stopping"
+            )
+        return {}
+    if stream:
+        raise bad_request(
+            "beam search cannot be streamed: its beams are returned when they are all complete; set stream to false",
+            "stream",
+        )
+    fields: dict[str, Any] = {"use_beam_search": True}
+    if length_penalty is not None:
+        fields["length_penalty"] = length_penalty
+    if early is not None:
+        fields["early_stopping"] = early
+    return fields
 
 
 def sample_fields(body: dict[str, Any], chat: bool, stream: bool) -> tuple[dict[str, Any], ShownLogprobs]:
@@ -226,7 +262,11 @@ def sampling_fields(body: dict[str, Any], chat: bool, stream: bool) -> tuple[dic
     client used for the token limit (`max_completion_tokens` wins over `max_tokens`) and the
     logprobs the answer shows."""
     refuse_unsupported(body, chat)
+    beam = beam_fields(body, stream)
     fields, shown = sample_fields(body, chat, stream)
+    if beam and chat and "logprobs" in fields:  # SamplingParams would report chat's `true` as 0
+        raise bad_request("logprobs is not supported with use_beam_search", "logprobs")
+    fields.update(beam)
     max_tokens, max_name = get(body, "max_completion_tokens", "int"), "max_completion_tokens"
     if max_tokens is None:
         max_tokens, max_name = get(body, "max_tokens", "int"), "max_tokens"

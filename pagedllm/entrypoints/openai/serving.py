@@ -24,6 +24,12 @@ sequences; its RequestOutputs carry them all, and the builder (responses.py) num
 choices i * n .. i * n + n - 1. `usage.prompt_tokens` counts each prompt once,
 `completion_tokens` the returned choices' tokens (best_of's discarded samples are not in it).
 
+Beam search (`use_beam_search`, `n` beams): the same path, non-streamed only; the engine sends
+one final RequestOutput whose outputs are the n beams, best first, so they become choices
+i * n .. i * n + n - 1 like samples. Its SamplingParams take the client's fields only (greedy,
+temperature 0 unless the client sent one): the model's sampling defaults are not applied, its
+max_new_tokens still is (as for any request).
+
 max_tokens when the client sets none: the model's `max_new_tokens` when its generation_config
 sets one, else 16 (SamplingParams' default, OpenAI's for completions); chat: the room left in
 the context and the KV cache, capped by the model's `max_new_tokens` when set.
@@ -209,6 +215,11 @@ class OpenAIServing:
             fields["max_tokens"] = room if model_max is None else min(room, model_max)
         if cap is not None and "max_tokens" not in fields:
             fields["max_tokens"] = min(cap, defaults.get("max_tokens", SamplingParams.max_tokens))
+        if fields.get("use_beam_search"):
+            # beam search is greedy and exact: the model's sampling defaults (a temperature, a
+            # top_p) would make it refuse, so only the client's fields apply
+            fields.setdefault("temperature", 0.0)
+            defaults = {}
         try:
             return sampling_params_with_defaults(defaults, **fields)
         except InvalidRequestError as e:
