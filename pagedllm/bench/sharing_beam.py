@@ -26,7 +26,6 @@ import time
 from pagedllm.engine import LLMEngine, SamplingParams
 from pagedllm.engine.executor import StepResult, TokenLogprobs
 from pagedllm.engine.scheduler import SchedulerOutput
-from pagedllm.engine.sequence import Sequence
 
 from . import sharing
 
@@ -56,10 +55,6 @@ def fake_candidates(context: list[int], k: int) -> TokenLogprobs:
         values.append(v)
     return TokenLogprobs([ids[0], *ids[:k]], [values[0], *values[:k]], 1)
 
-
-def row_logprobs(seq: Sequence) -> int | None:
-    """How many top logprobs the row of `seq` asks for (2 x W for a beam; None: none)."""
-    return seq.sampling_params.logprobs  # TODO(beam engine): Sequence.num_logprobs
 
 
 class BeamExecutor:
@@ -94,7 +89,7 @@ class BeamExecutor:
             if not s.samples:
                 continue
             for q in s.sample_seqs:
-                k = row_logprobs(q)
+                k = q.num_logprobs  # a beam's: the search's candidates per beam (2 x W)
                 if k is None:
                     sampled.append(1 + s.seq.num_tokens % (VOCAB - 1))
                     logprobs.append(None)
