@@ -7,7 +7,8 @@ beam width `--beam-width` 4, `--output-len` 128 new tokens that EOS cannot cut s
             max_tokens=N, ignore_eos=True)): every request in flight at once; the W beams of a
             request share blocks (fork, copy-on-write on a split partial block)
   hf        model.generate(input_ids, num_beams=W, num_return_sequences=1, do_sample=False,
-            max_new_tokens=N, min_new_tokens=N, length_penalty=1.0, early_stopping=False),
+            max_new_tokens=N, length_penalty=1.0, early_stopping=False, eos_token_id=<one past
+            the vocabulary>: HF's counterpart of ignore_eos, EOS an ordinary token),
             batches of `--hf-batch-size` prompts (all prompts have the same length: no padding),
             halved on out-of-memory and timed again from the start
 Each engine first runs a warm-up (one short prompt); then one timed run. Reported per engine: wall
@@ -72,28 +73,34 @@ def run_pagedllm(llm, prompts: list[list[int]], args) -> tuple[float, list[list[
     return wall, [list(c.token_ids) for c in best], [float(c.score) for c in best]
 
 
-def hf_generate(model, ids, args, eos):
+def hf_generate(model, ids, args):
+    """HF beam search with pagedllm's ignore_eos: EOS an ordinary token that ends nothing. HF has no
+    such flag; its end-of-sequence id is set to one past the vocabulary, an id no step can pick,
+    so every beam runs to max_new_tokens and EOS competes like any other token (min_new_tokens
+    would instead mask EOS, and the beams would differ wherever EOS is among the candidates)."""
     import torch
     from transformers import GenerationConfig
 
+    never = model.config.vocab_size
     config = GenerationConfig(
         num_beams=args.beam_width,
         num_return_sequences=1,
         do_sample=False,
         max_new_tokens=args.output_len,
-        min_new_tokens=args.output_len,  # EOS masked until the end: HF's ignore_eos
         length_penalty=1.0,
         early_stopping=False,
-        eos_token_id=eos,
-        pad_token_id=eos[0],
+        eos_token_id=never,
+        pad_token_id=never,
         return_dict_in_generate=True,
         output_scores=True,
     )
     with torch.inference_mode():
-        return model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    assert out.sequences.shape[1] == ids.shape[1] + args.output_len
+    return out
 
 
-def run_hf(model, prompts: list[list[int]], args, eos: list[int], batch: int):
+def run_hf(model, prompts: list[list[int]], args, batch: int):
     """Wall seconds of HF beam search over all prompts in batches of `batch` (halved and timed again
     on out-of-memory), the batch size that fit, each prompt's best beam and its score."""
     import torch
@@ -105,7 +112,7 @@ def run_hf(model, prompts: list[list[int]], args, eos: list[int], batch: int):
             best, scores = [], []
             for i in range(0, len(prompts), batch):
                 ids = torch.tensor(prompts[i : i + batch], device=device)
-                out = hf_generate(model, ids, args, eos)
+                out = hf_generate(model, ids, args)
                 best += out.sequences[:, ids.shape[1] :].tolist()
                 scores += out.sequences_scores.float().tolist()
             if device.type == "cuda":
@@ -181,8 +188,8 @@ def main(args) -> int:
 
         device = resolve_device(kwargs.get("device", "auto"))
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-        hf_generate(model, torch.tensor([prompts[0][:16]], device=device), warm, eos)
-        hf_wall, batch, theirs, their_scores = run_hf(model, prompts, args, eos, args.hf_batch_size or len(prompts))
+        hf_generate(model, torch.tensor([prompts[0][:16]], device=device), warm)
+        hf_wall, batch, theirs, their_scores = run_hf(model, prompts, args, args.hf_batch_size or len(prompts))
         same = [i for i in range(len(prompts)) if ours[i] == theirs[i]]
         row["hf"] = {**engine_row(hf_wall, tokens), "batch_size": batch}
         row["speedup_vs_hf"] = round(hf_wall / wall, 2)

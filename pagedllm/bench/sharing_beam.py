@@ -56,7 +56,6 @@ def fake_candidates(context: list[int], k: int) -> TokenLogprobs:
     return TokenLogprobs([ids[0], *ids[:k]], [values[0], *values[:k]], 1)
 
 
-
 class BeamExecutor:
     """An Executor standing for a model under beam search: every sample row gets fake_candidates
     of its context (the sampled id is the best one). Records, at each launch (after the step was
