@@ -138,7 +138,7 @@ def free_device_memory() -> None:
 
 
 def engine_row(wall: float, tokens: int) -> dict:
-    return {"wall_s": round(wall, 3), "best_beam_tokens_per_s": round(tokens / wall, 1)}
+    return {"wall_s": round(wall, 4), "best_beam_tokens_per_s": round(tokens / wall, 1)}
 
 
 def main(args) -> int:
@@ -192,7 +192,7 @@ def main(args) -> int:
         hf_wall, batch, theirs, their_scores = run_hf(model, prompts, args, args.hf_batch_size or len(prompts))
         same = [i for i in range(len(prompts)) if ours[i] == theirs[i]]
         row["hf"] = {**engine_row(hf_wall, tokens), "batch_size": batch}
-        row["speedup_vs_hf"] = round(hf_wall / wall, 2)
+        row["speedup_vs_hf"] = round(hf_wall / wall, 3)
         row["best_beam_equal_hf"] = f"{len(same)}/{len(prompts)}"
         row["max_score_diff_where_equal"] = (
             round(max(abs(our_scores[i] - their_scores[i]) for i in same), 6) if same else None
