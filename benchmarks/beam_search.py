@@ -11,7 +11,7 @@ beam width `--beam-width` 4, `--output-len` 128 new tokens that EOS cannot cut s
             the vocabulary>: HF's counterpart of ignore_eos, EOS an ordinary token),
             batches of `--hf-batch-size` prompts (all prompts have the same length: no padding),
             halved on out-of-memory and timed again from the start
-Each engine first runs a warm-up (one short prompt); then one timed run. Reported per engine: wall
+Each engine first runs a warm-up (one short prompt); then `--repeat` timed runs, the median reported. Reported per engine: wall
 seconds, tokens/s of the best beam (num_prompts x output_len / wall), and the ratio pagedllm/HF.
 pagedllm runs first and is closed (weights and KV tensor freed) before HF loads the same
 directory in the same dtype (`--dtype auto`: bf16 on a GPU, float32 on the CPU).
@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import sys
 import time
 
@@ -50,6 +51,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--hf-batch-size", type=int, default=None, help="prompts per HF generate call (default: all; halved on OOM)"
     )
     p.add_argument("--skip-hf", action="store_true", help="run pagedllm only")
+    p.add_argument("--repeat", type=int, default=3, help="timed runs per engine; the median is reported (default: 3)")
     p.add_argument("--prompt-seed", type=int, default=0, help="seeds the random prompts (default: 0)")
     p.add_argument("--results-dir", default="benchmarks/results", help="(default: benchmarks/results)")
     p.add_argument("--no-save", action="store_true", help="print only; append nothing to the results directory")
@@ -137,8 +139,14 @@ def free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def engine_row(wall: float, tokens: int) -> dict:
-    return {"wall_s": round(wall, 4), "best_beam_tokens_per_s": round(tokens / wall, 1)}
+def engine_row(walls: list[float], tokens: int) -> dict:
+    """The median run's wall seconds and best-beam tok/s, and every run's wall."""
+    wall = statistics.median(walls)
+    return {
+        "wall_s": round(wall, 4),
+        "best_beam_tokens_per_s": round(tokens / wall, 1),
+        "wall_s_all": [round(w, 4) for w in walls],
+    }
 
 
 def main(args) -> int:
@@ -148,8 +156,8 @@ def main(args) -> int:
     from pagedllm.entrypoints.model_dir import eos_token_ids
     from pagedllm.worker.device import resolve_device, resolve_dtype
 
-    if min(args.num_prompts, args.input_len, args.output_len, args.beam_width) < 1:
-        raise ValueError("--num-prompts, --input-len, --output-len and --beam-width must be >= 1")
+    if min(args.num_prompts, args.input_len, args.output_len, args.beam_width, args.repeat) < 1:
+        raise ValueError("--num-prompts, --input-len, --output-len, --beam-width and --repeat must be >= 1")
     if args.hf_batch_size is not None and args.hf_batch_size < 1:
         raise ValueError("--hf-batch-size must be >= 1")
     env = environment()
@@ -168,7 +176,10 @@ def main(args) -> int:
     tokens = args.num_prompts * args.output_len
     warm = argparse.Namespace(**{**vars(args), "output_len": 4})
     run_pagedllm(llm, [prompts[0][:16]], warm)
-    wall, ours, our_scores = run_pagedllm(llm, prompts, args)
+    runs = [run_pagedllm(llm, prompts, args) for _ in range(args.repeat)]
+    walls, (_, ours, our_scores) = [r[0] for r in runs], runs[0]
+    assert all(r[1] == ours for r in runs), "pagedllm's beams differ between runs"
+    wall = statistics.median(walls)
     row: dict = {
         "benchmark": "beam_search",
         "model": os.path.basename(os.path.normpath(model_dir)),
@@ -177,7 +188,8 @@ def main(args) -> int:
         "input_len": args.input_len,
         "output_len": args.output_len,
         "beam_width": args.beam_width,
-        "pagedllm": {**engine_row(wall, tokens), "async_scheduling": llm.engine.async_scheduling},
+        "repeat": args.repeat,
+        "pagedllm": {**engine_row(walls, tokens), "async_scheduling": llm.engine.async_scheduling},
     }
     llm.close()
     del llm
@@ -189,9 +201,14 @@ def main(args) -> int:
         device = resolve_device(kwargs.get("device", "auto"))
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
         hf_generate(model, torch.tensor([prompts[0][:16]], device=device), warm)
-        hf_wall, batch, theirs, their_scores = run_hf(model, prompts, args, args.hf_batch_size or len(prompts))
+        batch = args.hf_batch_size or len(prompts)
+        hf_walls = []
+        for _ in range(args.repeat):
+            hf_time, batch, theirs, their_scores = run_hf(model, prompts, args, batch)
+            hf_walls.append(hf_time)
+        hf_wall = statistics.median(hf_walls)
         same = [i for i in range(len(prompts)) if ours[i] == theirs[i]]
-        row["hf"] = {**engine_row(hf_wall, tokens), "batch_size": batch}
+        row["hf"] = {**engine_row(hf_walls, tokens), "batch_size": batch}
         row["speedup_vs_hf"] = round(hf_wall / wall, 3)
         row["best_beam_equal_hf"] = f"{len(same)}/{len(prompts)}"
         row["max_score_diff_where_equal"] = (

@@ -26,7 +26,19 @@ def run(model_dir, tmp_path, *extra):
     mod.add_args(parser)
     out = tmp_path / "row.json"
     argv = ["--model", model_dir, "--num-prompts", "3", "--input-len", "12", "--output-len", "6"]
-    argv += ["--beam-width", "2", "--num-kv-blocks", "64", "--block-size", "8", "--out", str(out), *extra]
+    argv += [
+        "--beam-width",
+        "2",
+        "--repeat",
+        "2",
+        "--num-kv-blocks",
+        "64",
+        "--block-size",
+        "8",
+        "--out",
+        str(out),
+        *extra,
+    ]
     assert mod.main(parser.parse_args(argv)) == 0
     return json.loads(out.read_text())
 
@@ -38,7 +50,11 @@ def test_beam_search_bench_matches_hf_and_appends_a_row(tiny_models, tmp_path):
     assert row["hf"]["batch_size"] == 2  # batches of 2 and 1
     for engine in ("pagedllm", "hf"):
         r = row[engine]
-        assert r["wall_s"] > 0 and r["best_beam_tokens_per_s"] == pytest.approx(18 / r["wall_s"], rel=0.02)
+        assert (
+            len(r["wall_s_all"]) == 2
+            and r["wall_s"] > 0
+            and r["best_beam_tokens_per_s"] == pytest.approx(18 / r["wall_s"], rel=0.02)
+        )
     assert row["speedup_vs_hf"] == pytest.approx(row["hf"]["wall_s"] / row["pagedllm"]["wall_s"], abs=0.01, rel=0.02)
     assert row["best_beam_equal_hf"] == "3/3"  # float32: the same beam search on the same weights
     assert row["max_score_diff_where_equal"] < 1e-4
