@@ -1,4 +1,7 @@
-"""KV memory saved by sharing in parallel sampling: the vLLM paper's Fig. 15 (Kwon et al., SOSP 2023).
+"""KV memory saved by sharing: the vLLM paper's Fig. 15 (Kwon et al., SOSP 2023).
+
+`--mode parallel` (the default) is parallel sampling, described here; `--mode beam` is beam
+search (pagedllm/bench/sharing_beam.py).
 
 Requests with prompt and output lengths drawn from distributions with the published means of
 Alpaca (19 prompt / 58 output tokens) and ShareGPT (161 / 338) arrive as a Poisson process
@@ -29,10 +32,12 @@ import platform
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagedllm.engine import LLMEngine, SamplingParams, SchedulerConfig
 from pagedllm.engine.executor import StepResult
+from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.scheduler import SchedulerOutput
 
 EOS = 0
@@ -40,6 +45,7 @@ BLOCK_SIZE = 16
 # published mean lengths (prompt, output) and the log-space spread assumed for each
 DATASETS = {"alpaca": (19.0, 58.0, 0.5, 0.7), "sharegpt": (161.0, 338.0, 1.0, 0.8)}
 PAPER_SAVING_PCT = {"alpaca": (6.1, 9.8), "sharegpt": (16.2, 30.5)}  # Fig. 15, n = 2 .. 6 (parallel sampling)
+PAPER_BEAM_SAVING_PCT = {"alpaca": (37.6, 55.2), "sharegpt": (44.3, 66.3)}  # Fig. 15, widths 2 .. 6 (beam search)
 MAX_LEN = 1024  # each of prompt and output is clipped to [1, MAX_LEN]
 
 
@@ -80,10 +86,23 @@ def make_workload(
     return Workload(arrivals, prompts, outs)
 
 
+def contiguous_blocks(out: SchedulerOutput) -> int:
+    """The blocks the step's sequences would hold as one contiguous copy each (no sharing: HF's
+    per-sequence caches, or an engine without fork): for every scheduled sequence, and for every
+    child forked from its row, ceil(tokens it holds after this step's writes / block size).
+    Every live sequence is scheduled at every step when the token budget and pool never bind."""
+    total = 0
+    for s in out.scheduled:
+        copies = len(s.sample_seqs) if s.samples else 1
+        total += copies * -(-(s.seq.num_computed_tokens + s.num_new_tokens) // BLOCK_SIZE)
+    return total
+
+
 class LengthExecutor:
     """An Executor standing for a model: each sample row gets a non-EOS token until its sample's
     drawn length (looked up by the row's seed), then EOS. Records the blocks in use at each
-    launch (the pool after the step was scheduled)."""
+    launch (the pool after the step was scheduled), and what the step's sequences would hold
+    without sharing (contiguous_blocks)."""
 
     supports_async = False
 
@@ -92,12 +111,14 @@ class LengthExecutor:
         self.lengths = lengths
         self.engine: LLMEngine | None = None
         self.blocks_in_use: list[int] = []
+        self.contiguous: list[int] = []
         self.prompt_tokens_computed = 0
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         assert self.engine is not None
         kv = self.engine.kv
         self.blocks_in_use.append(kv.num_blocks - kv.num_free_blocks)
+        self.contiguous.append(contiguous_blocks(out))
         sampled = []
         for s in out.scheduled:
             a = s.seq.num_computed_tokens
@@ -117,12 +138,9 @@ class LengthExecutor:
         pass
 
 
-def run_once(w: Workload, n: int, shared: bool) -> dict:
-    """One pass over the workload: one request with n samples each (shared), or n requests each."""
-    need = sum(len(p) + sum(o) for p, o in zip(w.prompts, w.output_lens, strict=True))
-    num_blocks = need // BLOCK_SIZE + 2 * n * len(w.prompts) + 16  # never binds: no preemption, same timeline
-    lengths = {j * 64 + i: w.output_lens[j][i] for j in range(len(w.prompts)) for i in range(n)}
-    executor = LengthExecutor(num_blocks, lengths)
+def make_engine(executor, num_blocks: int) -> LLMEngine:
+    """An engine over the fake executor whose pool and token budget never bind (no preemption,
+    every live sequence scheduled at every step), prefix caching off."""
     cfg = SchedulerConfig(
         num_kv_blocks=num_blocks,
         block_size=BLOCK_SIZE,
@@ -131,25 +149,46 @@ def run_once(w: Workload, n: int, shared: bool) -> dict:
         max_model_len=2 * MAX_LEN + 1,
         enable_prefix_caching=False,
     )
-    engine = LLMEngine(cfg, executor, eos_token_ids={EOS})
-    executor.engine = engine
+    return LLMEngine(cfg, executor, eos_token_ids={EOS})
+
+
+def drive(engine: LLMEngine, w: Workload, add: Callable[[int], None]) -> list[RequestOutput]:
+    """Step the engine over the workload's arrivals (add(j) submits request j at its step; idle
+    stretches are skipped) until everything is finished: the finished RequestOutputs."""
     step = next_req = 0
-    t0 = time.perf_counter()
+    done = []
     while next_req < len(w.prompts) or engine.has_unfinished_requests():
         if not engine.has_unfinished_requests():
             step = max(step, w.arrivals[next_req])  # idle until the next arrival
         while next_req < len(w.prompts) and w.arrivals[next_req] <= step:
-            j, next_req = next_req, next_req + 1
-            max_tokens = max(w.output_lens[j])
-            if shared:
-                params = SamplingParams(n=n, seed=j * 64, max_tokens=max_tokens, temperature=1.0)
-                engine.add_request(f"r{j}", w.prompts[j], params, stream=False)
-            else:
-                for i in range(n):
-                    params = SamplingParams(seed=j * 64 + i, max_tokens=max_tokens, temperature=1.0)
-                    engine.add_request(f"r{j}.{i}", w.prompts[j], params, stream=False)
-        engine.step()
+            add(next_req)
+            next_req += 1
+        done += [o for o in engine.step() if o.finished]
         step += 1
+    return done
+
+
+def run_once(w: Workload, n: int, shared: bool) -> dict:
+    """One pass over the workload: one request with n samples each (shared), or n requests each."""
+    need = sum(len(p) + sum(o) for p, o in zip(w.prompts, w.output_lens, strict=True))
+    num_blocks = need // BLOCK_SIZE + 2 * n * len(w.prompts) + 16  # never binds: no preemption, same timeline
+    lengths = {j * 64 + i: w.output_lens[j][i] for j in range(len(w.prompts)) for i in range(n)}
+    executor = LengthExecutor(num_blocks, lengths)
+    engine = make_engine(executor, num_blocks)
+    executor.engine = engine
+
+    def add(j: int) -> None:
+        max_tokens = max(w.output_lens[j])
+        if shared:
+            params = SamplingParams(n=n, seed=j * 64, max_tokens=max_tokens, temperature=1.0)
+            engine.add_request(f"r{j}", w.prompts[j], params, stream=False)
+        else:
+            for i in range(n):
+                params = SamplingParams(seed=j * 64 + i, max_tokens=max_tokens, temperature=1.0)
+                engine.add_request(f"r{j}.{i}", w.prompts[j], params, stream=False)
+
+    t0 = time.perf_counter()
+    drive(engine, w, add)
     m = engine.get_metrics()
     assert m["num_preemptions"] == 0 and m["num_free_kv_blocks"] == num_blocks
     used = executor.blocks_in_use
@@ -157,6 +196,8 @@ def run_once(w: Workload, n: int, shared: bool) -> dict:
         "steps": len(used),
         "peak_blocks": max(used),
         "mean_blocks": sum(used) / len(used),
+        "peak_contiguous_blocks": max(executor.contiguous),
+        "mean_contiguous_blocks": sum(executor.contiguous) / len(executor.contiguous),
         "prompt_tokens_computed": executor.prompt_tokens_computed,
         "generated_tokens": m["num_generation_tokens"],
         "forked_sequences": m["num_forked_sequences"],
@@ -190,9 +231,18 @@ def measure(dataset: str, n: int, args) -> dict:
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
+        "--mode",
+        choices=["parallel", "beam"],
+        default="parallel",
+        help="parallel: n samples per request vs n separate requests; beam: beam search of width n vs one "
+        "contiguous copy per beam",
+    )
+    p.add_argument(
         "--datasets", nargs="+", choices=sorted(DATASETS), default=["alpaca", "sharegpt"], help="length distributions"
     )
-    p.add_argument("--n", nargs="+", type=int, default=[2, 4, 6], help="samples per request")
+    p.add_argument(
+        "--n", nargs="+", type=int, default=[2, 4, 6], help="samples per request (parallel) or beam width (beam)"
+    )
     p.add_argument("--num-requests", type=int, default=200, help="requests per run")
     p.add_argument(
         "--concurrency",
@@ -234,21 +284,32 @@ def main(args) -> int:
         raise ValueError("--n must be between 1 and 64")
     if args.num_requests < 1 or args.concurrency <= 0:
         raise ValueError("--num-requests and --concurrency must be positive")
-    rows = [measure(d, n, args) for d in args.datasets for n in args.n]
-    head = f"{'dataset':<9} {'n':>2} {'avg blocks w/o -> with':>24} {'saving':>7} {'peak w/o -> with':>18} {'saving':>7}  paper"
+    beam = args.mode == "beam"
+    if beam and args.sample_lengths != "same":
+        raise ValueError(
+            "--sample-lengths independent is for --mode parallel (a request's beams all run to its length)"
+        )
+    if beam:
+        from pagedllm.bench.sharing_beam import measure_beam
+
+        rows = [measure_beam(d, n, args) for d in args.datasets for n in args.n]
+        key, paper = "beam_width", "paper_saving_pct_w2_to_w6"
+    else:
+        rows = [measure(d, n, args) for d in args.datasets for n in args.n]
+        key, paper = "n", "paper_saving_pct_n2_to_n6"
+    k = "W" if beam else "n"
+    head = f"{'dataset':<9} {k:>2} {'avg blocks w/o -> with':>24} {'saving':>7} {'peak w/o -> with':>18} {'saving':>7}  paper"
     print(head)
     for r in rows:
         avg = f"{r['time_avg_blocks_without']:.0f} -> {r['time_avg_blocks_with']:.0f}"
         peak = f"{r['peak_blocks_without']} -> {r['peak_blocks_with']}"
         print(
-            f"{r['dataset']:<9} {r['n']:>2} {avg:>24} {r['time_avg_saving_pct']:>6.1f}% {peak:>18} "
-            f"{r['peak_saving_pct']:>6.1f}%  {r['paper_saving_pct_n2_to_n6']}% (n=2-6)"
+            f"{r['dataset']:<9} {r[key]:>2} {avg:>24} {r['time_avg_saving_pct']:>6.1f}% {peak:>18} "
+            f"{r['peak_saving_pct']:>6.1f}%  {r[paper]}% ({k}=2-6)"
         )
     if args.output_json:
-        params = {
-            k: getattr(args, k)
-            for k in ("datasets", "n", "num_requests", "concurrency", "distribution", "sample_lengths", "seed")
-        }
+        names = ["mode", "datasets", "n", "num_requests", "concurrency", "distribution", "sample_lengths", "seed"]
+        params = {name: getattr(args, name) for name in names}
         doc = {
             "benchmark": "sharing",
             **environment(),
