@@ -139,7 +139,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     bsh = bsub.add_parser(
         "sharing",
         parents=[debug],
-        help="KV blocks saved by sharing in parallel sampling (the vLLM paper's Fig. 15; CPU, no model)",
+        help="KV blocks saved by sharing in parallel sampling and beam search (the vLLM paper's Fig. 15; CPU, no model)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     _fill_optional(bsh, ("bench", "sharing"), wanted)
