@@ -143,6 +143,9 @@ class SamplingParams:
         )
         if self.use_beam_search:
             self._check_beam_search(need)
+        else:  # they mean something only to beam search: accepted and ignored would be a wrong answer
+            need(self.length_penalty == 1.0, "length_penalty", "needs use_beam_search (default 1.0 otherwise)")
+            need(self.early_stopping is False, "early_stopping", "needs use_beam_search (default False otherwise)")
         if self.stop is None:
             self.stop_list = []
         elif isinstance(self.stop, str):

@@ -183,6 +183,13 @@ def test_beam_search_refuses_what_it_does_not_do(kw, param):
     assert e.value.param == param
 
 
+@pytest.mark.parametrize("kw", [{"length_penalty": 0.5}, {"early_stopping": True}])
+def test_beam_knobs_without_beam_search_are_refused(kw):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**kw)
+    assert e.value.param == next(iter(kw))
+
+
 def test_beam_width_above_max_num_seqs_is_refused(tiny_models):
     llm = LLM(tiny_models["qwen3"], num_kv_blocks=64, block_size=8, max_num_seqs=4)
     with pytest.raises(InvalidRequestError) as e:
