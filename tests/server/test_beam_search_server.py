@@ -24,6 +24,7 @@ from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.serving import OpenAIServing
 from tests.server.helpers import MODEL_NAME
+from tests.server.test_parallel_logprobs import CharTokenizer  # one token per character
 
 # the model's generation_config.json, as the bundled model's (a sampling temperature and top_p)
 MODEL_DEFAULTS = {"temperature": 0.7, "top_p": 0.95, "top_k": 20, "max_tokens": 9}
@@ -31,22 +32,6 @@ MAX_NUM_SEQS = 8
 
 
 # ---- a scripted engine -------------------------------------------------------------------
-class CharTokenizer:
-    """One token per character: id = ord(c)."""
-
-    chat_template = "{{ messages }}"
-    added_tokens_decoder: dict = {}
-
-    def encode(self, text, add_special_tokens=False, **kw):
-        return [ord(c) for c in text]
-
-    def decode(self, ids, **kw):
-        return "".join(chr(i) for i in ids)
-
-    def apply_chat_template(self, conversation, add_generation_prompt, tokenize):
-        return "Q:" + conversation[-1]["content"] + "\nA:"
-
-
 def beam_text(prompt_ids: list[int], i: int) -> str:
     """Beam i of a prompt: its own letter i + 1 times, then the prompt's first character."""
     return chr(ord("A") + i) * (i + 1) + chr(prompt_ids[0])
