@@ -11,7 +11,7 @@ from typing import Any
 from pagedllm.engine import LLMEngine, RequestOutput, SamplingParams, SchedulerConfig
 from pagedllm.engine.errors import InvalidRequestError
 from pagedllm.engine.executor import Executor
-from pagedllm.engine.outputs import BeamSearchOutput, BeamSearchSequence
+from pagedllm.engine.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput
 from pagedllm.engine.sampling_params import BeamSearchParams, sampling_params_with_defaults
 from pagedllm.entrypoints.logs import ensure_log_handler
 from pagedllm.entrypoints.model_dir import eos_token_ids, generation_defaults, load_hf_config, load_tokenizer
@@ -184,26 +184,21 @@ class LLM:
         if not isinstance(params, BeamSearchParams):
             raise InvalidRequestError(f"params must be a BeamSearchParams, got {type(params).__name__}", "params")
         outputs = self.generate(prompts, params.sampling, use_tqdm=use_tqdm)
-        decode = self.engine.tokenizer.decode if self.engine.tokenizer is not None else None
-        return [
-            BeamSearchOutput(
-                [
-                    BeamSearchSequence(
-                        tokens=out.prompt_token_ids + c.token_ids,
-                        text=""
-                        if decode is None
-                        else decode(out.prompt_token_ids + c.token_ids, skip_special_tokens=True),
-                        output_token_ids=c.token_ids,
-                        output_text=c.text,
-                        cum_logprob=c.cumulative_logprob if c.cumulative_logprob is not None else float("nan"),
-                        score=c.score if c.score is not None else float("nan"),
-                        finish_reason=c.finish_reason,
-                    )
-                    for c in out.outputs
-                ]
-            )
-            for out in outputs
-        ]
+        return [BeamSearchOutput([self._beam(out, c) for c in out.outputs]) for out in outputs]
+
+    def _beam(self, out: RequestOutput, c: CompletionOutput) -> BeamSearchSequence:
+        assert c.cumulative_logprob is not None and c.score is not None, "the core sends both for every beam"
+        tokens = out.prompt_token_ids + c.token_ids
+        tok = self.engine.tokenizer
+        return BeamSearchSequence(
+            tokens=tokens,
+            text="" if tok is None else tok.decode(tokens, skip_special_tokens=True),
+            output_token_ids=c.token_ids,
+            output_text=c.text,
+            cum_logprob=c.cumulative_logprob,
+            score=c.score,
+            finish_reason=c.finish_reason,
+        )
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         wanted = set(request_ids)
