@@ -98,31 +98,48 @@ def contiguous_blocks(out: SchedulerOutput) -> int:
     return total
 
 
-class LengthExecutor:
-    """An Executor standing for a model: each sample row gets a non-EOS token until its sample's
-    drawn length (looked up by the row's seed), then EOS. Records the blocks in use at each
-    launch (the pool after the step was scheduled), and what the step's sequences would hold
-    without sharing (contiguous_blocks)."""
+class StepRecorder:
+    """What both fake executors of this benchmark record at each launch (the pool after the step
+    was scheduled): the blocks in use, what the step's sequences would hold without sharing
+    (contiguous_blocks), and the prompt tokens the step computes."""
 
     supports_async = False
 
-    def __init__(self, num_kv_blocks: int, lengths: dict[int, int]):
+    def __init__(self, num_kv_blocks: int):
         self.num_kv_blocks = num_kv_blocks
-        self.lengths = lengths
         self.engine: LLMEngine | None = None
         self.blocks_in_use: list[int] = []
         self.contiguous: list[int] = []
         self.prompt_tokens_computed = 0
 
-    def execute(self, out: SchedulerOutput) -> StepResult:
+    def record(self, out: SchedulerOutput) -> None:
         assert self.engine is not None
         kv = self.engine.kv
         self.blocks_in_use.append(kv.num_blocks - kv.num_free_blocks)
         self.contiguous.append(contiguous_blocks(out))
-        sampled = []
         for s in out.scheduled:
             a = s.seq.num_computed_tokens
             self.prompt_tokens_computed += max(0, min(a + s.num_new_tokens, s.seq.num_prompt_tokens) - a)
+
+    def execute_async(self, out: SchedulerOutput):
+        raise NotImplementedError(f"{type(self).__name__} runs synchronously")
+
+    def close(self) -> None:
+        pass
+
+
+class LengthExecutor(StepRecorder):
+    """An Executor standing for a model: each sample row gets a non-EOS token until its sample's
+    drawn length (looked up by the row's seed), then EOS."""
+
+    def __init__(self, num_kv_blocks: int, lengths: dict[int, int]):
+        super().__init__(num_kv_blocks)
+        self.lengths = lengths
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        self.record(out)
+        sampled = []
+        for s in out.scheduled:
             if not s.samples:
                 continue
             for q in s.sample_seqs:
@@ -130,12 +147,6 @@ class LengthExecutor:
                 assert seed is not None
                 sampled.append(EOS if q.num_output_tokens + 1 >= self.lengths[seed] else 1 + q.num_tokens % 30000)
         return StepResult(sampled)
-
-    def execute_async(self, out: SchedulerOutput):
-        raise NotImplementedError("LengthExecutor runs synchronously")
-
-    def close(self) -> None:
-        pass
 
 
 def make_engine(executor, num_blocks: int) -> LLMEngine:

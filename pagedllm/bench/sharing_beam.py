@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import time
 
-from pagedllm.engine import LLMEngine, SamplingParams
+from pagedllm.engine import SamplingParams
 from pagedllm.engine.executor import StepResult, TokenLogprobs
 from pagedllm.engine.scheduler import SchedulerOutput
 
@@ -56,35 +56,23 @@ def fake_candidates(context: list[int], k: int) -> TokenLogprobs:
     return TokenLogprobs([ids[0], *ids[:k]], [values[0], *values[:k]], 1)
 
 
-class BeamExecutor:
+class BeamExecutor(sharing.StepRecorder):
     """An Executor standing for a model under beam search: every sample row gets fake_candidates
-    of its context (the sampled id is the best one). Records, at each launch (after the step was
-    scheduled): the pool's blocks in use, contiguous_blocks (without sharing) and the distinct
-    blocks in the scheduled sequences' block tables (equal to the pool's count when nothing
-    else holds blocks)."""
-
-    supports_async = False
+    of its context (the sampled id is the best one). Records what StepRecorder does, and the
+    distinct blocks in the scheduled sequences' block tables (equal to the pool's count when
+    nothing else holds blocks)."""
 
     def __init__(self, num_kv_blocks: int):
-        self.num_kv_blocks = num_kv_blocks
-        self.engine: LLMEngine | None = None
-        self.blocks_in_use: list[int] = []
-        self.contiguous: list[int] = []
+        super().__init__(num_kv_blocks)
         self.table_blocks: list[int] = []
-        self.prompt_tokens_computed = 0
         self.rows_with_logprobs = 0
 
     def execute(self, out: SchedulerOutput) -> StepResult:
-        assert self.engine is not None
-        kv = self.engine.kv
-        self.blocks_in_use.append(kv.num_blocks - kv.num_free_blocks)
-        self.contiguous.append(sharing.contiguous_blocks(out))
+        self.record(out)
         self.table_blocks.append(len({b for s in out.scheduled for q in s.sample_seqs for b in q.block_table}))
         sampled: list[int] = []
         logprobs: list[TokenLogprobs | None] = []
         for s in out.scheduled:
-            a = s.seq.num_computed_tokens
-            self.prompt_tokens_computed += max(0, min(a + s.num_new_tokens, s.seq.num_prompt_tokens) - a)
             if not s.samples:
                 continue
             for q in s.sample_seqs:
@@ -98,12 +86,6 @@ class BeamExecutor:
                 logprobs.append(entry)
                 self.rows_with_logprobs += 1
         return StepResult(sampled, logprobs if any(x is not None for x in logprobs) else None)
-
-    def execute_async(self, out: SchedulerOutput):
-        raise NotImplementedError("BeamExecutor runs synchronously")
-
-    def close(self) -> None:
-        pass
 
 
 def run_beam(w: sharing.Workload, width: int) -> dict:
