@@ -144,6 +144,8 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int, forked: list[Sequence]) -> int:
         """Admit waiting sequences, in order, while budget, sequence slots and blocks allow."""
+        if not self.waiting:
+            return budget  # the common decode step: no pass over the running sequences' slots
         slots = len(self.running) + len(forked) + sum(self._reserved(s) - 1 for s in self.running)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
