@@ -1,5 +1,9 @@
 """Paged attention layer: store the new K/V through slot_mapping, then attend over the
-block tables, with the kernels the model was built with (ops/kernels.py)."""
+block tables, with the kernels the model was built with (ops/kernels.py).
+
+An fp8 KV cache (ops/kv_quant.py) is read and written with this layer's K and V scales, set
+once at start-up (from the checkpoint or measured: worker/kv_scales.py) before any step runs
+or a CUDA graph is captured: the graphs bake them in."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ class Attention(nn.Module):
         self.kernels = kernels
         # unbound (empty) until bind_kv_cache: the new tokens attend to each other only
         self.k_cache = self.v_cache = torch.tensor([])
+        self.k_scale = self.v_scale = 1.0  # dequantized = stored * scale (fp8 caches only)
 
     def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """This layer's views of the KV tensor, [num_blocks, Hkv, block_size, D] each.
@@ -25,8 +30,13 @@ class Attention(nn.Module):
         forward of the built model (worker/model_runner.py), so it cannot exist before the model."""
         self.k_cache, self.v_cache = k_cache, v_cache
 
+    def set_kv_scales(self, k_scale: float, v_scale: float) -> None:
+        if not (k_scale > 0 and v_scale > 0 and k_scale < float("inf") and v_scale < float("inf")):
+            raise ValueError(f"KV scales must be finite and > 0, got k_scale={k_scale}, v_scale={v_scale}")
+        self.k_scale, self.v_scale = float(k_scale), float(v_scale)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]."""
         if self.k_cache.numel():
-            self.kernels.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        return self.kernels.attend(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+            self.kernels.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        return self.kernels.attend(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale)

@@ -4,30 +4,52 @@ They are exact (float32 math) and device-agnostic: the CPU path runs on them and
 Triton kernels are tested against them. `paged_attention_ref` is the plain oracle (one
 sequence at a time); the CPU path uses the `*_grouped` forms, which give the same results
 without a Python loop over decode rows and without padding a sequence to another's length.
+
+An fp8 cache (ops/kv_quant.py) is stored through `quantize_ref` and read back dequantized in
+float32 (`stored * k_scale`, `stored * v_scale`); for a cache in the model's dtype the scales
+are ignored.
 """
 
 from __future__ import annotations
 
 import torch
 
+from pagedllm.ops.kv_quant import dequantize_ref, quantize_ref
+
 
 def store_kvcache_ref(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """key/value: [N, Hkv, D]; caches: [num_blocks, Hkv, block_size, D]; a PAD_SLOT_ID (negative) slot is skipped."""
+    """key/value: [N, Hkv, D]; caches: [num_blocks, Hkv, block_size, D]; a PAD_SLOT_ID (negative) slot is skipped.
+    An fp8 cache stores saturate(key / k_scale) and saturate(value / v_scale)."""
     block_size = k_cache.shape[2]
     keep = slot_mapping >= 0  # not PAD_SLOT_ID
     slots = slot_mapping[keep].long()
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, :, offsets] = key[keep].to(k_cache.dtype)
-    v_cache[blocks, :, offsets] = value[keep].to(v_cache.dtype)
+    k_cache[blocks, :, offsets] = quantize_ref(key[keep], k_scale, k_cache.dtype)
+    v_cache[blocks, :, offsets] = quantize_ref(value[keep], v_scale, v_cache.dtype)
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first seq_len tokens of one sequence's K or V: [seq_len, Hkv, D]."""
+def as_stored(x: torch.Tensor, scale: float, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x as attention reads it back from a cache of cache_dtype (x itself unless the cache is fp8),
+    in x's dtype: what the pure-prefill path attends over, so that it sees what a later step
+    reading the cache sees."""
+    if cache_dtype == x.dtype:
+        return x
+    return dequantize_ref(quantize_ref(x, scale, cache_dtype), scale).to(x.dtype)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, scale: float = 1.0) -> torch.Tensor:
+    """The first seq_len tokens of one sequence's K or V, dequantized to float32: [seq_len, Hkv, D]."""
     block_size = cache.shape[2]
     num_blocks = (seq_len + block_size - 1) // block_size
-    tiles = cache[block_table[:num_blocks].long()]  # [nb, Hkv, bs, D]
+    tiles = dequantize_ref(cache[block_table[:num_blocks].long()], scale)  # [nb, Hkv, bs, D]
     return tiles.transpose(1, 2).reshape(-1, cache.shape[1], cache.shape[3])[:seq_len]
 
 
@@ -39,6 +61,8 @@ def paged_attention_ref(
     cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Varlen causal attention over the paged cache.
 
@@ -52,17 +76,26 @@ def paged_attention_ref(
     for b, seq_len in enumerate(seq_lens.tolist()):
         start, end = cu[b], cu[b + 1]
         if end > start:
-            out[start:end] = _attend_one(q[start:end], k_cache, v_cache, block_tables[b], seq_len, scale)
+            out[start:end] = _attend_one(
+                q[start:end], k_cache, v_cache, block_tables[b], seq_len, scale, k_scale, v_scale
+            )
     return out
 
 
 def _attend_one(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """One sequence's L new tokens q [L, Hq, D] over its seq_len positions, causal: [L, Hq, D]."""
     q_len, group = q.shape[0], q.shape[1] // k_cache.shape[1]
-    k = gather_kv(k_cache, block_table, seq_len).float()
-    v = gather_kv(v_cache, block_table, seq_len).float()
+    k = gather_kv(k_cache, block_table, seq_len, k_scale)
+    v = gather_kv(v_cache, block_table, seq_len, v_scale)
     qs = q.float().transpose(0, 1)  # [Hq, L, D]
     k = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, S, D]
     v = v.transpose(0, 1).repeat_interleave(group, dim=0)
@@ -100,6 +133,8 @@ def paged_decode_attention_ref(
     seq_lens: torch.Tensor,
     max_seqlen_k: int,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Decode only (one query per sequence), all sequences in one batched computation.
 
@@ -112,8 +147,8 @@ def paged_decode_attention_ref(
     hkv, bs = k_cache.shape[1], k_cache.shape[2]
     group, nb = hq // hkv, -(-max_seqlen_k // bs)
     flat = block_tables[:, :nb].reshape(-1).long()  # index_select: ~3x faster than k_cache[table] on CPU
-    k = k_cache.index_select(0, flat).view(b, nb, hkv, bs, d).float()  # [B, nb, Hkv, bs, D]
-    v = v_cache.index_select(0, flat).view(b, nb, hkv, bs, d).float()
+    k = dequantize_ref(k_cache.index_select(0, flat).view(b, nb, hkv, bs, d), k_scale)  # [B, nb, Hkv, bs, D]
+    v = dequantize_ref(v_cache.index_select(0, flat).view(b, nb, hkv, bs, d), v_scale)
     scores = torch.matmul(q.float().view(b, 1, hkv, group, d), k.transpose(-1, -2)) * scale  # [B, nb, Hkv, G, bs]
     pos = torch.arange(nb * bs, device=q.device).view(1, nb, 1, 1, bs)
     scores.masked_fill_(pos >= seq_lens.long().view(b, 1, 1, 1, 1), float("-inf"))
@@ -160,6 +195,8 @@ def paged_decode_attention_grouped(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     pad_budget: int = PAD_BUDGET,
 ) -> torch.Tensor:
     """Decode (one query per sequence) without padding every sequence to the batch's longest.
@@ -176,7 +213,9 @@ def paged_decode_attention_grouped(
     lens = seq_lens.tolist()
     groups = decode_groups(lens, bs, max(1, pad_budget // (2 * hkv * bs * d)))
     if len(groups) == 1 and len(groups[0]) == len(lens):  # the common case: no copies in or out
-        return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, max(lens), scale)
+        return paged_decode_attention_ref(
+            q, k_cache, v_cache, block_tables, seq_lens, max(lens), scale, k_scale, v_scale
+        )
     out = torch.zeros_like(q)
     for rows in groups:
         idx = torch.tensor(rows, device=q.device)
@@ -188,6 +227,8 @@ def paged_decode_attention_grouped(
             seq_lens.index_select(0, idx),
             lens[rows[0]],  # the longest: groups are ordered longest first
             scale,
+            k_scale,
+            v_scale,
         )
         out.index_copy_(0, idx, part)
     return out
@@ -201,6 +242,8 @@ def paged_attention_grouped(
     cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """`paged_attention_ref`'s contract, with the decode rows (one new token) of a mixed batch
     batched by `paged_decode_attention_grouped`; longer rows run one at a time, as there."""
@@ -218,10 +261,14 @@ def paged_attention_grouped(
             block_tables.index_select(0, rows),
             seq_lens.index_select(0, rows),
             scale,
+            k_scale,
+            v_scale,
         )
         out.index_copy_(0, tokens, part)
     for b, seq_len in enumerate(lens):
         start, end = cu[b], cu[b + 1]
         if end - start > 1:
-            out[start:end] = _attend_one(q[start:end], k_cache, v_cache, block_tables[b], seq_len, scale)
+            out[start:end] = _attend_one(
+                q[start:end], k_cache, v_cache, block_tables[b], seq_len, scale, k_scale, v_scale
+            )
     return out

@@ -7,6 +7,9 @@ kv_heads * block_size * head_dim elements. Triton kernel: program (pair, K/V x l
 copies one tile of that run. Reference: `copy_blocks_ref` (index_select + index_copy_), what
 the CPU path runs.
 
+An fp8 KV tensor is copied through its uint8 view (`kv_quant.bytes_view`): the same bytes, and
+CPU torch has no index_copy_ for float8. Its scales are per layer, not per block: nothing else to copy.
+
 Precondition (the scheduler's copy-on-write gives it): the dst ids are distinct and no dst is
 also a src of the same call, so the copies are independent and their order does not matter.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.ops._triton import HAS_TRITON, require_triton, tl, triton
+from pagedllm.ops.kv_quant import bytes_view
 
 TILE = 1024  # elements per program
 
@@ -44,6 +48,7 @@ def _check(kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
 def copy_blocks_ref(kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     """kv[:, :, dst[i]] = kv[:, :, src[i]] for every i, in place; src, dst: [P] int64 block ids."""
     _check(kv, src, dst)
+    kv = bytes_view(kv)
     kv.index_copy_(2, dst, kv.index_select(2, src))
 
 
@@ -52,6 +57,7 @@ def copy_blocks(kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     require_triton()
     _check(kv, src, dst)
     assert kv.is_contiguous()
+    kv = bytes_view(kv)
     n = src.numel()
     if n == 0:
         return

@@ -7,6 +7,9 @@ Every layer that computes (RMSNorm, rotary, SiLU-and-mul, paged attention) is gi
   its paged attention is the references' grouped form (decode rows batched by length), tested
   equal to the looped `paged_attention_ref` in tests/ops/test_attention_ref.py.
 - `TritonKernels`: the Triton kernels (fused.py, store_kv.py, paged_attention.py), on CUDA.
+
+The KV caches are in the model's dtype or in fp8 (ops/kv_quant.py); `store_kv` and `attend` take
+the layer's K and V scales, which only an fp8 cache uses.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from pagedllm.ops.attention_ref import (
+    as_stored,
     paged_attention_grouped,
     paged_decode_attention_grouped,
     prefill_attention_ref,
@@ -47,8 +51,17 @@ class Kernels(Protocol):
         ...
 
     def store_kv(
-        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-    ) -> None: ...
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> None:
+        """Write k/v at slot_mapping; an fp8 cache stores saturate(k / k_scale), saturate(v / v_scale)."""
+        ...
 
     def attend(
         self,
@@ -59,9 +72,12 @@ class Kernels(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
-        """Attention of q over its sequence's context; empty caches (the profiling run, before
-        the KV tensor exists) mean the new tokens attend to each other only."""
+        """Attention of q over its sequence's context, read from the caches (dequantized with
+        k_scale / v_scale if fp8); empty caches (the profiling run, before the KV tensor exists)
+        mean the new tokens attend to each other only, unquantized."""
         ...
 
 
@@ -85,9 +101,16 @@ class TorchKernels:
         return apply_rotary_ref(q, k, cos_sin_cache, positions)
 
     def store_kv(
-        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
-        store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
+        store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def attend(
         self,
@@ -98,12 +121,21 @@ class TorchKernels:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
-        if meta.no_history or not k_cache.numel():  # pure prefill: attend over the new tokens directly
+        if not k_cache.numel():
+            return prefill_attention_ref(q, k, v, meta.cu_seqlens_q, scale)
+        if meta.no_history:  # pure prefill: attend over the new tokens directly, as the cache holds them
+            k, v = as_stored(k, k_scale, k_cache.dtype), as_stored(v, v_scale, v_cache.dtype)
             return prefill_attention_ref(q, k, v, meta.cu_seqlens_q, scale)
         if meta.decode_only:  # batched in groups of similar length, never padded to the longest
-            return paged_decode_attention_grouped(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
-        return paged_attention_grouped(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, scale)
+            return paged_decode_attention_grouped(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, k_scale, v_scale
+            )
+        return paged_attention_grouped(
+            q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, scale, k_scale, v_scale
+        )
 
 
 class TritonKernels:
@@ -135,9 +167,16 @@ class TritonKernels:
         return self._apply_rotary(q, k, cos_sin_cache, positions)  # in place
 
     def store_kv(
-        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
-        self._store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+        self._store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def attend(
         self,
@@ -148,6 +187,8 @@ class TritonKernels:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         if not k_cache.numel():  # the profiling run, before the KV tensor exists
             return prefill_attention_ref(q, k, v, meta.cu_seqlens_q, scale)
@@ -161,6 +202,8 @@ class TritonKernels:
             scale,
             max_seqlen_q=meta.max_seqlen_q,
             max_seqlen_k=meta.max_seqlen_k,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
 
 

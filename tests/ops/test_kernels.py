@@ -43,15 +43,15 @@ class CountingKernels(TorchKernels):
         self._count("apply_rotary")
         return super().apply_rotary(q, k, cos_sin_cache, positions)
 
-    def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
         self._count("store_kv")
-        super().store_kv(k, v, k_cache, v_cache, slot_mapping)
+        super().store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
-    def attend(self, q, k, v, k_cache, v_cache, meta, scale):
+    def attend(self, q, k, v, k_cache, v_cache, meta, scale, k_scale=1.0, v_scale=1.0):
         self._count("attend")
         if self.calls["attend"] == self.fail_at:
             raise RuntimeError("kernel failed")
-        return super().attend(q, k, v, k_cache, v_cache, meta, scale)
+        return super().attend(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale)
 
 
 def tiny_model(kernels: Kernels, num_blocks: int = 4, block_size: int = 4):
