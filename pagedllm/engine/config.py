@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from pagedllm.engine.errors import InvalidRequestError
 
 PREFIX_CACHING_HASH_ALGOS = ("xxhash", "sha256")
+# kv_cache_dtype as users spell it (vLLM's names; "fp8" is e4m3), and what "auto" resolves to: the model's dtype
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+RESOLVED_KV_CACHE_DTYPES = ("float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass
@@ -19,6 +22,8 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     trace_blocks: bool = False  # JSON-lines block lifecycle trace on stderr (or a list)
     prefix_caching_hash_algo: str = "xxhash"  # block hash: "xxhash" (xxh64, seeded per process) or "sha256"
+    # the KV storage format: as given (KV_CACHE_DTYPES) or as the runner resolved it (reported in metrics)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("num_kv_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -30,4 +35,9 @@ class SchedulerConfig:
                 f"prefix_caching_hash_algo must be one of {', '.join(PREFIX_CACHING_HASH_ALGOS)}, "
                 f"got {self.prefix_caching_hash_algo!r}",
                 "prefix_caching_hash_algo",
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES + RESOLVED_KV_CACHE_DTYPES:
+            raise InvalidRequestError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}",
+                "kv_cache_dtype",
             )

@@ -282,4 +282,6 @@ class EngineCore:
             "num_prefix_cache_evictions": kv.pool.num_evictions,
             "num_forked_sequences": self.scheduler.num_forked_sequences,
             "num_copy_on_write_blocks": kv.num_copy_on_writes,
+            "kv_cache_dtype": self.config.kv_cache_dtype,
+            "block_size": self.config.block_size,
         }

@@ -126,6 +126,11 @@ FLAG_HELP: dict[str, FlagHelp] = {
     "async_scheduling": FlagHelp(
         "schedule the next step while the GPU runs this one", "on with one GPU, off on CPU and with tensor parallelism"
     ),
+    "kv_cache_dtype": FlagHelp(
+        "KV cache storage: auto = the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2 store one byte per element, "
+        "with per-layer K/V scales from the checkpoint or measured at start-up",
+        choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+    ),
     "generation_config": FlagHelp(
         "sampling defaults of requests that leave fields unset: auto = the model's generation_config.json, "
         "vllm = none (SamplingParams' own), or a directory holding a generation_config.json",

@@ -42,6 +42,7 @@ class LLM:
         trace_blocks: bool = False,
         async_scheduling: bool | None = None,
         generation_config: str = "auto",
+        kv_cache_dtype: str = "auto",
         **kwargs: Any,
     ):
         if kwargs:
@@ -81,6 +82,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             prefix_caching_hash_algo=prefix_caching_hash_algo,
+            kv_cache_dtype=kv_cache_dtype,
         )  # validate
         import torch  # noqa: F401  (heavy imports only once the arguments are known good)
 
@@ -101,6 +103,7 @@ class LLM:
             enforce_eager=enforce_eager,
             seed=seed,
             eos_token_ids=eos,
+            kv_cache_dtype=kv_cache_dtype,
         )
         self.runner: Executor  # a ModelRunner, or a TPExecutor over tensor_parallel_size processes
         if tensor_parallel_size > 1:
@@ -120,6 +123,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             prefix_caching_hash_algo=prefix_caching_hash_algo,
             trace_blocks=trace_blocks,
+            kv_cache_dtype=self.runner.kv_cache_dtype,
         )
         self.hf_config = hf_config
         self.model_path = model

@@ -1,5 +1,9 @@
 """Load a Hugging Face safetensors checkpoint (single file or sharded) into a model,
-packing q/k/v and gate/up into their fused parameters and slicing for this TP rank."""
+packing q/k/v and gate/up into their fused parameters and slicing for this TP rank.
+
+A checkpoint made for an fp8 KV cache may carry per-layer KV scales (`...self_attn.k_scale`,
+`v_scale`, or one `kv_scale` for both; also under `self_attn.attn.`): they are returned, by
+attention layer, for the runner to use when the cache is fp8 (worker/kv_scales.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
+from pagedllm.model.attention import Attention
 from pagedllm.model.parallel import ShardedModule
 
 if TYPE_CHECKING:
@@ -23,14 +28,41 @@ def checkpoint_files(model_dir: str) -> list[str]:
     return files
 
 
-def load_weights(model: DecoderForCausalLM, model_dir: str) -> None:
+KV_SCALE_NAMES = {"k_scale": ("k_scale",), "v_scale": ("v_scale",), "kv_scale": ("k_scale", "v_scale")}
+
+
+def _kv_scale(model: DecoderForCausalLM, name: str, tensor: torch.Tensor) -> tuple[int, tuple[str, ...], float]:
+    """(attention layer index, which scales, value) of a checkpoint's KV-scale tensor."""
+    owner_name, _, kind = name.rpartition(".")
+    try:
+        owner = model.get_submodule(owner_name)
+    except AttributeError:
+        owner = None
+    attn = next((m for m in owner.modules() if isinstance(m, Attention)), None) if owner is not None else None
+    if attn is None:
+        raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+    if tensor.numel() != 1:
+        raise ValueError(
+            f"checkpoint tensor {name!r} holds {tensor.numel()} KV scales; only one per layer (per tensor) is supported"
+        )
+    return model.attention_layers().index(attn), KV_SCALE_NAMES[kind], float(tensor.float().reshape(()))
+
+
+def load_weights(model: DecoderForCausalLM, model_dir: str) -> dict[int, dict[str, float]]:
+    """Load every weight; returns the checkpoint's KV scales, attention layer index -> {"k_scale": .., "v_scale": ..}."""
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = model.packed_modules
     loaded: set[str] = set()
+    kv_scales: dict[int, dict[str, float]] = {}
     for path in checkpoint_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
                 if "rotary_emb.inv_freq" in name:
+                    continue
+                if name.rpartition(".")[2] in KV_SCALE_NAMES:
+                    layer, kinds, value = _kv_scale(model, name, f.get_tensor(name))
+                    for kind in kinds:
+                        kv_scales.setdefault(layer, {})[kind] = value
                     continue
                 if name == "lm_head.weight" and model.tie_word_embeddings:
                     continue
@@ -56,3 +88,4 @@ def load_weights(model: DecoderForCausalLM, model_dir: str) -> None:
         missing.discard("lm_head.weight")
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks weights for {sorted(missing)[:5]}")
+    return kv_scales

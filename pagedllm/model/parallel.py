@@ -60,3 +60,14 @@ def agree_min(n: int) -> int:
     t = torch.tensor([n], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())
+
+
+def agree_max(values: list[float]) -> list[float]:
+    """The elementwise largest of `values` over the ranks (e.g. the measured K/V ranges that size
+    an fp8 cache's scales: every rank then stores its heads with the same scales as TP=1 would)."""
+    if tp_size() == 1:
+        return list(values)
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# the fp8 names of kv_cache_dtype (engine/config.py KV_CACHE_DTYPES lists them all, with "auto")
 FP8_DTYPES: dict[str, torch.dtype] = {
     "fp8": torch.float8_e4m3fn,  # vLLM's spelling: fp8 means e4m3
     "fp8_e4m3": torch.float8_e4m3fn,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.ops.kv_quant import FP8_DTYPES
+
 GiB = 1 << 30
 
 
@@ -38,6 +40,32 @@ def resolve_dtype(dtype, hf_config, device: torch.device) -> torch.dtype:
     if dtype not in names:
         raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
     return names[dtype]
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV tensor's dtype: the model's for "auto", else fp8 (ops/kv_quant.py). ValueError naming the
+    option for an unknown name, or for fp8 on a GPU whose Triton cannot convert fp8 (before sm_89)."""
+    if kv_cache_dtype == "auto":
+        return dtype
+    if kv_cache_dtype not in FP8_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(FP8_DTYPES)}, got {kv_cache_dtype!r}")
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            raise ValueError(
+                f"kv_cache_dtype={kv_cache_dtype!r} needs a GPU of compute capability 8.9 or newer "
+                f"(Ada, Hopper) for the fp8 conversions of the Triton kernels; this one is {major}.{minor}: "
+                "use kv_cache_dtype='auto'"
+            )
+    elif device.type != "cpu":
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} runs on cuda or cpu, not on {device.type}")
+    return FP8_DTYPES[kv_cache_dtype]
+
+
+def kv_cache_dtype_name(dtype: torch.dtype) -> str:
+    """The resolved name reported in logs and metrics: "bfloat16", "fp8_e4m3", ..."""
+    names = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
+    return names.get(dtype, str(dtype).replace("torch.", ""))
 
 
 def available_ram_bytes() -> int:

@@ -21,9 +21,11 @@ from pagedllm.model.registry import build_model
 from pagedllm.ops import PAD_SLOT_ID
 from pagedllm.ops.copy_blocks import copy_blocks, copy_blocks_ref
 from pagedllm.ops.kernels import kernels_for
-from pagedllm.worker.device import GiB, available_ram_bytes
+from pagedllm.ops.kv_quant import is_fp8
+from pagedllm.worker.device import GiB, available_ram_bytes, kv_cache_dtype_name, resolve_kv_cache_dtype
 from pagedllm.worker.device import resolve_device as resolve_device  # re-exported: entrypoints/llm.py
 from pagedllm.worker.device import resolve_dtype as resolve_dtype
+from pagedllm.worker.kv_scales import CALIBRATION_SEQ_LEN, CALIBRATION_TOKENS, choose_kv_scales
 from pagedllm.worker.logprobs import PendingSampleLogprobs, prompt_logprobs
 from pagedllm.worker.sampler import sample, sampling_tensors
 from pagedllm.worker.step_handle import LaunchedStep, StepHandle
@@ -60,11 +62,16 @@ class ModelRunner:
         enforce_eager: bool = False,
         seed: int = 0,
         eos_token_ids: Iterable[int] = (),
+        kv_cache_dtype: str = "auto",
     ):
         """eos_token_ids: the ids that end a sequence, the scheduler's own set (masked while a
-        request has fewer than min_tokens outputs)."""
+        request has fewer than min_tokens outputs). kv_cache_dtype: "auto" (the model's dtype),
+        "fp8"/"fp8_e4m3" or "fp8_e5m2" (ops/kv_quant.py)."""
         self.hf_config = hf_config
         self.device, self.dtype = device, dtype
+        self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype, device)
+        self.kv_cache_dtype = kv_cache_dtype_name(self.kv_dtype)  # the resolved name, for logs and metrics
+        self.seed = seed
         self.block_size = block_size
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -79,11 +86,19 @@ class ModelRunner:
                 self.model = build_model(hf_config, kernels_for(device))
         finally:
             torch.set_default_dtype(default_dtype)
-        load_weights(self.model, model_dir)
+        checkpoint_kv_scales = load_weights(self.model, model_dir)
         self.model.eval()
         self.attn_layers = self.model.attention_layers()
         a = self.attn_layers[0]
         self.num_kv_heads, self.head_dim = a.num_kv_heads, a.head_dim
+        self.kv_scales: list[tuple[float, float]] = [(1.0, 1.0)] * len(self.attn_layers)
+        self.kv_scales_source = "none (the cache is in the model's dtype)"
+        if is_fp8(self.kv_dtype):  # before sizing and graphs: the scales are fixed from here on
+            self.kv_scales, self.kv_scales_source = choose_kv_scales(
+                self.attn_layers, checkpoint_kv_scales, self.kv_dtype, self._calibration_forward
+            )
+            for layer, (k_scale, v_scale) in zip(self.attn_layers, self.kv_scales, strict=True):
+                layer.set_kv_scales(k_scale, v_scale)
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.peak_activation_bytes = 0  # measured by the profiling run (CUDA, when it sizes the KV)
         self.num_kv_blocks = self._size_kv_cache(num_kv_blocks, kv_cache_memory_bytes, gpu_memory_utilization)
@@ -117,7 +132,7 @@ class ModelRunner:
             * self.num_kv_heads
             * self.block_size
             * self.head_dim
-            * torch.empty((), dtype=self.dtype).element_size()
+            * torch.empty((), dtype=self.kv_dtype).element_size()  # 1 for fp8
         )
 
     def _size_kv_cache(self, num_kv_blocks, kv_cache_memory_bytes, gpu_memory_utilization) -> int:
@@ -142,26 +157,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         n = min(self.max_num_batched_tokens, self.max_num_seqs * self.max_model_len)
         num_seqs = min(self.max_num_seqs, n)
-        per_seq = n // num_seqs
-        lens = np.full(num_seqs, per_seq, dtype=np.int64)
-        lens[: n - per_seq * num_seqs] += 1
-        cu = np.zeros(num_seqs + 1, dtype=np.int32)
-        np.cumsum(lens, out=cu[1:])
-        positions = np.concatenate([np.arange(k) for k in lens])
-        ids = np.random.randint(0, self.vocab_size, size=n)
-        # no KV is bound yet: attention runs over the new tokens only (block_tables unused)
-        meta = self._metadata_from(
-            slot_mapping=np.full(n, PAD_SLOT_ID),
-            block_tables=np.zeros((num_seqs, 1), np.int32),
-            cu=cu,
-            seq_lens=lens.astype(np.int32),
-            max_q=int(lens.max()),
-            max_k=int(lens.max()),
-            decode_only=False,
-            no_history=True,
-        )
-        hidden = self.model(torch.from_numpy(ids).to(self.device), torch.from_numpy(positions).to(self.device), meta)
-        self.model.compute_logits(hidden[cu[1:] - 1])
+        self._forward_without_kv(n, num_seqs, np.random.default_rng(self.seed), logits=True)
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         used = total - free
@@ -177,22 +173,68 @@ class ModelRunner:
             )
         return blocks
 
+    @torch.inference_mode()
+    def _forward_without_kv(self, n: int, num_seqs: int, rng: np.random.Generator, logits: bool = False) -> None:
+        """One forward over n random tokens in num_seqs sequences with no KV bound (the new tokens
+        attend to each other only): the profile run, and the fp8 scales' calibration."""
+        per_seq = n // num_seqs
+        lens = np.full(num_seqs, per_seq, dtype=np.int64)
+        lens[: n - per_seq * num_seqs] += 1
+        cu = np.zeros(num_seqs + 1, dtype=np.int32)
+        np.cumsum(lens, out=cu[1:])
+        positions = np.concatenate([np.arange(k) for k in lens])
+        ids = rng.integers(0, self.vocab_size, size=n)
+        meta = self._metadata_from(
+            slot_mapping=np.full(n, PAD_SLOT_ID),
+            block_tables=np.zeros((num_seqs, 1), np.int32),  # unused: no KV is bound yet
+            cu=cu,
+            seq_lens=lens.astype(np.int32),
+            max_q=int(lens.max()),
+            max_k=int(lens.max()),
+            decode_only=False,
+            no_history=True,
+        )
+        hidden = self.model(torch.from_numpy(ids).to(self.device), torch.from_numpy(positions).to(self.device), meta)
+        if logits:
+            self.model.compute_logits(hidden[cu[1:] - 1])
+
+    def _calibration_forward(self) -> None:
+        """The forward whose K/V ranges size the fp8 scales (worker/kv_scales.py): seeded, so a
+        restart with the same seed picks the same scales."""
+        n = min(CALIBRATION_TOKENS, self.max_num_batched_tokens, self.max_num_seqs * self.max_model_len)
+        seq_len = min(CALIBRATION_SEQ_LEN, self.max_model_len)
+        self._forward_without_kv(n, max(1, min(self.max_num_seqs, -(-n // seq_len))), np.random.default_rng(self.seed))
+
     def _allocate_kv_cache(self) -> None:
         n_layers = len(self.attn_layers)
         shape = (2, n_layers, self.num_kv_blocks, self.num_kv_heads, self.block_size, self.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # zeroed bytes (a finite 0.0 in every format; CPU torch cannot fill float8 tensors directly)
+        raw = torch.zeros(shape, dtype=torch.uint8 if is_fp8(self.kv_dtype) else self.kv_dtype, device=self.device)
+        self.kv_cache = raw.view(self.kv_dtype)
         self.model.bind_kv_cache(
             [self.kv_cache[0, i] for i in range(n_layers)], [self.kv_cache[1, i] for i in range(n_layers)]
         )
         peak = self.peak_activation_bytes
         logger.info(
-            "KV cache: %d blocks x %d tokens = %.3f GiB; weights %.3f GiB; peak activations %.3f GiB",
+            "KV cache: %s, %d blocks x %d tokens = %.3f GiB; weights %.3f GiB; peak activations %.3f GiB",
+            self.kv_cache_dtype,
             self.num_kv_blocks,
             self.block_size,
             self.kv_cache.numel() * self.kv_cache.element_size() / GiB,
             self.weights_bytes / GiB,
             peak / GiB,
         )
+        if is_fp8(self.kv_dtype):
+            ks, vs = [k for k, _ in self.kv_scales], [v for _, v in self.kv_scales]
+            logger.info(
+                "KV scales (%s): k %.4g..%.4g, v %.4g..%.4g over %d layers",
+                self.kv_scales_source,
+                min(ks),
+                max(ks),
+                min(vs),
+                max(vs),
+                len(ks),
+            )
 
     @torch.inference_mode()
     def _warm_up_kernels(self) -> None:

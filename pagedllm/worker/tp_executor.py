@@ -311,6 +311,10 @@ class TPExecutor:
     def num_kv_blocks(self) -> int:
         return self.driver.num_kv_blocks  # the same on every rank (agree_min)
 
+    @property
+    def kv_cache_dtype(self) -> str:
+        return self.driver.kv_cache_dtype  # the same on every rank, as are the fp8 scales (agree_max)
+
     def execute(self, scheduler_output: SchedulerOutput) -> StepResult:
         return self.run(self.driver.step_inputs(scheduler_output))
 

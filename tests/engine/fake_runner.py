@@ -65,6 +65,7 @@ class ShadowRunner:
         self.block_size = block_size
         self.salt_by_seed = salt_by_seed
         self.num_kv_blocks = num_kv_blocks
+        self.kv_cache_dtype = "float32"  # the Executor protocol: nothing is stored, any name will do
         self.supports_async = supports_async
         self.closed = False
         self.shadow: dict[int, tuple[int, int]] = {}

@@ -139,6 +139,22 @@ class _EngineCollector(Collector):
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric([self.model_name], float(m.get(key, 0)))
             yield c
+        # the KV cache's configuration as labels of a constant 1, as vLLM's vllm:cache_config_info
+        info = GaugeMetricFamily(
+            "pagedllm:cache_config_info",
+            "KV cache configuration (labels); the value is always 1.",
+            labels=["model_name", "kv_cache_dtype", "block_size", "num_gpu_blocks"],
+        )
+        info.add_metric(
+            [
+                self.model_name,
+                str(m.get("kv_cache_dtype", "")),
+                str(m.get("block_size", "")),
+                str(m.get("num_kv_blocks", "")),
+            ],
+            1.0,
+        )
+        yield info
 
 
 class ServerMetrics:

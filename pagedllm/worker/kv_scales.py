@@ -1,0 +1,83 @@
+"""The K and V scales of an fp8 KV cache, one pair per layer (vLLM's per-tensor scheme).
+
+Taken from the checkpoint when it has them (`model/loader.py` reads `...self_attn.k_scale`,
+`v_scale`, or one `kv_scale` for both), otherwise measured at start-up: one forward over
+`CALIBRATION_TOKENS` seeded random token ids with no KV bound (the new tokens attend to each
+other), recording each layer's largest |K| and |V| as they enter attention (after the q/k norm
+and rotary). A measured scale maps HEADROOM times that largest value onto the format's largest
+finite value, so values up to twice the calibration's range are stored unclipped, and larger ones
+saturate (ops/kv_quant.py) instead of overflowing. With tensor parallelism the ranges are the max
+over ranks, so every rank uses the scales TP=1 would.
+
+Why a margin of 2: fp8 is floating point, so its relative precision (3 mantissa bits for e4m3)
+is the same across the range; a wider range costs precision only below 2**-6 of the largest
+value (e4m3's subnormals), where K and V entries contribute nothing measurable to attention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from pagedllm.model.attention import Attention
+from pagedllm.model.parallel import agree_max
+from pagedllm.ops.kv_quant import fp8_max
+
+CALIBRATION_TOKENS = 2048  # at most; in sequences of CALIBRATION_SEQ_LEN
+CALIBRATION_SEQ_LEN = 512
+HEADROOM = 2.0
+_TINY = 1e-12  # a layer whose K (or V) is all zeros still gets a finite, positive scale
+
+
+def measure_kv_ranges(layers: Sequence[Attention], forward: Callable[[], None]) -> list[tuple[float, float]]:
+    """(max |K|, max |V|) per layer over one call of `forward`, agreed over TP ranks."""
+    amax = [[0.0, 0.0] for _ in layers]
+
+    def hook(i: int):
+        def record(_module, args) -> None:
+            _q, k, v = args[0], args[1], args[2]
+            if k.numel():
+                amax[i][0] = max(amax[i][0], float(k.detach().abs().amax()))
+                amax[i][1] = max(amax[i][1], float(v.detach().abs().amax()))
+
+        return record
+
+    handles = [layer.register_forward_pre_hook(hook(i)) for i, layer in enumerate(layers)]
+    try:
+        forward()
+    finally:
+        for h in handles:
+            h.remove()
+    flat = agree_max([x for pair in amax for x in pair])
+    return [(flat[2 * i], flat[2 * i + 1]) for i in range(len(layers))]
+
+
+def scale_for(amax: float, dtype: torch.dtype) -> float:
+    """The scale that stores amax * HEADROOM as the format's largest finite value."""
+    return max(amax, _TINY) * HEADROOM / fp8_max(dtype)
+
+
+def choose_kv_scales(
+    layers: Sequence[Attention],
+    checkpoint: dict[int, dict[str, float]],
+    dtype: torch.dtype,
+    forward: Callable[[], None],
+) -> tuple[list[tuple[float, float]], str]:
+    """Each layer's (k_scale, v_scale) and where they came from ("checkpoint", "measured" or
+    "checkpoint + measured"). checkpoint: layer index -> {"k_scale": .., "v_scale": ..} as loaded."""
+    have = [("k_scale" in checkpoint.get(i, {}), "v_scale" in checkpoint.get(i, {})) for i in range(len(layers))]
+    measured: list[tuple[float, float]] | None = None
+    if not all(k and v for k, v in have):
+        measured = [(scale_for(k, dtype), scale_for(v, dtype)) for k, v in measure_kv_ranges(layers, forward)]
+    scales = []
+    for i in range(len(layers)):
+        ck = checkpoint.get(i, {})
+        k = ck["k_scale"] if "k_scale" in ck else measured[i][0]  # type: ignore[index]
+        v = ck["v_scale"] if "v_scale" in ck else measured[i][1]  # type: ignore[index]
+        scales.append((k, v))
+    if measured is None:
+        source = "checkpoint"
+    else:
+        source = "checkpoint + measured" if any(k or v for k, v in have) else "measured"
+    return scales, source
