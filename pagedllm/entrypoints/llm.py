@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagedllm.engine import LLMEngine, RequestOutput, SamplingParams, SchedulerConfig
+from pagedllm.engine.config import KV_CACHE_DTYPES
 from pagedllm.engine.errors import InvalidRequestError
 from pagedllm.engine.executor import Executor
 from pagedllm.engine.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput
@@ -59,6 +60,10 @@ class LLM:
         if async_scheduling not in (None, True, False):
             raise InvalidRequestError(
                 f"async_scheduling must be True, False or None (auto), got {async_scheduling!r}", "async_scheduling"
+            )
+        if kv_cache_dtype not in KV_CACHE_DTYPES:  # the config also takes resolved names; a user gives these
+            raise InvalidRequestError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}", "kv_cache_dtype"
             )
         ensure_log_handler()  # the INFO lines (KV cache size, ...) visible as in vLLM, unless logging is set up
         model = os.fspath(model)

@@ -2,7 +2,7 @@
 
 Taken from the checkpoint when it has them (`model/loader.py` reads `...self_attn.k_scale`,
 `v_scale`, or one `kv_scale` for both), otherwise measured at start-up: one forward over
-`CALIBRATION_TOKENS` seeded random token ids with no KV bound (the new tokens attend to each
+`CALIBRATION_TOKENS` random token ids (seeded with the engine's seed) with no KV bound (the new tokens attend to each
 other), recording each layer's largest |K| and |V| as they enter attention (after the q/k norm
 and rotary). A measured scale maps HEADROOM times that largest value onto the format's largest
 finite value, so values up to twice the calibration's range are stored unclipped, and larger ones
@@ -24,7 +24,7 @@ from pagedllm.model.attention import Attention
 from pagedllm.model.parallel import agree_max
 from pagedllm.ops.kv_quant import fp8_max
 
-CALIBRATION_TOKENS = 2048  # at most; in sequences of CALIBRATION_SEQ_LEN
+CALIBRATION_TOKENS = 2048  # in sequences of CALIBRATION_SEQ_LEN tokens (or max_model_len, if shorter)
 CALIBRATION_SEQ_LEN = 512
 HEADROOM = 2.0
 _TINY = 1e-12  # a layer whose K (or V) is all zeros still gets a finite, positive scale

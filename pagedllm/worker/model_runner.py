@@ -199,11 +199,12 @@ class ModelRunner:
             self.model.compute_logits(hidden[cu[1:] - 1])
 
     def _calibration_forward(self) -> None:
-        """The forward whose K/V ranges size the fp8 scales (worker/kv_scales.py): seeded, so a
-        restart with the same seed picks the same scales."""
-        n = min(CALIBRATION_TOKENS, self.max_num_batched_tokens, self.max_num_seqs * self.max_model_len)
+        """The forward whose K/V ranges size the fp8 scales (worker/kv_scales.py): seeded, and the
+        same batch whatever the scheduler's limits (a start-up pass, not a step), so engines that
+        differ only in those limits store the same bytes."""
         seq_len = min(CALIBRATION_SEQ_LEN, self.max_model_len)
-        self._forward_without_kv(n, max(1, min(self.max_num_seqs, -(-n // seq_len))), np.random.default_rng(self.seed))
+        num_seqs = -(-CALIBRATION_TOKENS // seq_len)
+        self._forward_without_kv(num_seqs * seq_len, num_seqs, np.random.default_rng(self.seed))
 
     def _allocate_kv_cache(self) -> None:
         n_layers = len(self.attn_layers)
