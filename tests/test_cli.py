@@ -114,6 +114,13 @@ def test_sampling_flags_over_model_defaults_over_samplingparams(tmp_path):
 
 
 # ---- generate -----------------------------------------------------------------------------
+def test_generate_with_an_fp8_kv_cache(model, capsys):
+    rc = cli.main(["generate", PROMPTS[0], "--model", model, *ENGINE, "--max-tokens", "4", "--kv-cache-dtype", "fp8"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert out.startswith(PROMPTS[0]) and "KV cache: fp8_e4m3" in err
+
+
 def test_generate_one_prompt_streams(model, reference, capsys, monkeypatch):
     writes = []
     real_write = cli_generate._write
@@ -204,6 +211,7 @@ def test_missing_model_dir_subprocess(tmp_path):
         (["--top-p", "1.5"], "--top-p"),
         (["--block-size", "0"], "--block-size"),
         (["--device", "tpu"], "--device"),
+        (["--kv-cache-dtype", "int8"], "--kv-cache-dtype"),
         (["--gpu-memory-utilization", "2"], "--gpu-memory-utilization"),
         (["--no-such-flag"], "--no-such-flag"),
     ],

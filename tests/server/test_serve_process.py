@@ -26,6 +26,7 @@ KEY = "sk-from-env"
 def proc_server(long_context_model, tmp_path_factory):
     env = dict(os.environ, PAGEDLLM_API_KEY=KEY)
     args = ["--model", long_context_model, "--device", "cpu", "--num-kv-blocks", "2100", "--max-num-seqs", "1"]
+    args += ["--kv-cache-dtype", "fp8"]  # the server's path to an fp8 cache (the checks below do not depend on it)
     args += ["--max-queue-len", "1", "--served-model-name", "tiny", "--log-level", "warning"]
     args += ["--allowed-hosts", "gpu-box.lan", "--max-request-body-size", "1MiB"]
     log = open(tmp_path_factory.mktemp("serve_log") / "server.log", "w+")
@@ -53,6 +54,8 @@ def test_a_busy_port_is_one_line_and_exit_1_before_the_model_loads(tiny_models):
 
 def test_key_from_env_queue_full_and_sigterm_with_an_open_stream(proc_server):
     url = proc_server.url
+    info = [lab for name, lab, _ in scrape(url) if name == "pagedllm:cache_config_info"]
+    assert info and info[0]["kv_cache_dtype"] == "fp8_e4m3" and info[0]["num_gpu_blocks"] == "2100"
     assert httpx.post(url + "/v1/completions", json={"prompt": "x"}).status_code == 401
     # bound to 127.0.0.1: a page that rebinds its own name to it is refused (DNS rebinding)
     foreign = httpx.get(url + "/health", headers={"Host": "evil.example:8000"})
