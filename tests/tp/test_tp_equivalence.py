@@ -33,3 +33,18 @@ def test_tp2_equals_tp1_and_hf(tiny_models, family):
     # close() stopped the worker cleanly and left nothing behind
     assert workers[0].exitcode == 0
     assert set(multiprocessing.active_children()) <= others
+
+
+def test_tp2_with_an_fp8_cache_equals_tp1(tiny_models):
+    """Each rank measures the K/V ranges of its own heads; the scales are their max over the ranks,
+    so both ranks store with the scales TP=1 measures and the tokens agree."""
+    path = tiny_models["llama"]
+    prompts, max_tokens = workload()
+    tp1 = LLM(path, kv_cache_dtype="fp8", **PREEMPTING)
+    expected, scales = generate(tp1, prompts, max_tokens), tp1.runner.kv_scales
+    del tp1
+    with LLM(path, tensor_parallel_size=2, kv_cache_dtype="fp8", **PREEMPTING) as llm:
+        flat = [x for pair in llm.runner.driver.kv_scales for x in pair]
+        assert flat == pytest.approx([x for pair in scales for x in pair], rel=1e-6)
+        assert generate(llm, prompts, max_tokens) == expected
+        assert llm.get_metrics()["kv_cache_dtype"] == "fp8_e4m3"
