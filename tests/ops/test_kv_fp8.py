@@ -76,7 +76,7 @@ def check_store(n, hkv, d, bs, fp8, k_scale, v_scale, device):
     assert same_bytes(kc, kc2) and same_bytes(vc, vc2)
     # saturation: finite input never stores NaN, out-of-range input stores +-max
     kept = slots >= 0
-    stored = kc[slots[kept] // bs, :, slots[kept] % bs].float()  # [kept, hkv, d]
+    stored = kc.view(torch.uint8)[slots[kept] // bs, :, slots[kept] % bs].view(fp8).float()  # [kept, hkv, d]
     assert torch.isfinite(stored).all()
     big = key[kept].float().abs() > 2 * fp8_max(fp8) * k_scale
     assert big.any() and (stored[big].abs() == fp8_max(fp8)).all()
