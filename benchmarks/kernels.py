@@ -1,13 +1,21 @@
 """Kernel micro-benchmarks (CUDA only): paged attention decode and prefill.
 
-Decode reports achieved KV bandwidth (bytes of K and V read / kernel time, TB/s); prefill
-reports TFLOP/s counting only the causally visible (query, key) pairs, 4 * head_dim FLOPs
-each (QK^T and PV). Shapes follow Qwen3-0.6B: 16 query heads, 8 KV heads, head_dim 128,
-block_size 16, bf16. Block tables are random permutations (no locality between blocks).
+Decode reports achieved KV bandwidth (bytes of K and V read, in the cache's format, / kernel
+time, TB/s) and its ratio to a device copy's bandwidth measured the same way (a 1 GiB tensor
+copied, bytes read plus written: what the memory system sustains); prefill reports TFLOP/s
+counting only the causally visible (query, key) pairs, 4 * head_dim FLOPs each (QK^T and PV).
+Shapes follow Qwen3-0.6B: 16 query heads, 8 KV heads, head_dim 128, block_size 16, bf16 q.
+Block tables are random permutations (no locality between blocks).
 
-    python benchmarks/kernels.py [--out FILE] [--sweep]
+    python benchmarks/kernels.py [--out FILE] [--sweep] [--kv-cache-dtype auto|fp8|fp8_e5m2]
 
---sweep also times a grid of tile configurations and split counts and reports the best.
+--kv-cache-dtype: the cache format of every case (auto: q's dtype, bf16); an fp8 cache holds
+randn K/V quantized with per-tensor scales amax / fp8_max, and the check compares against the
+reference dequantizing the same bytes. The default run always includes decode at batch 256 x
+context 1024 with fp8 (e4m3) KV, issue 15's number: fp8 KV bytes per second against the copy
+bandwidth, the goal being >= 0.8 (`kv_vs_copy`).
+--sweep also times a grid of tile configurations and split counts and reports the best (for
+the --kv-cache-dtype given; the fp8 rows of paged_attention.TILES come from it).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import triton  # noqa: E402
 from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
 from pagedllm.ops.attention_ref import paged_attention_ref  # noqa: E402
+from pagedllm.ops.kv_quant import FP8_DTYPES, KV_CACHE_DTYPES, fp8_max, quantize_ref  # noqa: E402
 from pagedllm.ops.paged_attention import (  # noqa: E402
     _pick_config,
     default_num_splits,
@@ -39,13 +48,24 @@ HQ, HKV, D, BS, DTYPE = 16, 8, 128, 16, torch.bfloat16
 DEVICE = "cuda"
 
 
-def make_inputs(q_lens, seq_lens, seed=0):
+def kv_dtype_of(kv_cache_dtype: str) -> torch.dtype:
+    return DTYPE if kv_cache_dtype == "auto" else FP8_DTYPES[kv_cache_dtype]
+
+
+def make_inputs(q_lens, seq_lens, kv_dtype=DTYPE, seed=0):
+    """Arguments of paged_attention(_ref); k_scale / v_scale are 1.0 unless the cache is fp8."""
     torch.manual_seed(seed)
     dev = DEVICE
     nb = [math.ceil(s / BS) for s in seq_lens]
     num_blocks = sum(nb)
     k_cache = torch.randn(num_blocks, HKV, BS, D, device=dev, dtype=DTYPE)
     v_cache = torch.randn_like(k_cache)
+    k_scale = v_scale = 1.0
+    if kv_dtype != DTYPE:  # fp8: per-tensor scales from the data, as a calibration would give
+        k_scale = k_cache.abs().max().item() / fp8_max(kv_dtype)
+        v_scale = v_cache.abs().max().item() / fp8_max(kv_dtype)
+        k_cache = quantize_ref(k_cache, k_scale, kv_dtype)
+        v_cache = quantize_ref(v_cache, v_scale, kv_dtype)
     perm = torch.randperm(num_blocks, device=dev).int()
     bt = torch.zeros(len(seq_lens), max(nb), dtype=torch.int32, device=dev)
     used = 0
@@ -55,7 +75,17 @@ def make_inputs(q_lens, seq_lens, seed=0):
     cu = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32, device=dev)
     q = torch.randn(int(sum(q_lens)), HQ, D, device=dev, dtype=DTYPE)
     sl = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
-    return dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=bt, cu_seqlens_q=cu, seq_lens=sl, scale=D**-0.5)
+    return dict(
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_tables=bt,
+        cu_seqlens_q=cu,
+        seq_lens=sl,
+        scale=D**-0.5,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
 
 
 def time_ms(fn, graph=False):
@@ -73,9 +103,9 @@ def check(inp, out, max_seqlen_q):
     return err
 
 
-def bench_decode(batch, ctx, sweep):
-    inp = make_inputs([1] * batch, [ctx] * batch)
-    kv_bytes = 2 * batch * ctx * HKV * D * inp["k_cache"].element_size()
+def bench_decode(batch, ctx, sweep, kv_dtype, copy_TBps):
+    inp = make_inputs([1] * batch, [ctx] * batch, kv_dtype)
+    kv_bytes = 2 * batch * ctx * HKV * D * inp["k_cache"].element_size()  # in the cache's format
     out = torch.empty_like(inp["q"])
 
     def run(num_splits=None, cfg=None):
@@ -90,20 +120,23 @@ def bench_decode(batch, ctx, sweep):
     res = dict(
         batch=batch,
         ctx=ctx,
+        kv_dtype=str(kv_dtype),
         num_splits=splits,
         ms=ms,
         ms_graph=ms_graph,
         kv_TBps=kv_bytes / ms / 1e9,
         kv_TBps_graph=kv_bytes / ms_graph / 1e9,
+        kv_vs_copy=kv_bytes / ms_graph / 1e9 / copy_TBps,
         max_abs_err=err,
-        config=_pick_config(True, 2, D, DTYPE),
+        config=_pick_config(True, 2, D, DTYPE, kv_dtype),
     )
     if sweep:
         rows = []
+        fp8 = kv_dtype != DTYPE
         if splits == 1:
-            grid = itertools.product([1], [32, 64, 128], [4, 8], [2, 3, 4])
+            grid = itertools.product([1], [64, 128, 256] if fp8 else [32, 64, 128], [4, 8], [2, 3, 4])
         else:
-            grid = itertools.product(sorted({4, 8, 16, 32, splits}), [64, 128], [4], [3])
+            grid = itertools.product(sorted({4, 8, 16, 32, splits}), [64, 128, 256] if fp8 else [64, 128], [4], [3])
         for s, bn, nw, st in grid:
             cfg = dict(BLOCK_Q=8, BLOCK_N=bn, num_warps=nw, num_stages=st)
             try:
@@ -111,15 +144,17 @@ def bench_decode(batch, ctx, sweep):
             except Exception as e:  # noqa: BLE001 - out of shared memory etc.
                 rows.append(dict(splits=s, **cfg, error=type(e).__name__))
                 continue
-            rows.append(dict(splits=s, **cfg, ms=t, kv_TBps=kv_bytes / t / 1e9))
+            rows.append(
+                dict(splits=s, **cfg, ms=t, kv_TBps=kv_bytes / t / 1e9, kv_vs_copy=kv_bytes / t / 1e9 / copy_TBps)
+            )
         ok = [r for r in rows if "ms" in r]
         res["sweep_best"] = sorted(ok, key=lambda r: r["ms"])[:5]
         res["sweep_n"] = len(rows)
     return res
 
 
-def bench_prefill(n_seqs, new, hist, sweep):
-    inp = make_inputs([new] * n_seqs, [new + hist] * n_seqs)
+def bench_prefill(n_seqs, new, hist, sweep, kv_dtype):
+    inp = make_inputs([new] * n_seqs, [new + hist] * n_seqs, kv_dtype)
     pairs = n_seqs * (new * hist + new * (new + 1) // 2)
     flops = 4 * D * HQ * pairs
     out = torch.empty_like(inp["q"])
@@ -134,9 +169,10 @@ def bench_prefill(n_seqs, new, hist, sweep):
         new_tokens=new,
         history=hist,
         ms=ms,
+        kv_dtype=str(kv_dtype),
         TFLOPs=flops / ms / 1e9,
         max_abs_err=err,
-        config=_pick_config(False, 2, D, DTYPE),
+        config=_pick_config(False, 2, D, DTYPE, kv_dtype),
     )
     if sweep:
         rows = []
@@ -165,35 +201,45 @@ def bench_prefill(n_seqs, new, hist, sweep):
 
 
 def copy_bandwidth():
-    x = torch.empty(2 * 1024**3 // 2, dtype=torch.bfloat16, device="cuda")
+    """A 1 GiB device-to-device copy, timed as decode is (plain and in a CUDA graph); TB/s of
+    bytes read plus written."""
+    x = torch.empty(1024**3, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
-    ms = do_bench(lambda: y.copy_(x), warmup=10, rep=50)
-    return 2 * x.numel() * x.element_size() / ms / 1e9
+    moved = 2 * x.numel()
+    ms, ms_graph = time_ms(lambda: y.copy_(x)), time_ms(lambda: y.copy_(x), graph=True)
+    return dict(bytes=moved, ms=ms, ms_graph=ms_graph, TBps=moved / ms / 1e9, TBps_graph=moved / ms_graph / 1e9)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="write the JSON result here")
     ap.add_argument("--sweep", action="store_true", help="also time tile/split variants")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="the KV cache's format")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs CUDA")
+    kv = kv_dtype_of(args.kv_cache_dtype)
+    fp8 = FP8_DTYPES["fp8"]
     t0 = time.time()
     res = dict(
         gpu=torch.cuda.get_device_name(),
         torch=torch.__version__,
         triton=triton.__version__,
         python=platform.python_version(),
-        shape=dict(hq=HQ, hkv=HKV, head_dim=D, block_size=BS, dtype=str(DTYPE)),
+        shape=dict(hq=HQ, hkv=HKV, head_dim=D, block_size=BS, dtype=str(DTYPE), kv_cache_dtype=args.kv_cache_dtype),
     )
+    res["copy"] = copy = copy_bandwidth()
+    print(json.dumps({"copy": copy}), file=sys.stderr, flush=True)
+    copy_TBps = copy["TBps_graph"]
     cases = [
-        ("copy_TBps_read_plus_write", copy_bandwidth),
-        ("decode_256x1024", lambda: bench_decode(256, 1024, args.sweep)),
-        ("decode_8x8192", lambda: bench_decode(8, 8192, args.sweep)),
-        ("prefill_4x1024", lambda: bench_prefill(4, 1024, 0, args.sweep)),
-        ("prefill_4x1024_hist1024", lambda: bench_prefill(4, 1024, 1024, args.sweep)),
-        ("prefill_1x4096", lambda: bench_prefill(1, 4096, 0, False)),
+        ("decode_256x1024", lambda: bench_decode(256, 1024, args.sweep, kv, copy_TBps)),
+        ("decode_8x8192", lambda: bench_decode(8, 8192, args.sweep, kv, copy_TBps)),
+        ("prefill_4x1024", lambda: bench_prefill(4, 1024, 0, args.sweep, kv)),
+        ("prefill_4x1024_hist1024", lambda: bench_prefill(4, 1024, 1024, args.sweep, kv)),
+        ("prefill_1x4096", lambda: bench_prefill(1, 4096, 0, False, kv)),
     ]
+    if kv != fp8:  # issue 15's number is in every run
+        cases.insert(1, ("decode_256x1024_fp8", lambda: bench_decode(256, 1024, False, fp8, copy_TBps)))
     for name, fn in cases:
         res[name] = fn()
         print(json.dumps({name: res[name]}), file=sys.stderr, flush=True)  # progress

@@ -15,6 +15,10 @@ length inside the kernel; each split writes its normalised partial output and it
 log2-sum-exp, and a second kernel merges them. Grid sizes depend only on shapes and python
 ints, so the decode path can be captured in a CUDA graph.
 
+An fp8 cache (ops/kv_quant.py) is read as fp8 bytes and converted in registers to q's dtype
+(exact); k_scale is folded into the softmax scale here and v_scale multiplies the output in
+the kernel (paged_attention_kernels.py), so grids and the split-K merge are unchanged.
+
 Reference: `attention_ref.paged_attention_ref`. The kernels: paged_attention_kernels.py.
 """
 
@@ -24,21 +28,36 @@ import torch
 
 from pagedllm.ops import paged_attention_kernels as kernels
 from pagedllm.ops._triton import is_interpreted, next_pow2, num_sms, require_triton, triton
+from pagedllm.ops.kv_quant import is_fp8
+
+# ---- Tile table: (phase, KV format) -> (BLOCK_N, num_warps, num_stages) -------------------------
+# For q in bf16/fp16 with head_dim <= 128; fp32 q or a wider head uses BLOCK_N 32 (registers).
+# Tune the fp8 rows on the H200 with `python benchmarks/kernels.py --sweep --kv-cache-dtype fp8`
+# (and fp8_e5m2), then write the best rows here with the numbers they gave.
+TILES: dict[tuple[str, str], tuple[int, int, int]] = {
+    # measured, H200, triton 3.6, Qwen3-0.6B shape, bf16 KV: decode the best of 18 (4.44 TB/s of KV
+    # at batch 256 x 1024), prefill the best of 12
+    ("decode", "16bit"): (64, 4, 2),
+    ("prefill", "16bit"): (64, 4, 2),
+    # NOT MEASURED (fp8 KV): a tile of 128 fp8 keys is the bytes of 64 bf16 ones, so decode, which
+    # is bound by KV bytes, gets as many bytes in flight per tile as the bf16 choice; prefill is
+    # bound by the dots (K/V are converted to q's dtype first) and keeps the bf16 tile
+    ("decode", "fp8"): (128, 4, 2),
+    ("prefill", "fp8"): (64, 4, 2),
+}
+WIDE_BLOCK_N = 32
 
 
-def _pick_config(decode: bool, g_pad: int, head_dim: int, dtype: torch.dtype) -> dict:
-    """Tile shapes, from shapes and dtype only.
-
-    Measured on an H200 (triton 3.6, Qwen3-0.6B shape, bf16; benchmarks/kernels.py --sweep):
-    decode BLOCK_N 64 / 4 warps / 2 stages was the best of 18 (4.44 TB/s of KV at batch 256 x
-    1024); prefill BLOCK_M 64 / BLOCK_N 64 / 4 warps / 2 stages the best of 12.
-    """
-    wide = dtype == torch.float32 or head_dim > 128
-    if decode:
-        block_q = max(1, 16 // g_pad)
-        return dict(BLOCK_Q=block_q, BLOCK_N=32 if wide else 64, num_warps=4, num_stages=2)
-    block_q = max(1, 64 // g_pad)
-    return dict(BLOCK_Q=block_q, BLOCK_N=32 if wide else 64, num_warps=4, num_stages=2)
+def _pick_config(
+    decode: bool, g_pad: int, head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
+) -> dict:
+    """Tile shapes from shapes and dtypes only (q's, and the cache's if not q's): `TILES`."""
+    kv_format = "fp8" if kv_dtype is not None and is_fp8(kv_dtype) else "16bit"
+    block_n, num_warps, num_stages = TILES[("decode" if decode else "prefill", kv_format)]
+    if dtype == torch.float32 or head_dim > 128:
+        block_n = WIDE_BLOCK_N
+    block_q = max(1, (16 if decode else 64) // g_pad)  # decode: M = BLOCK_Q * G_PAD >= 16 for tl.dot
+    return dict(BLOCK_Q=block_q, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_seqlen_k: int, device: torch.device) -> int:
@@ -68,6 +87,8 @@ def paged_attention(
     max_seqlen_k: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     _config: dict | None = None,
 ) -> torch.Tensor:
     """Same semantics as `paged_attention_ref`; returns out [T, Hq, D] in q's dtype.
@@ -84,6 +105,8 @@ def paged_attention(
     t, hq, d = q.shape
     num_blocks, hkv, block_size, dk = k_cache.shape
     assert dk == d and v_cache.shape == k_cache.shape and hq % hkv == 0
+    assert v_cache.dtype == k_cache.dtype
+    kv_fp8 = is_fp8(k_cache.dtype)
     assert d & (d - 1) == 0 and d >= 16, "head_dim must be a power of two >= 16"
     assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
     for x in (q, k_cache, v_cache):
@@ -101,7 +124,7 @@ def paged_attention(
         return out
     group = hq // hkv
     g_pad = next_pow2(group)
-    cfg = dict(_config) if _config else _pick_config(decode, g_pad, d, q.dtype)
+    cfg = dict(_config) if _config else _pick_config(decode, g_pad, d, q.dtype, k_cache.dtype)
     block_q = cfg.pop("BLOCK_Q")
     if num_splits is None:
         if decode:
@@ -127,7 +150,9 @@ def paged_attention(
         seq_lens,
         part_out,
         part_lse,
-        float(scale) * kernels.LOG2E,
+        # k_scale folded in: q . (stored * k_scale) = k_scale * (q . stored)
+        float(scale) * float(k_scale) * kernels.LOG2E if kv_fp8 else float(scale) * kernels.LOG2E,
+        float(v_scale) if kv_fp8 else 1.0,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -148,6 +173,7 @@ def paged_attention(
         DECODE=decode,
         DOT_PREC="ieee" if q.dtype == torch.float32 else None,
         UPCAST=is_interpreted(kernels._paged_attn_kernel) and q.dtype != torch.float32,
+        KV_FP8=kv_fp8,
         **cfg,
     )
     if num_splits > 1:
@@ -176,6 +202,8 @@ def paged_attention_decode(
     max_seqlen_k: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """One new token per sequence (q: [B, Hq, D]); CUDA-graph capturable."""
     return paged_attention(
@@ -190,6 +218,8 @@ def paged_attention_decode(
         max_seqlen_k=max_seqlen_k,
         num_splits=num_splits,
         out=out,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 

@@ -3,6 +3,12 @@
 `_paged_attn_kernel` computes one (query tile x GQA group x context split) program with an
 unmasked loop over the keys every row sees and a masked loop over the diagonal tiles;
 `_merge_splits_kernel` combines the splits of flash-decoding by their log2-sum-exp.
+
+fp8 KV (KV_FP8, a constexpr: the 16-bit path compiles as before): K and V tiles are loaded as
+fp8 bytes and converted in registers to q's dtype, which holds every e4m3 and e5m2 value
+exactly. The layer's k_scale is already in qk_scale (folded in by the host) and v_scale
+multiplies each program's normalised output, so the split-K partials are dequantized before
+the merge and the merge kernel needs no scale.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ if HAS_TRITON:
         MASK: tl.constexpr,
         DOT_PREC: tl.constexpr,
         UPCAST: tl.constexpr,
+        KV_FP8: tl.constexpr,
+        COMPUTE_TY: tl.constexpr,
     ):
         kpos = start + offs_n
         if MASK:
@@ -50,6 +58,8 @@ if HAS_TRITON:
             k = tl.load(k_ptrs, mask=kvalid[:, None], other=0.0)
         else:
             k = tl.load(k_ptrs)
+        if KV_FP8:
+            k = k.to(COMPUTE_TY)  # exact
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
@@ -64,6 +74,8 @@ if HAS_TRITON:
             v = tl.load(v_ptrs, mask=kvalid[:, None], other=0.0)
         else:
             v = tl.load(v_ptrs)
+        if KV_FP8:
+            v = v.to(COMPUTE_TY)  # exact
         p = p.to(v.dtype)
         if UPCAST:
             p = p.to(tl.float32)
@@ -85,6 +97,7 @@ if HAS_TRITON:
         part_out_ptr,
         part_lse_ptr,
         qk_scale,
+        v_scale,
         stride_qt,
         stride_qh,
         stride_ot,
@@ -106,6 +119,7 @@ if HAS_TRITON:
         DECODE: tl.constexpr,
         DOT_PREC: tl.constexpr,
         UPCAST: tl.constexpr,
+        KV_FP8: tl.constexpr,
     ):
         BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
         pid0 = tl.program_id(0)
@@ -183,6 +197,8 @@ if HAS_TRITON:
                 False,
                 DOT_PREC,
                 UPCAST,
+                KV_FP8,
+                q_ptr.dtype.element_ty,
             )
         for start in range(full_end, hi, BLOCK_N):
             acc, l_i, m_i = _attn_tile(
@@ -207,10 +223,14 @@ if HAS_TRITON:
                 True,
                 DOT_PREC,
                 UPCAST,
+                KV_FP8,
+                q_ptr.dtype.element_ty,
             )
 
         nonempty = l_i > 0.0  # false only for rows with no keys (seq_len 0)
         o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+        if KV_FP8:
+            o = o * v_scale  # sum_j p_j (stored_j * v_scale) = v_scale * sum_j p_j stored_j
         if NUM_SPLITS == 1:
             tl.store(
                 out_ptr + t_idx[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],

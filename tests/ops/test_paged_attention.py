@@ -19,6 +19,8 @@ from pagedllm.ops.attention_ref import (  # noqa: E402
     store_kvcache_ref,
 )
 from pagedllm.ops.paged_attention import (  # noqa: E402
+    TILES,
+    _pick_config,
     default_num_splits,
     paged_attention,
     paged_attention_decode,
@@ -307,3 +309,14 @@ def test_gpu_store_kvcache_large(device):
     store_kvcache(key, value, kc, vc, slots)
     store_kvcache_ref(key, value, kc2, vc2, slots)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
+def test_pick_config_by_kv_format():
+    """The bf16 choices stay what was measured; an fp8 cache reads its own rows of TILES."""
+    bf16, e4m3 = torch.bfloat16, torch.float8_e4m3fn
+    measured = dict(BLOCK_Q=8, BLOCK_N=64, num_warps=4, num_stages=2)
+    assert _pick_config(True, 2, 128, bf16) == _pick_config(True, 2, 128, bf16, bf16) == measured
+    assert _pick_config(False, 2, 128, bf16) == dict(measured, BLOCK_Q=32)
+    n, w, s = TILES[("decode", "fp8")]
+    assert _pick_config(True, 2, 128, bf16, e4m3) == dict(BLOCK_Q=8, BLOCK_N=n, num_warps=w, num_stages=s)
+    assert _pick_config(True, 2, 128, torch.float32, e4m3)["BLOCK_N"] == 32  # fp32 q: narrow tiles
