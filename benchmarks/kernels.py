@@ -36,8 +36,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import triton  # noqa: E402
 from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
+from pagedllm.engine.config import KV_CACHE_DTYPES  # noqa: E402
 from pagedllm.ops.attention_ref import paged_attention_ref  # noqa: E402
-from pagedllm.ops.kv_quant import FP8_DTYPES, KV_CACHE_DTYPES, fp8_max, quantize_ref  # noqa: E402
+from pagedllm.ops.kv_quant import FP8_DTYPES, fp8_max, quantize_ref  # noqa: E402
 from pagedllm.ops.paged_attention import (  # noqa: E402
     _pick_config,
     default_num_splits,
