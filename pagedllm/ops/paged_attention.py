@@ -126,6 +126,8 @@ def paged_attention(
     g_pad = next_pow2(group)
     cfg = dict(_config) if _config else _pick_config(decode, g_pad, d, q.dtype, k_cache.dtype)
     block_q = cfg.pop("BLOCK_Q")
+    # fp8 K/V with a 16-bit q: dots in fp16 (fp8 -> fp16 is one conversion; -> bf16 goes through fp32)
+    fp16_dot = cfg.pop("FP16_DOT", kv_fp8 and q.dtype != torch.float32)
     if num_splits is None:
         if decode:
             mk = max_seqlen_k if max_seqlen_k is not None else block_tables.shape[1] * block_size
@@ -174,6 +176,7 @@ def paged_attention(
         DOT_PREC="ieee" if q.dtype == torch.float32 else None,
         UPCAST=is_interpreted(kernels._paged_attn_kernel) and q.dtype != torch.float32,
         KV_FP8=kv_fp8,
+        FP16_DOT=fp16_dot,
         **cfg,
     )
     if num_splits > 1:

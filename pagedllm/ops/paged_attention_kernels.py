@@ -120,6 +120,7 @@ if HAS_TRITON:
         DOT_PREC: tl.constexpr,
         UPCAST: tl.constexpr,
         KV_FP8: tl.constexpr,
+        FP16_DOT: tl.constexpr,
     ):
         BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
         pid0 = tl.program_id(0)
@@ -153,6 +154,8 @@ if HAS_TRITON:
             mask=row_valid[:, None],
             other=0.0,
         )
+        if FP16_DOT:  # fp8 K/V with a 16-bit q: the dots in fp16 (fp8 -> fp16 is one cheap conversion)
+            q = q.to(tl.float16)
         if UPCAST:
             q = q.to(tl.float32)
 
@@ -198,7 +201,7 @@ if HAS_TRITON:
                 DOT_PREC,
                 UPCAST,
                 KV_FP8,
-                q_ptr.dtype.element_ty,
+                tl.float16 if FP16_DOT else q_ptr.dtype.element_ty,
             )
         for start in range(full_end, hi, BLOCK_N):
             acc, l_i, m_i = _attn_tile(
@@ -224,7 +227,7 @@ if HAS_TRITON:
                 DOT_PREC,
                 UPCAST,
                 KV_FP8,
-                q_ptr.dtype.element_ty,
+                tl.float16 if FP16_DOT else q_ptr.dtype.element_ty,
             )
 
         nonempty = l_i > 0.0  # false only for rows with no keys (seq_len 0)
