@@ -174,14 +174,26 @@ def score_prompts(llm, prompts: list[list[int]]) -> list[list[float]]:
     return scored
 
 
-def greedy(llm, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+def top2_gap(step: dict) -> float:
+    """The best logprob minus the second best, of one position's {token: Logprob} (logprobs=2)."""
+    best = sorted((x.logprob for x in step.values()), reverse=True)
+    return best[0] - best[1]
+
+
+def greedy(llm, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
+    """Greedy tokens per prompt, and at each position the gap between the two best logprobs."""
     from pagedllm import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, logprobs=2)
     outs = llm.generate(prompts, params, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     assert all(len(t) == new_tokens for t in tokens), "ignore_eos: every prompt runs to max_tokens"
-    return tokens
+    gaps = []
+    for o in outs:
+        steps = o.outputs[0].logprobs
+        assert steps is not None and len(steps) == new_tokens
+        gaps.append([top2_gap(d) for d in steps])
+    return tokens, gaps
 
 
 def leading_agreement(a: list[int], b: list[int]) -> int:
@@ -224,7 +236,7 @@ def run_accuracy(args, kwargs: dict) -> dict:
         scored = score_prompts(llm, ppl_prompts)
         t_ppl = time.perf_counter() - t
         t = time.perf_counter()
-        tokens = greedy(llm, windows, args.new_tokens)
+        tokens, gaps = greedy(llm, windows, args.new_tokens)
         t_greedy = time.perf_counter() - t
         nll, n, ppl = perplexity(scored)
         runs[kv] = {
@@ -241,6 +253,7 @@ def run_accuracy(args, kwargs: dict) -> dict:
             "greedy_wall_s": round(t_greedy, 3),
             "_scored": scored,
             "_tokens": tokens,
+            "_gaps": gaps,
         }
         release(llm)
         del llm
@@ -257,8 +270,12 @@ def run_accuracy(args, kwargs: dict) -> dict:
         r["max_abs_logprob_diff_vs_auto"] = max(diffs)
         r["greedy_identical_share"] = sum(n == args.new_tokens for n in lead) / len(lead)
         r["greedy_mean_leading_agree"] = statistics.fmean(lead)
+        # where a prompt first differs, how close auto's own top two were: near-ties flip first
+        at_split = [base["_gaps"][p][n] for p, n in enumerate(lead) if n < args.new_tokens]
+        r["greedy_auto_top2_gap_at_divergence_median"] = statistics.median(at_split) if at_split else None
+    all_gaps = [g for p in base["_gaps"] for g in p]
     for r in runs.values():
-        del r["_scored"], r["_tokens"]
+        del r["_scored"], r["_tokens"], r["_gaps"]
     return {
         "model": "default" if kwargs["model"] == default_model_path() else os.path.basename(kwargs["model"]),
         "device": kwargs["device"],
@@ -269,6 +286,7 @@ def run_accuracy(args, kwargs: dict) -> dict:
         "greedy_prompts": args.prompts,
         "greedy_prompt_len": args.prompt_len,
         "greedy_new_tokens": args.new_tokens,
+        "greedy_auto_top2_gap_median": statistics.median(all_gaps),
         "runs": runs,
     }
 
@@ -278,17 +296,23 @@ def print_accuracy(row: dict) -> None:
         f"{len(row['files_used'])} files ({row['runs']['auto']['tokens_scored']} tokens scored), "
         f"{row['greedy_prompts']} prompts x {row['greedy_new_tokens']} greedy tokens; {row['device']} {row['dtype']}"
     )
-    print(
-        f"{'kv dtype':<10} {'ppl':>9} {'vs auto':>9} {'identical':>10} {'lead agree':>11} {'k scales':>17} {'src':>9}"
-    )
+    head = ("kv dtype", "ppl", "vs auto", "identical", "lead agree", "gap@split", "k scales", "v scales", "src")
+    print("{:<10} {:>9} {:>9} {:>10} {:>11} {:>10} {:>18} {:>18} {:>9}".format(*head))
     for kv, r in row["runs"].items():
         s = r["scales"]
         k = f"{s['k_scale_min']:.3g}..{s['k_scale_max']:.3g}" if s else "-"
+        v = f"{s['v_scale_min']:.3g}..{s['v_scale_max']:.3g}" if s else "-"
         src = s["source"].split()[0] if s else "-"
+        gap = r["greedy_auto_top2_gap_at_divergence_median"]
         print(
             f"{kv:<10} {r['perplexity']:>9.4f} {100 * r['perplexity_rel_diff_vs_auto']:>+8.3f}% "
-            f"{r['greedy_identical_share']:>10.3f} {r['greedy_mean_leading_agree']:>11.2f} {k:>17} {src:>9}"
+            f"{r['greedy_identical_share']:>10.3f} {r['greedy_mean_leading_agree']:>11.2f} "
+            f"{'-' if gap is None else f'{gap:.3f}':>10} {k:>18} {v:>18} {src:>9}"
         )
+    print(
+        f"gap@split: median over the differing prompts of auto's top-1 minus top-2 logprob where they first differ "
+        f"(all positions: {row['greedy_auto_top2_gap_median']:.3f})"
+    )
 
 
 # ---- capacity --------------------------------------------------------------------------
