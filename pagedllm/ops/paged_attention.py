@@ -39,9 +39,10 @@ TILES: dict[tuple[str, str], tuple[int, int, int]] = {
     # at batch 256 x 1024), prefill the best of 12
     ("decode", "16bit"): (64, 4, 2),
     ("prefill", "16bit"): (64, 4, 2),
-    # NOT MEASURED (fp8 KV): a tile of 128 fp8 keys is the bytes of 64 bf16 ones, so decode, which
-    # is bound by KV bytes, gets as many bytes in flight per tile as the bf16 choice; prefill is
-    # bound by the dots (K/V are converted to q's dtype first) and keeps the bf16 tile
+    # fp8 KV, measured on the H200 (triton 3.6, decode 256 x 1024, dots in fp16: FP16_DOT):
+    # BLOCK_N 128 / 4 warps / 2 stages 0.206 ms (2.61 TB/s of fp8 KV) was the best of 8, BLOCK_N 64 0.223;
+    # with the dots in bf16 the best was 0.278 (benchmarks/results/kernels-fp8-h200.json). Prefill keeps
+    # the bf16 tile (bound by the dots, not the bytes).
     ("decode", "fp8"): (128, 4, 2),
     ("prefill", "fp8"): (64, 4, 2),
 }
