@@ -32,7 +32,7 @@ case "$MODE" in
   quality)
     timeout ${T_ACC:-200} python3 benchmarks/kv_cache_fp8.py accuracy --device cuda --dtype float32 --results-dir "$OUT" 2>&1 | tail -20
     [ -d $MODEL ] || python3 tools/make_random_model.py --shape qwen3-0.6b --out $MODEL 2>&1 | tail -2
-    timeout 150 python3 benchmarks/kv_cache_fp8.py capacity --model $MODEL --results-dir "$OUT" 2>&1 | tail -10
+    timeout 240 python3 benchmarks/kv_cache_fp8.py capacity --model $MODEL --verify --verify-timeout 100 --results-dir "$OUT" 2>&1 | tail -10
     python3 tools/make_random_model.py --shape qwen3-8b --out /tmp/qwen3-8b --device cuda 2>&1 | tail -2
     timeout 200 python3 benchmarks/kv_cache_fp8.py capacity --model /tmp/qwen3-8b --results-dir "$OUT" 2>&1 | tail -10
     ;;
