@@ -231,7 +231,9 @@ def main():
     )
     res["copy"] = copy = copy_bandwidth()
     print(json.dumps({"copy": copy}), file=sys.stderr, flush=True)
-    copy_TBps = copy["TBps_graph"]
+    # the better of the two copy timings: copy_ of 2 GiB captured in a graph measured 2.8 TB/s on the
+    # H200 against 4.25 eager, which would make a kernel look faster than the memory
+    copy_TBps = max(copy["TBps"], copy["TBps_graph"])
     cases = [
         ("decode_256x1024", lambda: bench_decode(256, 1024, args.sweep, kv, copy_TBps)),
         ("decode_8x8192", lambda: bench_decode(8, 8192, args.sweep, kv, copy_TBps)),
