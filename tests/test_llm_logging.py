@@ -30,10 +30,10 @@ def test_llm_shows_the_kv_cache_line_unless_logging_is_configured(tiny_models, b
     monkeypatch.setattr(logging.getLogger(), "handlers", [])
     LLM(tiny_models["qwen3"], **ENGINE).close()
     err = capsys.readouterr().err
-    assert err.count("KV cache: 16 blocks") == 1, err
+    assert err.count("KV cache: float32, 16 blocks") == 1, err
     assert len(bare_logging.handlers) == 1 and logging.getLogger().handlers == []  # the root is untouched
     LLM(tiny_models["qwen3"], **ENGINE).close()  # a second LLM adds no second handler
-    assert capsys.readouterr().err.count("KV cache: 16 blocks") == 1
+    assert capsys.readouterr().err.count("KV cache: float32, 16 blocks") == 1
     assert len(bare_logging.handlers) == 1
 
     # a program that configured logging itself (a handler on the root, as basicConfig adds) keeps control

@@ -15,9 +15,11 @@ length inside the kernel; each split writes its normalised partial output and it
 log2-sum-exp, and a second kernel merges them. Grid sizes depend only on shapes and python
 ints, so the decode path can be captured in a CUDA graph.
 
-An fp8 cache (ops/kv_quant.py) is read as fp8 bytes and converted in registers to q's dtype
-(exact); k_scale is folded into the softmax scale here and v_scale multiplies the output in
-the kernel (paged_attention_kernels.py), so grids and the split-K merge are unchanged.
+An fp8 cache (ops/kv_quant.py) is read as fp8 bytes and converted in registers (exactly) to
+fp16 when q is 16-bit (the dots then run in fp16: fp8 -> bf16 would go through fp32, 35% slower
+on the H200) or to fp32 for an fp32 q; k_scale is folded into the softmax scale here and v_scale
+multiplies the output in the kernel (paged_attention_kernels.py), so grids and the split-K merge
+are unchanged.
 
 Reference: `attention_ref.paged_attention_ref`. The kernels: paged_attention_kernels.py.
 """
@@ -32,8 +34,7 @@ from pagedllm.ops.kv_quant import is_fp8
 
 # ---- Tile table: (phase, KV format) -> (BLOCK_N, num_warps, num_stages) -------------------------
 # For q in bf16/fp16 with head_dim <= 128; fp32 q or a wider head uses BLOCK_N 32 (registers).
-# Tune the fp8 rows on the H200 with `python benchmarks/kernels.py --sweep --kv-cache-dtype fp8`
-# (and fp8_e5m2), then write the best rows here with the numbers they gave.
+# Retune on new hardware with `python benchmarks/kernels.py --sweep [--kv-cache-dtype fp8]`.
 TILES: dict[tuple[str, str], tuple[int, int, int]] = {
     # measured, H200, triton 3.6, Qwen3-0.6B shape, bf16 KV: decode the best of 18 (4.44 TB/s of KV
     # at batch 256 x 1024), prefill the best of 12

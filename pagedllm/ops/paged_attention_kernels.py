@@ -5,8 +5,8 @@ unmasked loop over the keys every row sees and a masked loop over the diagonal t
 `_merge_splits_kernel` combines the splits of flash-decoding by their log2-sum-exp.
 
 fp8 KV (KV_FP8, a constexpr: the 16-bit path compiles as before): K and V tiles are loaded as
-fp8 bytes and converted in registers to q's dtype, which holds every e4m3 and e5m2 value
-exactly. The layer's k_scale is already in qk_scale (folded in by the host) and v_scale
+fp8 bytes and converted in registers to fp16 (FP16_DOT: q is converted to fp16 too) or to q's
+dtype, either of which holds every e4m3 and e5m2 value exactly. The layer's k_scale is already in qk_scale (folded in by the host) and v_scale
 multiplies each program's normalised output, so the split-K partials are dequantized before
 the merge and the merge kernel needs no scale.
 """

@@ -82,14 +82,14 @@ def test_fp8_kv_logprobs_are_close_to_the_unquantized_cache(tiny_models, family,
 
 def perplexity(llm, texts):
     tok = llm.get_tokenizer()
-    prompts = [tok.encode(t)[:1024] for t in texts]
+    prompts = [tok.encode(t)[:768] for t in texts]
     outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
     nll = [-e[t].logprob for o in outs for t, e in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:], strict=True)]
     return math.exp(sum(nll) / len(nll))
 
 
-# the bar for e4m3: perplexity within 1% of the unquantized cache (measured: +0.1% on
-# base64.py alone); e5m2 keeps 2 mantissa bits (measured: +1.1%)
+# the bar: perplexity within 1% of the unquantized cache (measured on the first 768 tokens
+# of base64.py and tokenize.py: see the assertion's message); e5m2 keeps only 2 mantissa bits
 PPL_RTOL = {"fp8": 0.01, "fp8_e5m2": 0.03}
 
 
@@ -100,9 +100,10 @@ def test_perplexity_of_the_bundled_model_on_held_out_stdlib_text():
 
     texts = [inspect.getsource(base64), inspect.getsource(tokenize)]  # two of its 22 held-out files
     path = pagedllm.default_model_path()
-    ref = perplexity(LLM(path), texts)  # float32 weights and KV on CPU
+    kw = dict(num_kv_blocks=128, max_model_len=1024)  # two 768-token prompts: 96 blocks
+    ref = perplexity(LLM(path, **kw), texts)  # float32 weights and KV on CPU
     for kv, rtol in PPL_RTOL.items():
-        ppl = perplexity(LLM(path, kv_cache_dtype=kv), texts)
+        ppl = perplexity(LLM(path, kv_cache_dtype=kv, **kw), texts)
         assert abs(ppl / ref - 1) < rtol, (kv, ppl, ref)
 
 
