@@ -178,3 +178,19 @@ def test_an_unknown_kv_cache_dtype_is_refused_naming_the_option(tiny_models, bad
     with pytest.raises(InvalidRequestError, match="kv_cache_dtype") as e:
         LLM(tiny_models["qwen3"], kv_cache_dtype=bad)
     assert e.value.param == "kv_cache_dtype"
+
+
+def test_parallel_sampling_copies_fp8_blocks_on_write(tiny_models):
+    """n=3 forks share the prompt's fp8 blocks; the first write into the shared partial block
+    copies its bytes first, so each sample equals the seeded n=1 request it stands for."""
+    llm = LLM(tiny_models["qwen3"], kv_cache_dtype="fp8", block_size=8, num_kv_blocks=64, max_num_seqs=8)
+    prompt = PROMPTS[0]  # 23 tokens: the last block is shared and partly filled
+    sampled = dict(temperature=1.0, max_tokens=10, ignore_eos=True)
+    forked = llm.generate([prompt], SamplingParams(n=3, seed=7, **sampled), use_tqdm=False)[0]
+    assert llm.get_metrics()["num_copy_on_write_blocks"] > 0
+    alone = [
+        llm.generate([prompt], SamplingParams(seed=7 + i, **sampled), use_tqdm=False)[0].outputs[0].token_ids
+        for i in range(3)
+    ]
+    assert [c.token_ids for c in forked.outputs] == alone
+    assert len({tuple(t) for t in alone}) > 1  # the samples differ: the test would see a wrong copy

@@ -9,12 +9,13 @@ import inspect
 import pytest
 import torch
 
+from pagedllm.engine.config import RESOLVED_KV_CACHE_DTYPES
 from pagedllm.engine.executor import Executor
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.tp_executor import TPExecutor
 from tests.engine.fake_runner import ShadowRunner
 
-MEMBERS = ("num_kv_blocks", "supports_async", "execute", "execute_async", "close")
+MEMBERS = ("num_kv_blocks", "kv_cache_dtype", "supports_async", "execute", "execute_async", "close")
 
 
 def conforming(runner: ModelRunner, tp: TPExecutor, fake: ShadowRunner) -> list[Executor]:
@@ -29,6 +30,7 @@ def test_the_protocol_is_what_this_test_checks():
 def check(executor, supports_async: bool) -> None:
     assert isinstance(executor.num_kv_blocks, int) and executor.num_kv_blocks > 0
     assert executor.supports_async is supports_async
+    assert executor.kv_cache_dtype in RESOLVED_KV_CACHE_DTYPES
     for name in ("execute", "execute_async", "close"):
         assert callable(getattr(executor, name)), name
 
