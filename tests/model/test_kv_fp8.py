@@ -88,9 +88,9 @@ def perplexity(llm, texts):
     return math.exp(sum(nll) / len(nll))
 
 
-# the bar: perplexity within 1% of the unquantized cache (measured on the first 768 tokens
-# of base64.py and tokenize.py: see the assertion's message); e5m2 keeps only 2 mantissa bits
-PPL_RTOL = {"fp8": 0.01, "fp8_e5m2": 0.03}
+# the bar: perplexity within 1% of the unquantized cache (e4m3 on the first 768 tokens of
+# base64.py and tokenize.py: +0.2%; e5m2, measured by benchmarks/kv_cache_fp8.py: +0.7%)
+PPL_RTOL = {"fp8": 0.01}
 
 
 def test_perplexity_of_the_bundled_model_on_held_out_stdlib_text():
