@@ -68,6 +68,17 @@ def kv_cache_dtype_name(dtype: torch.dtype) -> str:
     return names.get(dtype, str(dtype).replace("torch.", ""))
 
 
+def zeroed_host_bytes(n: int) -> torch.Tensor:
+    """n zero bytes of host memory as a uint8 tensor, in O(1): an anonymous mapping, whose pages
+    the OS supplies (zero-filled) when first touched. The CPU KV pool is sized up to a tenth of
+    RAM, and torch.zeros would write all of it at start-up (seconds for the bundled model's
+    default pool); this way a pool costs memory only as its blocks are written. The tensor keeps
+    the mapping alive."""
+    import mmap
+
+    return torch.frombuffer(mmap.mmap(-1, n), dtype=torch.uint8)
+
+
 def available_ram_bytes() -> int:
     try:
         with open("/proc/meminfo") as f:

@@ -5,6 +5,7 @@ into sampled token ids. It never decides policy: the scheduler does. It is an Ex
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -22,7 +23,13 @@ from pagedllm.ops import PAD_SLOT_ID
 from pagedllm.ops.copy_blocks import copy_blocks, copy_blocks_ref
 from pagedllm.ops.kernels import kernels_for
 from pagedllm.ops.kv_quant import is_fp8
-from pagedllm.worker.device import GiB, available_ram_bytes, kv_cache_dtype_name, resolve_kv_cache_dtype
+from pagedllm.worker.device import (
+    GiB,
+    available_ram_bytes,
+    kv_cache_dtype_name,
+    resolve_kv_cache_dtype,
+    zeroed_host_bytes,
+)
 from pagedllm.worker.device import resolve_device as resolve_device  # re-exported: entrypoints/llm.py
 from pagedllm.worker.device import resolve_dtype as resolve_dtype
 from pagedllm.worker.kv_scales import CALIBRATION_SEQ_LEN, CALIBRATION_TOKENS, choose_kv_scales
@@ -209,9 +216,14 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> None:
         n_layers = len(self.attn_layers)
         shape = (2, n_layers, self.num_kv_blocks, self.num_kv_heads, self.block_size, self.head_dim)
-        # zeroed bytes (a finite 0.0 in every format; CPU torch cannot fill float8 tensors directly)
-        raw = torch.zeros(shape, dtype=torch.uint8 if is_fp8(self.kv_dtype) else self.kv_dtype, device=self.device)
-        self.kv_cache = raw.view(self.kv_dtype)
+        # zeroed bytes: a finite 0.0 in every format, so a padded read of a never-written slot adds
+        # nothing (ops/attention_ref.py); on CPU an O(1) lazily zeroed mapping (device.zeroed_host_bytes)
+        nbytes = math.prod(shape) * torch.empty((), dtype=self.kv_dtype).element_size()
+        if self.device.type == "cpu":
+            raw = zeroed_host_bytes(nbytes)
+        else:
+            raw = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+        self.kv_cache = raw.view(self.kv_dtype).view(shape)
         self.model.bind_kv_cache(
             [self.kv_cache[0, i] for i in range(n_layers)], [self.kv_cache[1, i] for i in range(n_layers)]
         )
