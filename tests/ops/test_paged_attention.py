@@ -131,7 +131,7 @@ def test_small_tiles(group, block_q, block_n, device):
         check(out, ref, torch.float32)
 
 
-@pytest.mark.parametrize("num_splits", [2, 4, 7])
+@pytest.mark.parametrize("num_splits", [2, 7])  # even, and odd with splits that see only masked keys
 @pytest.mark.parametrize("bs,d", [(8, 32), (32, 64)])
 def test_split_k_varlen(num_splits, bs, d, device):
     """Split-K also holds for prefill rows (some splits see only masked keys)."""
