@@ -57,3 +57,16 @@ def test_gpu_fp8_matches_the_cpu_reference(tiny_models, family):
     assert flat(gpu) == pytest.approx(flat(cpu), rel=1e-4)
     diff = (token_logprobs(gpu) - token_logprobs(cpu)).abs()
     assert diff.mean() < 5e-3 and diff.max() < 0.1, (diff.mean(), diff.max())
+
+
+def test_gpu_fp8_copy_on_write_forks_equal_the_seeded_requests(tiny_models):
+    """The Triton copy-on-write kernel copies fp8 blocks through their byte view."""
+    llm = build(tiny_models["qwen3"], "fp8", block_size=8)
+    sampled = dict(temperature=1.0, max_tokens=10, ignore_eos=True)
+    forked = llm.generate([PROMPTS[0]], SamplingParams(n=3, seed=7, **sampled), use_tqdm=False)[0]
+    assert llm.get_metrics()["num_copy_on_write_blocks"] > 0
+    alone = [
+        llm.generate([PROMPTS[0]], SamplingParams(seed=7 + i, **sampled), use_tqdm=False)[0].outputs[0].token_ids
+        for i in range(3)
+    ]
+    assert [c.token_ids for c in forked.outputs] == alone
