@@ -41,8 +41,8 @@ TILES: dict[tuple[str, str], tuple[int, int, int]] = {
     ("decode", "16bit"): (64, 4, 2),
     ("prefill", "16bit"): (64, 4, 2),
     # fp8 KV, measured on the H200 (triton 3.6, decode 256 x 1024, dots in fp16: FP16_DOT):
-    # BLOCK_N 128 / 4 warps / 2 stages 0.206 ms (2.61 TB/s of fp8 KV) was the best of 8, BLOCK_N 64 0.223;
-    # with the dots in bf16 the best was 0.278 (benchmarks/results/kernels-fp8-h200.json). Prefill keeps
+    # BLOCK_N 128 / 4 warps / 2 stages 0.206 ms (2.61 TB/s of fp8 KV) was the best of 20, BLOCK_N 64 0.223;
+    # with the dots in bf16 the best was 0.278 (benchmarks/results/fp8-decode-variants-h200.json). Prefill keeps
     # the bf16 tile (bound by the dots, not the bytes).
     ("decode", "fp8"): (128, 4, 2),
     ("prefill", "fp8"): (64, 4, 2),
