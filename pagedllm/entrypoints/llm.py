@@ -69,7 +69,7 @@ class LLM:
         model = os.fspath(model)
         hf_config = load_hf_config(model)
         self.generation_defaults = generation_defaults(model, generation_config)
-        from pagedllm.model.registry import resolve
+        from pagedllm.model.registry import check_window, resolve
 
         resolve(hf_config)  # fail early with the supported list
         self.tokenizer = load_tokenizer(tokenizer or model)
@@ -80,6 +80,10 @@ class LLM:
             raise InvalidRequestError(
                 f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}", "max_model_len"
             )
+        try:
+            check_window(hf_config, max_model_len)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), "max_model_len") from None
         SchedulerConfig(
             num_kv_blocks=1,
             block_size=block_size,

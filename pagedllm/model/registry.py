@@ -25,6 +25,34 @@ def resolve(cfg) -> FamilyTraits:
     )
 
 
+def sliding_window_of(cfg) -> int | None:
+    """The attention window some layer of this config uses, or None when every layer attends to
+    its whole context. `layer_types` ("sliding_attention") where the config has it; else Qwen2's
+    `use_sliding_window`; else (Mistral) a set `sliding_window` applies to every layer."""
+    window = getattr(cfg, "sliding_window", None)
+    if not window:
+        return None
+    types = getattr(cfg, "layer_types", None)
+    if types is not None:
+        return int(window) if "sliding_attention" in types else None
+    if hasattr(cfg, "use_sliding_window"):
+        return int(window) if cfg.use_sliding_window else None
+    return int(window)
+
+
+def check_window(cfg, max_model_len: int) -> None:
+    """ValueError naming `sliding_window` when a windowed layer could see a key outside its window:
+    the paged attention kernels attend to the whole context (per-layer windows: issue 16), which
+    within max_model_len <= window is exactly the windowed result (no key is ever outside it)."""
+    window = sliding_window_of(cfg)
+    if window is not None and max_model_len > window:
+        raise ValueError(
+            f"the model's config.json sets sliding_window={window} (layers attend to the last {window} tokens "
+            f"only), which pagedllm does not implement yet: past {window} tokens it would compute other tokens "
+            f"than the model. Run it with max_model_len <= {window} (exact: no key is ever outside the window)"
+        )
+
+
 def build_model(cfg, kernels: Kernels) -> DecoderForCausalLM:
     """The model for this config, running `kernels` (ops/kernels.py: kernels_for(device))."""
     return DecoderForCausalLM(cfg, resolve(cfg), kernels)
