@@ -91,8 +91,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             prefix_caching_hash_algo=prefix_caching_hash_algo,
-            kv_cache_dtype=kv_cache_dtype,
-        )  # validate
+        )  # validate (kv_cache_dtype: checked above, against the names a user may give)
         import torch  # noqa: F401  (heavy imports only once the arguments are known good)
 
         from pagedllm.worker.model_runner import resolve_device, resolve_dtype

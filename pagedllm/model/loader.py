@@ -31,8 +31,11 @@ def checkpoint_files(model_dir: str) -> list[str]:
 KV_SCALE_NAMES = {"k_scale": ("k_scale",), "v_scale": ("v_scale",), "kv_scale": ("k_scale", "v_scale")}
 
 
-def _kv_scale(model: DecoderForCausalLM, name: str, tensor: torch.Tensor) -> tuple[int, tuple[str, ...], float]:
-    """(attention layer index, which scales, value) of a checkpoint's KV-scale tensor."""
+def _kv_scale(
+    model: DecoderForCausalLM, layer_of: dict[Attention, int], name: str, tensor: torch.Tensor
+) -> tuple[int, tuple[str, ...], float]:
+    """(attention layer index, which scales, value) of a checkpoint's KV-scale tensor; layer_of:
+    each attention layer's index."""
     owner_name, _, kind = name.rpartition(".")
     try:
         owner = model.get_submodule(owner_name)
@@ -45,7 +48,7 @@ def _kv_scale(model: DecoderForCausalLM, name: str, tensor: torch.Tensor) -> tup
         raise ValueError(
             f"checkpoint tensor {name!r} holds {tensor.numel()} KV scales; only one per layer (per tensor) is supported"
         )
-    return model.attention_layers().index(attn), KV_SCALE_NAMES[kind], float(tensor.float().reshape(()))
+    return layer_of[attn], KV_SCALE_NAMES[kind], float(tensor.float().reshape(()))
 
 
 def load_weights(model: DecoderForCausalLM, model_dir: str) -> dict[int, dict[str, float]]:
@@ -54,13 +57,14 @@ def load_weights(model: DecoderForCausalLM, model_dir: str) -> dict[int, dict[st
     packed = model.packed_modules
     loaded: set[str] = set()
     kv_scales: dict[int, dict[str, float]] = {}
+    layer_of = {a: i for i, a in enumerate(model.attention_layers())}
     for path in checkpoint_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
                 if "rotary_emb.inv_freq" in name:
                     continue
                 if name.rpartition(".")[2] in KV_SCALE_NAMES:
-                    layer, kinds, value = _kv_scale(model, name, f.get_tensor(name))
+                    layer, kinds, value = _kv_scale(model, layer_of, name, f.get_tensor(name))
                     for kind in kinds:
                         kv_scales.setdefault(layer, {})[kind] = value
                     continue

@@ -66,18 +66,16 @@ def choose_kv_scales(
 ) -> tuple[list[tuple[float, float]], str]:
     """Each layer's (k_scale, v_scale) and where they came from ("checkpoint", "measured" or
     "checkpoint + measured"). checkpoint: layer index -> {"k_scale": .., "v_scale": ..} as loaded."""
-    have = [("k_scale" in checkpoint.get(i, {}), "v_scale" in checkpoint.get(i, {})) for i in range(len(layers))]
-    measured: list[tuple[float, float]] | None = None
-    if not all(k and v for k, v in have):
-        measured = [(scale_for(k, dtype), scale_for(v, dtype)) for k, v in measure_kv_ranges(layers, forward)]
-    scales = []
-    for i in range(len(layers)):
-        ck = checkpoint.get(i, {})
-        k = ck["k_scale"] if "k_scale" in ck else measured[i][0]  # type: ignore[index]
-        v = ck["v_scale"] if "v_scale" in ck else measured[i][1]  # type: ignore[index]
-        scales.append((k, v))
-    if measured is None:
+    names = ("k_scale", "v_scale")
+    measure = any(not set(names) <= checkpoint.get(i, {}).keys() for i in range(len(layers)))
+    measured: list[dict[str, float]] = [{} for _ in layers]
+    if measure:  # the same on every TP rank (one checkpoint): measure_kv_ranges is collective
+        ranges = measure_kv_ranges(layers, forward)
+        measured = [{"k_scale": scale_for(k, dtype), "v_scale": scale_for(v, dtype)} for k, v in ranges]
+    merged = [{**measured[i], **checkpoint.get(i, {})} for i in range(len(layers))]  # the checkpoint's win
+    scales = [(m["k_scale"], m["v_scale"]) for m in merged]
+    if not measure:
         source = "checkpoint"
     else:
-        source = "checkpoint + measured" if any(k or v for k, v in have) else "measured"
+        source = "checkpoint + measured" if checkpoint else "measured"
     return scales, source

@@ -5,7 +5,6 @@ into sampled token ids. It never decides policy: the scheduler does. It is an Ex
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -77,7 +76,6 @@ class ModelRunner:
         self.hf_config = hf_config
         self.device, self.dtype = device, dtype
         self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype, device)
-        self.kv_cache_dtype = kv_cache_dtype_name(self.kv_dtype)  # the resolved name, for logs and metrics
         self.seed = seed
         self.block_size = block_size
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
@@ -131,6 +129,11 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self)
 
     # ---- KV cache ----------------------------------------------------------------------
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The KV format's resolved name, for logs and metrics (the Executor protocol)."""
+        return kv_cache_dtype_name(self.kv_dtype)
+
     @property
     def block_bytes(self) -> int:
         return (
@@ -218,7 +221,7 @@ class ModelRunner:
         shape = (2, n_layers, self.num_kv_blocks, self.num_kv_heads, self.block_size, self.head_dim)
         # zeroed bytes: a finite 0.0 in every format, so a padded read of a never-written slot adds
         # nothing (ops/attention_ref.py); on CPU an O(1) lazily zeroed mapping (device.zeroed_host_bytes)
-        nbytes = math.prod(shape) * torch.empty((), dtype=self.kv_dtype).element_size()
+        nbytes = self.num_kv_blocks * self.block_bytes
         if self.device.type == "cpu":
             raw = zeroed_host_bytes(nbytes)
         else:
