@@ -31,7 +31,6 @@ library versions.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -151,7 +150,7 @@ def engine_row(walls: list[float], tokens: int) -> dict:
 
 def main(args) -> int:
     from pagedllm import LLM
-    from pagedllm.bench.common import append_result, environment, gpu_slug
+    from pagedllm.bench.common import environment, gpu_slug, save_results
     from pagedllm.entrypoints.args import engine_kwargs
     from pagedllm.entrypoints.model_dir import eos_token_ids
     from pagedllm.worker.device import resolve_device, resolve_dtype
@@ -230,12 +229,7 @@ def main(args) -> int:
             f"pagedllm / HF: {row['speedup_vs_hf']}x; best beam equal to HF's on {row['best_beam_equal_hf']} prompts "
             f"(max score difference there {row['max_score_diff_where_equal']}; {row['dtype']})"
         )
-    if not args.no_save:
-        path = append_result(row, args.results_dir, f"beam-search-{gpu_slug(env['gpu'])}")
-        print(f"results appended to {path}", file=sys.stderr)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(row, f, indent=1)
+    save_results(row, args, f"beam-search-{gpu_slug(env['gpu'])}")
     return 0
 
 

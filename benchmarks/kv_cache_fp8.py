@@ -439,7 +439,7 @@ def print_capacity(row: dict) -> None:
 
 
 def main(args) -> int:
-    from pagedllm.bench.common import append_result, environment, gpu_slug
+    from pagedllm.bench.common import environment, gpu_slug, save_results
     from pagedllm.entrypoints.args import engine_kwargs
 
     if getattr(args, "kv_cache_dtype", None) is not None:
@@ -455,12 +455,7 @@ def main(args) -> int:
         result = run_capacity(args, kwargs)
     row = {"benchmark": "kv_cache_fp8", "mode": args.mode, **result, "label": args.label, "args": vars(args), **env}
     (print_accuracy if args.mode == "accuracy" else print_capacity)(row)
-    if not args.no_save:
-        path = append_result(row, args.results_dir, f"kv-fp8-{args.mode}-{gpu_slug(env['gpu'])}")
-        print(f"results appended to {path}", file=sys.stderr)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(row, f, indent=1)
+    save_results(row, args, f"kv-fp8-{args.mode}-{gpu_slug(env['gpu'])}")
     return 0
 
 

@@ -26,7 +26,6 @@ benchmarks/results/parallel-sampling-<gpu>.json with the commit, GPU and library
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -123,7 +122,7 @@ def free_device_memory() -> None:
 
 def main(args) -> int:
     from pagedllm import LLM, SamplingParams
-    from pagedllm.bench.common import append_result, environment, gpu_slug
+    from pagedllm.bench.common import environment, gpu_slug, save_results
     from pagedllm.entrypoints.args import engine_kwargs
 
     if args.n < 2 or args.repeat < 1 or args.prompt_len < 1 or args.max_tokens < 1:
@@ -178,13 +177,7 @@ def main(args) -> int:
             f"{r['variant']:<13} {r['wall_s']:>8.3f} {r['output_tokens_per_s']:>9.1f} {ttft:>18} "
             f"{r['prompt_tokens_computed']:>16} {r['peak_kv_blocks']:>12}"
         )
-    if not args.no_save:
-        for r in rows:
-            path = append_result(r, args.results_dir, f"parallel-sampling-{gpu_slug(env['gpu'])}")
-        print(f"results appended to {path}", file=sys.stderr)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+    save_results(rows, args, f"parallel-sampling-{gpu_slug(env['gpu'])}")
     return 0
 
 

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 
 from pagedllm import envs
 
@@ -59,6 +60,19 @@ def environment() -> dict:
 
 def gpu_slug(gpu: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-") or "cpu"
+
+
+def save_results(result: dict | list[dict], args, name: str) -> None:
+    """What each benchmark script does with its row(s): appended to `args.results_dir`/<name>.json
+    unless `args.no_save` (the path on stderr), and written as given to `args.out` if set."""
+    rows = result if isinstance(result, list) else [result]
+    if not args.no_save:
+        for r in rows:
+            path = append_result(r, args.results_dir, name)
+        print(f"results appended to {path}", file=sys.stderr)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
 
 
 def append_result(row: dict, results_dir: str, name: str | None = None) -> str:
