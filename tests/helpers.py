@@ -4,6 +4,11 @@ writes them once per session is in conftest.py."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import types
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAMILIES = ["qwen3", "qwen2", "llama"]
 VOCAB = 384
 
@@ -14,6 +19,16 @@ CORPUS = [
     "for i in range(10):\n    print(i, i * i)\n",
     "héllo wörld — ünïcode ✓ 你好",
 ]
+
+
+def load_script(relpath: str) -> types.ModuleType:
+    """A script of the repository that is not in the package (e.g. benchmarks/beam_search.py), imported."""
+    name = os.path.splitext(relpath)[0].replace("/", "_")
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, relpath))
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def build_tokenizer(out_dir: str) -> None:

@@ -1,23 +1,15 @@
 """benchmarks/beam_search.py on a tiny float32 model on the CPU: pagedllm's best beams equal HF's."""
 
 import argparse
-import importlib.util
 import json
-import os
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import load_script
 
 
 def bench_module():
-    spec = importlib.util.spec_from_file_location(
-        "beam_search_bench", os.path.join(ROOT, "benchmarks", "beam_search.py")
-    )
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/beam_search.py")
 
 
 def run(model_dir, tmp_path, *extra):

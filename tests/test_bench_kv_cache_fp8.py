@@ -2,24 +2,16 @@
 rests on, and (GPU) the capacity mode on a tiny model with a fixed pool."""
 
 import argparse
-import importlib.util
 import json
 import math
-import os
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import load_script
 
 
 def bench_module():
-    spec = importlib.util.spec_from_file_location(
-        "kv_cache_fp8_bench", os.path.join(ROOT, "benchmarks", "kv_cache_fp8.py")
-    )
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/kv_cache_fp8.py")
 
 
 def run(tmp_path, argv):
