@@ -25,6 +25,7 @@ from pagedllm.ops.attention_ref import paged_attention_ref, store_kvcache_ref  #
 from pagedllm.ops.kv_quant import fp8_max, quantize_ref  # noqa: E402
 from pagedllm.ops.paged_attention import paged_attention, paged_attention_decode  # noqa: E402
 from pagedllm.ops.store_kv import store_kvcache  # noqa: E402
+from tests.ops.test_paged_attention import make_case  # noqa: E402
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8 = [E4M3, E5M2]
@@ -111,36 +112,10 @@ def test_store_scales_ignored_for_16bit_cache(device):
 
 
 def fp8_case(q_lens, hist, hq, hkv, d, bs, dtype, fp8, device, seed=0):
-    """A ragged batch over shuffled block tables, K/V stored in fp8 by the torch reference with
-    K_SCALE / V_SCALE; unowned slots NaN bytes. Returns paged_attention(_ref)'s arguments."""
-    g = torch.Generator().manual_seed(seed)
-    seq_lens = [q + h for q, h in zip(q_lens, hist, strict=True)]
-    nb = [-(-s // bs) for s in seq_lens]
-    num_blocks = sum(nb) + 3
-    perm = torch.randperm(num_blocks, generator=g)
-    bt = torch.zeros(len(seq_lens), max(nb) + 2, dtype=torch.int32)  # padding columns
-    slots = []
-    used = 0
-    for b, (n, s) in enumerate(zip(nb, seq_lens, strict=True)):
-        bt[b, :n] = perm[used : used + n].int()
-        used += n
-        pos = torch.arange(s)
-        slots.append(bt[b, pos // bs].long() * bs + pos % bs)
-    total = sum(seq_lens)
-    k = torch.randn(total, hkv, d, generator=g).to(device)
-    v = torch.randn(total, hkv, d, generator=g).to(device)
-    k_cache = torch.full((num_blocks, hkv, bs, d), float("nan"), dtype=fp8, device=device)
-    v_cache = torch.full_like(k_cache, float("nan"))
-    store_kvcache_ref(k, v, k_cache, v_cache, torch.cat(slots).to(device), K_SCALE, V_SCALE)
-    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
-    return dict(
-        q=torch.randn(int(cu[-1]), hq, d, generator=g).to(dtype).to(device),
-        k_cache=k_cache,
-        v_cache=v_cache,
-        block_tables=bt.to(device),
-        cu_seqlens_q=cu.to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        scale=d**-0.5,
+    """test_paged_attention.make_case with the caches in fp8, stored by the torch reference with
+    K_SCALE / V_SCALE; unowned slots hold NaN bytes."""
+    return make_case(
+        q_lens, hist, hq, hkv, d, bs, dtype, device, seed=seed, kv_dtype=fp8, k_scale=K_SCALE, v_scale=V_SCALE
     )
 
 

@@ -34,8 +34,24 @@ TOL = {
 }
 
 
-def make_case(q_lens, hist, hq, hkv, d, bs, dtype, device, seed=0, spare_blocks=5, store_with_kernel=False):
-    """Random ragged batch. Returns dict of tensors for paged_attention(_ref)."""
+def make_case(
+    q_lens,
+    hist,
+    hq,
+    hkv,
+    d,
+    bs,
+    dtype,
+    device,
+    seed=0,
+    spare_blocks=5,
+    store_with_kernel=False,
+    kv_dtype=None,
+    k_scale=1.0,
+    v_scale=1.0,
+):
+    """Random ragged batch. Returns dict of tensors for paged_attention(_ref). The caches are in
+    kv_dtype (default: dtype), an fp8 one stored with k_scale / v_scale (ops/kv_quant.py)."""
     g = torch.Generator().manual_seed(seed)
     seq_lens = [q + h for q, h in zip(q_lens, hist, strict=False)]
     nb = [math.ceil(s / bs) for s in seq_lens]
@@ -43,7 +59,7 @@ def make_case(q_lens, hist, hq, hkv, d, bs, dtype, device, seed=0, spare_blocks=
     max_nb = max(nb) + 2  # padding columns in the table
     perm = torch.randperm(num_blocks, generator=g)
     bt = torch.zeros(len(q_lens), max_nb, dtype=torch.int32)
-    k_cache = torch.full((num_blocks, hkv, bs, d), float("nan"), dtype=dtype)
+    k_cache = torch.full((num_blocks, hkv, bs, d), float("nan"), dtype=kv_dtype or dtype)
     v_cache = torch.full_like(k_cache, float("nan"))
     used = 0
     for b, n in enumerate(nb):
@@ -59,10 +75,8 @@ def make_case(q_lens, hist, hq, hkv, d, bs, dtype, device, seed=0, spare_blocks=
     k_cache, v_cache = k_cache.to(device), v_cache.to(device)
     all_k, all_v = torch.cat(ks).to(device), torch.cat(vs).to(device)
     all_slots = torch.cat(slots).to(device)
-    if store_with_kernel:
-        store_kvcache(all_k, all_v, k_cache, v_cache, all_slots)
-    else:
-        store_kvcache_ref(all_k, all_v, k_cache, v_cache, all_slots)
+    store = store_kvcache if store_with_kernel else store_kvcache_ref
+    store(all_k, all_v, k_cache, v_cache, all_slots, k_scale, v_scale)
     cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
     q = torch.randn(int(cu[-1]), hq, d, generator=g).to(dtype)
     return dict(
