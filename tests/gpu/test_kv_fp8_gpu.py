@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from tests.model.test_kv_fp8 import PROMPTS
+from tests.model.test_kv_fp8 import PROMPTS, assert_forks_equal_the_seeded_requests, prompt_token_logprobs
 
 pytestmark = pytest.mark.gpu
 
@@ -40,13 +40,6 @@ def test_gpu_fp8_paths_agree_and_free_every_block(tiny_models, kv):
         assert t == tokens["graphs"], mode
 
 
-def token_logprobs(llm):
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    return torch.tensor(
-        [e[t].logprob for o in outs for t, e in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:], strict=True)]
-    )
-
-
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_gpu_fp8_matches_the_cpu_reference(tiny_models, family):
     """Same seed, same calibration batch, so (up to fp32 rounding of the measured ranges) the
@@ -55,18 +48,10 @@ def test_gpu_fp8_matches_the_cpu_reference(tiny_models, family):
     gpu = build(tiny_models[family], "fp8")
     flat = lambda llm: [x for pair in llm.runner.kv_scales for x in pair]  # noqa: E731
     assert flat(gpu) == pytest.approx(flat(cpu), rel=1e-4)
-    diff = (token_logprobs(gpu) - token_logprobs(cpu)).abs()
+    diff = (prompt_token_logprobs(gpu) - prompt_token_logprobs(cpu)).abs()
     assert diff.mean() < 5e-3 and diff.max() < 0.1, (diff.mean(), diff.max())
 
 
 def test_gpu_fp8_copy_on_write_forks_equal_the_seeded_requests(tiny_models):
     """The Triton copy-on-write kernel copies fp8 blocks through their byte view."""
-    llm = build(tiny_models["qwen3"], "fp8", block_size=8)
-    sampled = dict(temperature=1.0, max_tokens=10, ignore_eos=True)
-    forked = llm.generate([PROMPTS[0]], SamplingParams(n=3, seed=7, **sampled), use_tqdm=False)[0]
-    assert llm.get_metrics()["num_copy_on_write_blocks"] > 0
-    alone = [
-        llm.generate([PROMPTS[0]], SamplingParams(seed=7 + i, **sampled), use_tqdm=False)[0].outputs[0].token_ids
-        for i in range(3)
-    ]
-    assert [c.token_ids for c in forked.outputs] == alone
+    assert_forks_equal_the_seeded_requests(build(tiny_models["qwen3"], "fp8", block_size=8))

@@ -54,14 +54,17 @@ def test_engine_paths_give_the_same_tokens_with_fp8_kv(tiny_models, family, kv):
         assert tokens == results["base"], name
 
 
+def prompt_token_logprobs(llm, prompts=PROMPTS) -> torch.Tensor:
+    """The logprob of every prompt token after the first (prompt_logprobs=0), prompts in order."""
+    outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    return torch.tensor(
+        [e[t].logprob for o in outs for t, e in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:], strict=True)],
+        dtype=torch.float64,
+    )
+
+
 def prompt_logprobs(path, kv):
-    llm = LLM(path, kv_cache_dtype=kv, block_size=8, num_kv_blocks=64)
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    lps = []
-    for o in outs:
-        for tok, entry in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:], strict=True):
-            lps.append(entry[tok].logprob)
-    return torch.tensor(lps)
+    return prompt_token_logprobs(LLM(path, kv_cache_dtype=kv, block_size=8, num_kv_blocks=64))
 
 
 # The mean change of a prompt token's logprob against an unquantized cache, measured on these
@@ -82,10 +85,8 @@ def test_fp8_kv_logprobs_are_close_to_the_unquantized_cache(tiny_models, family,
 
 def perplexity(llm, texts):
     tok = llm.get_tokenizer()
-    prompts = [tok.encode(t)[:512] for t in texts]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    nll = [-e[t].logprob for o in outs for t, e in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:], strict=True)]
-    return math.exp(sum(nll) / len(nll))
+    lps = prompt_token_logprobs(llm, [tok.encode(t)[:512] for t in texts])
+    return math.exp(-lps.mean().item())
 
 
 # the issue's bar: perplexity within 1% of the unquantized cache (e4m3 on the first 512 tokens of
@@ -180,11 +181,10 @@ def test_an_unknown_kv_cache_dtype_is_refused_naming_the_option(tiny_models, bad
     assert e.value.param == "kv_cache_dtype"
 
 
-def test_parallel_sampling_copies_fp8_blocks_on_write(tiny_models):
+def assert_forks_equal_the_seeded_requests(llm) -> None:
     """n=3 forks share the prompt's fp8 blocks; the first write into the shared partial block
     copies its bytes first, so each sample equals the seeded n=1 request it stands for."""
-    llm = LLM(tiny_models["qwen3"], kv_cache_dtype="fp8", block_size=8, num_kv_blocks=64, max_num_seqs=8)
-    prompt = PROMPTS[0]  # 23 tokens: the last block is shared and partly filled
+    prompt = PROMPTS[0]  # 23 tokens: with blocks of 8 the last block is shared and partly filled
     sampled = dict(temperature=1.0, max_tokens=10, ignore_eos=True)
     forked = llm.generate([prompt], SamplingParams(n=3, seed=7, **sampled), use_tqdm=False)[0]
     assert llm.get_metrics()["num_copy_on_write_blocks"] > 0
@@ -194,3 +194,8 @@ def test_parallel_sampling_copies_fp8_blocks_on_write(tiny_models):
     ]
     assert [c.token_ids for c in forked.outputs] == alone
     assert len({tuple(t) for t in alone}) > 1  # the samples differ: the test would see a wrong copy
+
+
+def test_parallel_sampling_copies_fp8_blocks_on_write(tiny_models):
+    llm = LLM(tiny_models["qwen3"], kv_cache_dtype="fp8", block_size=8, num_kv_blocks=64, max_num_seqs=8)
+    assert_forks_equal_the_seeded_requests(llm)
