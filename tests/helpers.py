@@ -46,23 +46,25 @@ def build_tokenizer(out_dir: str) -> None:
     fast.save_pretrained(out_dir)
 
 
+# the tiny random models' shape (any family's config class takes these)
+TINY_SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    initializer_range=0.2,
+)
+
+
 def build_model(family: str, out_dir: str, eos_id: int) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        eos_token_id=eos_id,
-        bos_token_id=None,
-        initializer_range=0.2,
-    )
+    common = dict(TINY_SHAPE, eos_token_id=eos_id, bos_token_id=None)
     torch.manual_seed({"qwen3": 1, "qwen2": 2, "llama": 3}[family])
     if family == "qwen3":
         cfg = Qwen3Config(head_dim=16, tie_word_embeddings=True, rope_theta=1e6, **common)

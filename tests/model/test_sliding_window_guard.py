@@ -9,6 +9,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.errors import InvalidRequestError
+from tests.helpers import TINY_SHAPE
 from tests.model.hf_reference import hf_greedy
 
 WINDOW = 32
@@ -18,17 +19,7 @@ def build(kind: str, out: str, tok_dir: str) -> str:
     import torch
     from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    common = dict(
-        vocab_size=384,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.2,
-        bos_token_id=None,
-    )
+    common = dict(TINY_SHAPE, max_position_embeddings=256, bos_token_id=None)
     torch.manual_seed(5)
     if kind == "mistral":
         model = MistralForCausalLM(MistralConfig(sliding_window=WINDOW, **common))
