@@ -44,13 +44,10 @@ from pagedllm.ops.paged_attention import (  # noqa: E402
     default_num_splits,
     paged_attention,
 )
+from pagedllm.worker.device import resolve_kv_cache_dtype  # noqa: E402
 
 HQ, HKV, D, BS, DTYPE = 16, 8, 128, 16, torch.bfloat16
 DEVICE = "cuda"
-
-
-def kv_dtype_of(kv_cache_dtype: str) -> torch.dtype:
-    return DTYPE if kv_cache_dtype == "auto" else FP8_DTYPES[kv_cache_dtype]
 
 
 def make_inputs(q_lens, seq_lens, kv_dtype=DTYPE, seed=0):
@@ -219,7 +216,7 @@ def main():
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs CUDA")
-    kv = kv_dtype_of(args.kv_cache_dtype)
+    kv = resolve_kv_cache_dtype(args.kv_cache_dtype, DTYPE, torch.device(DEVICE))
     fp8 = FP8_DTYPES["fp8"]
     t0 = time.time()
     res = dict(

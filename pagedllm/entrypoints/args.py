@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pagedllm.engine.config import KV_CACHE_DTYPES, PREFIX_CACHING_HASH_ALGOS
 from pagedllm.entrypoints import model_dir
 from pagedllm.entrypoints.llm import LLM
 
@@ -103,7 +104,7 @@ FLAG_HELP: dict[str, FlagHelp] = {
     "enable_prefix_caching": FlagHelp("reuse the KV of shared prompt prefixes"),
     "prefix_caching_hash_algo": FlagHelp(
         "block hash of the prefix cache: xxhash (xxh64 with a per-process random seed) or sha256",
-        choices=("xxhash", "sha256"),
+        choices=PREFIX_CACHING_HASH_ALGOS,
     ),
     "max_num_seqs": FlagHelp("most sequences in one step"),
     "max_num_batched_tokens": FlagHelp("token budget of one step; longer prompts are prefilled in chunks"),
@@ -129,7 +130,7 @@ FLAG_HELP: dict[str, FlagHelp] = {
     "kv_cache_dtype": FlagHelp(
         "KV cache storage: auto = the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2 store one byte per element, "
         "with per-layer K/V scales from the checkpoint or measured at start-up",
-        choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+        choices=KV_CACHE_DTYPES,
     ),
     "generation_config": FlagHelp(
         "sampling defaults of requests that leave fields unset: auto = the model's generation_config.json, "
