@@ -15,20 +15,34 @@ from pagedllm.ops.kernels import Kernels
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, kernels: Kernels):
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        kernels: Kernels,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ):
+        """sliding_window: this layer attends to the last `sliding_window` positions only (None:
+        its whole context); logits_soft_cap: Gemma 2's tanh cap on the scores (Kernels.attend)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.kernels = kernels
+        self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
+        self.kv_group = 0  # the KV-cache group whose block tables this layer reads (bind_kv_cache)
         # unbound (empty) until bind_kv_cache: the new tokens attend to each other only
         self.k_cache = self.v_cache = torch.tensor([])
         self.k_scale = self.v_scale = 1.0  # dequantized = stored * scale (fp8 caches only)
 
-    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        """This layer's views of the KV tensor, [num_blocks, Hkv, block_size, D] each.
+    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_group: int = 0) -> None:
+        """This layer's views of the KV tensor, [num_blocks, Hkv, block_size, D] each, and the
+        KV-cache group (engine/kv_cache_groups.py) whose block tables and slot mapping index them.
 
         Bound after construction, not passed to it: the runner sizes the KV tensor by a profiling
         forward of the built model (worker/model_runner.py), so it cannot exist before the model."""
-        self.k_cache, self.v_cache = k_cache, v_cache
+        self.k_cache, self.v_cache, self.kv_group = k_cache, v_cache, kv_group
 
     def set_kv_scales(self, k_scale: float, v_scale: float) -> None:
         if not (k_scale > 0 and v_scale > 0 and k_scale < float("inf") and v_scale < float("inf")):
@@ -37,6 +51,19 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]."""
+        meta = meta.group(self.kv_group)
         if self.k_cache.numel():
             self.kernels.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-        return self.kernels.attend(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.k_scale, self.v_scale)
+        return self.kernels.attend(
+            q,
+            k,
+            v,
+            self.k_cache,
+            self.v_cache,
+            meta,
+            self.scale,
+            self.k_scale,
+            self.v_scale,
+            sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap,
+        )

@@ -1,12 +1,14 @@
 """Attention metadata: how one forward pass's packed tokens map onto sequences and KV slots.
 
+The slot mapping and block tables are those of one KV-cache group; a model whose layers have
+several attention kinds (sliding windows) gets one metadata per group in `groups`.
 Built by the ModelRunner for each step (or over the CUDA graphs' static buffers) and passed
 explicitly down the forward, model -> layer -> attention; nothing keeps it between calls.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,3 +23,10 @@ class AttentionMetadata:
     max_seqlen_k: int
     decode_only: bool  # every sequence has exactly one new token
     no_history: bool  # no sequence has cached tokens (pure prefill)
+    # one entry per KV-cache group (engine/kv_cache_groups.py) when the model has more than one:
+    # the same step with that group's slot_mapping and block_tables. Empty: one group, this one.
+    groups: tuple[AttentionMetadata, ...] = field(default=())
+
+    def group(self, g: int) -> AttentionMetadata:
+        """The metadata a layer of KV-cache group g attends with."""
+        return self.groups[g] if self.groups else self

@@ -40,6 +40,19 @@ def sliding_window_of(cfg) -> int | None:
     return int(window)
 
 
+def layer_windows(cfg) -> list[int | None]:
+    """Each decoder layer's attention window (None: full attention), in model order: the KV-cache
+    groups come from it (engine/kv_cache_groups.py), and each layer's Attention is built with it."""
+    window = sliding_window_of(cfg)
+    n = cfg.num_hidden_layers
+    if window is None:
+        return [None] * n
+    types = getattr(cfg, "layer_types", None)
+    if types is not None:
+        return [window if t == "sliding_attention" else None for t in types]
+    return [window] * n
+
+
 def check_window(cfg, max_model_len: int) -> None:
     """ValueError naming `sliding_window` when a windowed layer could see a key outside its window:
     the paged attention kernels attend to the whole context (per-layer windows: issue 16), which

@@ -74,10 +74,17 @@ class Kernels(Protocol):
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """Attention of q over its sequence's context, read from the caches (dequantized with
         k_scale / v_scale if fp8); empty caches (the profiling run, before the KV tensor exists)
-        mean the new tokens attend to each other only, unquantized."""
+        mean the new tokens attend to each other only, unquantized.
+
+        sliding_window W: the query at position q sees only keys at q - W < k <= q (HF's mask);
+        block-table entries of blocks wholly before the first query's window may name any block
+        (a sliding-window group gives those blocks back) and are never read. logits_soft_cap c:
+        scores s = scale * q.k become c * tanh(s / c) before the mask and softmax (Gemma 2)."""
         ...
 
 
@@ -123,7 +130,11 @@ class TorchKernels:
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
+        if sliding_window is not None or logits_soft_cap is not None:
+            raise NotImplementedError("sliding_window / logits_soft_cap: being written (issue 16)")
         if not k_cache.numel():
             return prefill_attention_ref(q, k, v, meta.cu_seqlens_q, scale)
         if meta.no_history:  # pure prefill: attend over the new tokens directly, as the cache holds them
@@ -189,7 +200,11 @@ class TritonKernels:
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
+        if sliding_window is not None or logits_soft_cap is not None:
+            raise NotImplementedError("sliding_window / logits_soft_cap: being written (issue 16)")
         if not k_cache.numel():  # the profiling run, before the KV tensor exists
             return prefill_attention_ref(q, k, v, meta.cu_seqlens_q, scale)
         return self._paged_attention(

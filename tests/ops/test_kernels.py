@@ -47,11 +47,11 @@ class CountingKernels(TorchKernels):
         self._count("store_kv")
         super().store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
-    def attend(self, q, k, v, k_cache, v_cache, meta, scale, k_scale=1.0, v_scale=1.0):
+    def attend(self, q, k, v, k_cache, v_cache, meta, scale, k_scale=1.0, v_scale=1.0, **window):
         self._count("attend")
         if self.calls["attend"] == self.fail_at:
             raise RuntimeError("kernel failed")
-        return super().attend(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale)
+        return super().attend(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale, **window)
 
 
 def tiny_model(kernels: Kernels, num_blocks: int = 4, block_size: int = 4):
