@@ -1,4 +1,5 @@
-"""Fused elementwise kernels (Triton): RMSNorm (with the residual add), SiLU-and-mul, rotary.
+"""Fused elementwise kernels (Triton): RMSNorm (with the residual add; Gemma's (1 + w) form),
+SiLU-and-mul, GELU(tanh)-and-mul, rotary.
 
 Their torch references, with the rounding rules both follow, are in fused_ref.py.
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.ops._triton import HAS_TRITON, next_pow2, require_triton, tl, triton
-from pagedllm.ops.fused_ref import apply_rotary_ref, rms_norm_ref, silu_and_mul_ref
+from pagedllm.ops.fused_ref import apply_rotary_ref, gelu_tanh_and_mul_ref, rms_norm_ref, silu_and_mul_ref
 
 # ----------------------------------------------------------------------------- kernels
 
@@ -28,6 +29,7 @@ if HAS_TRITON:
         stride_o,
         stride_nr,
         HAS_RESIDUAL: tl.constexpr,
+        UNIT_OFFSET: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
@@ -40,9 +42,13 @@ if HAS_TRITON:
             tl.store(new_res_ptr + row * stride_nr + cols, x, mask=mask)
         xf = x.to(tl.float32)
         var = tl.sum(xf * xf, 0) / n_cols
-        normed = (xf * tl.math.rsqrt(var + eps)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        normed = xf * tl.math.rsqrt(var + eps)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+        if UNIT_OFFSET:  # Gemma: scale by (1 + w) in fp32, one rounding
+            out = normed * (1.0 + w)
+        else:  # Llama: round the normalised x to the input dtype, then scale
+            out = normed.to(x_ptr.dtype.element_ty).to(tl.float32) * w
+        tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o, BLOCK: tl.constexpr):
@@ -52,6 +58,20 @@ if HAS_TRITON:
         a = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
         y = a / (1.0 + tl.exp(-a)) * b
+        tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _gelu_tanh_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        a = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        # gelu_tanh(a) = a * (1 + tanh(u)) / 2 = a * sigmoid(2u), u = sqrt(2/pi) * (a + 0.044715 a^3);
+        # the sigmoid from e = exp(-|2u|) <= 1, which never overflows
+        u = 0.7978845608028654 * (a + 0.044715 * a * a * a)
+        e = tl.exp(-2.0 * tl.abs(u))
+        y = a * tl.where(u >= 0, 1.0 / (1.0 + e), e / (1.0 + e)) * b
         tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -92,8 +112,15 @@ if HAS_TRITON:
         _rotate_heads(k_ptr, tok, stride_kt, stride_kh, n_k_heads, cos, sin, BLOCK_HK, HALF)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """RMSNorm over the last dim; with residual, fused add: returns (out, x + residual)."""
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    unit_offset: bool = False,
+):
+    """RMSNorm over the last dim (unit_offset: scaled by 1 + weight, Gemma's form); with
+    residual, fused add: returns (out, x + residual)."""
     require_triton()
     h = x.shape[-1]
     x2 = x.reshape(-1, h)
@@ -121,6 +148,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
             out.stride(0),
             new_res.stride(0),
             HAS_RESIDUAL=residual is not None,
+            UNIT_OFFSET=unit_offset,
             BLOCK=block,
             num_warps=min(16, max(1, block // 256)),
         )
@@ -128,8 +156,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return out if residual is None else (out, new_res.view(x.shape))
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x: [..., 2*I] -> silu(x[..., :I]) * x[..., I:] in x's dtype (fp32 math)."""
+def _act_and_mul(kernel, x: torch.Tensor) -> torch.Tensor:
     require_triton()
     two_i = x.shape[-1]
     i = two_i // 2
@@ -138,10 +165,18 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x2.shape[0], i), dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         block = min(1024, next_pow2(i))
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(i, block))](
-            x2, out, i, x2.stride(0), out.stride(0), BLOCK=block, num_warps=4
-        )
+        kernel[(x2.shape[0], triton.cdiv(i, block))](x2, out, i, x2.stride(0), out.stride(0), BLOCK=block, num_warps=4)
     return out.view(*x.shape[:-1], i)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [..., 2*I] -> silu(x[..., :I]) * x[..., I:] in x's dtype (fp32 math)."""
+    return _act_and_mul(_silu_and_mul_kernel, x)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [..., 2*I] -> gelu_tanh(x[..., :I]) * x[..., I:] in x's dtype (fp32 math; GeGLU)."""
+    return _act_and_mul(_gelu_tanh_and_mul_kernel, x)
 
 
 def apply_rotary(
@@ -182,4 +217,13 @@ def apply_rotary(
     return q, k
 
 
-__all__ = ["rms_norm", "rms_norm_ref", "silu_and_mul", "silu_and_mul_ref", "apply_rotary", "apply_rotary_ref"]
+__all__ = [
+    "rms_norm",
+    "rms_norm_ref",
+    "silu_and_mul",
+    "silu_and_mul_ref",
+    "gelu_tanh_and_mul",
+    "gelu_tanh_and_mul_ref",
+    "apply_rotary",
+    "apply_rotary_ref",
+]

@@ -1,10 +1,12 @@
 """Torch references of the fused elementwise kernels (fused.py): what the CPU path runs, and
 the oracle the kernel tests compare against. Plain torch: importing this never imports triton.
 
-Rounding follows HF transformers (Llama/Qwen), so a model built on these matches HF:
-- RMSNorm: residual add rounded to x.dtype first; normalise in fp32; round to x.dtype;
-  then multiply by the weight (in fp32, rounded once to x.dtype).
-- SiLU-and-mul: fp32 math, one rounding at the end.
+Rounding follows HF transformers, so a model built on these matches HF:
+- RMSNorm (Llama/Qwen): residual add rounded to x.dtype first; normalise in fp32; round to
+  x.dtype; then multiply by the weight (in fp32, rounded once to x.dtype).
+- RMSNorm with unit_offset (Gemma): the checkpoint stores w and the scale is (1 + w); residual
+  add rounded as above; normalise and scale in fp32, one rounding at the end.
+- SiLU-and-mul, GELU(tanh)-and-mul: fp32 math, one rounding at the end.
 - Rotary (neox / rotate-half): fp32 math, one rounding per element.
 """
 
@@ -13,14 +15,24 @@ from __future__ import annotations
 import torch
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """out = weight * normalise(x [+ residual]); with residual returns (out, x + residual)."""
+def rms_norm_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    unit_offset: bool = False,
+):
+    """out = weight * normalise(x [+ residual]) (unit_offset: (1 + weight) * ..., Gemma's form);
+    with residual returns (out, x + residual)."""
     if residual is not None:
         x = (x.float() + residual.float()).to(x.dtype)
         new_residual = x
     xf = x.float()
-    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    out = (normed.float() * weight.float()).to(x.dtype)
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        out = (normed * (1.0 + weight.float())).to(x.dtype)
+    else:
+        out = (normed.to(x.dtype).float() * weight.float()).to(x.dtype)
     return out if residual is None else (out, new_residual)
 
 
@@ -29,6 +41,13 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     i = x.shape[-1] // 2
     a, b = x[..., :i].float(), x[..., i:].float()
     return (torch.nn.functional.silu(a) * b).to(x.dtype)
+
+
+def gelu_tanh_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """x: [..., 2*I] -> gelu_tanh(x[..., :I]) * x[..., I:] (GeGLU; HF's gelu_pytorch_tanh)."""
+    i = x.shape[-1] // 2
+    a, b = x[..., :i].float(), x[..., i:].float()
+    return (torch.nn.functional.gelu(a, approximate="tanh") * b).to(x.dtype)
 
 
 def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

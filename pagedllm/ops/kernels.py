@@ -1,6 +1,6 @@
 """The kernels a model runs, chosen once from the device: `kernels_for(device)`.
 
-Every layer that computes (RMSNorm, rotary, SiLU-and-mul, paged attention) is given one
+Every layer that computes (RMSNorm, rotary, SiLU/GELU-and-mul, paged attention) is given one
 `Kernels` object when the model is built and calls it; no layer looks at a tensor's device.
 - `TorchKernels`: the torch references (fused_ref.py, attention_ref.py). The CPU path, and
   the oracle of the kernel tests (tests/ops), which therefore test what the CPU path runs;
@@ -25,7 +25,7 @@ from pagedllm.ops.attention_ref import (
     prefill_attention_ref,
     store_kvcache_ref,
 )
-from pagedllm.ops.fused_ref import apply_rotary_ref, rms_norm_ref, silu_and_mul_ref
+from pagedllm.ops.fused_ref import apply_rotary_ref, gelu_tanh_and_mul_ref, rms_norm_ref, silu_and_mul_ref
 
 if TYPE_CHECKING:
     from pagedllm.model.attention_metadata import AttentionMetadata
@@ -34,15 +34,23 @@ if TYPE_CHECKING:
 class Kernels(Protocol):
     """Shapes: x [T, H]; q [T, Hq, D]; k/v [T, Hkv, D]; caches [num_blocks, Hkv, block_size, D]."""
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+        """weight * normalise(x); unit_offset: (1 + weight) * normalise(x) in fp32 (Gemma)."""
+        ...
 
     def fused_add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(rms_norm(x + residual), x + residual)."""
         ...
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., 2I] -> silu(gate) * up, gate the first half (SwiGLU)."""
+        ...
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., 2I] -> gelu_tanh(gate) * up, gate the first half (GeGLU, HF's gelu_pytorch_tanh)."""
+        ...
 
     def apply_rotary(
         self, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor
@@ -91,16 +99,19 @@ class Kernels(Protocol):
 class TorchKernels:
     """The exact references; used on CPU."""
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return rms_norm_ref(x, weight, eps)
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+        return rms_norm_ref(x, weight, eps, unit_offset=unit_offset)
 
     def fused_add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return rms_norm_ref(x, weight, eps, residual)
+        return rms_norm_ref(x, weight, eps, residual, unit_offset)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul_ref(x)
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return gelu_tanh_and_mul_ref(x)
 
     def apply_rotary(
         self, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor
@@ -157,20 +168,24 @@ class TritonKernels:
 
         self._rms_norm = fused.rms_norm
         self._silu_and_mul = fused.silu_and_mul
+        self._gelu_tanh_and_mul = fused.gelu_tanh_and_mul
         self._apply_rotary = fused.apply_rotary
         self._store_kvcache = store_kv.store_kvcache
         self._paged_attention = paged_attention.paged_attention
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return self._rms_norm(x, weight, eps)
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+        return self._rms_norm(x, weight, eps, unit_offset=unit_offset)
 
     def fused_add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._rms_norm(x, weight, eps, residual)
+        return self._rms_norm(x, weight, eps, residual, unit_offset)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self._silu_and_mul(x)
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self._gelu_tanh_and_mul(x)
 
     def apply_rotary(
         self, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor

@@ -6,8 +6,13 @@ import torch
 
 pytest.importorskip("triton")
 
-from pagedllm.ops.fused import apply_rotary, rms_norm, silu_and_mul  # noqa: E402
-from pagedllm.ops.fused_ref import apply_rotary_ref, rms_norm_ref, silu_and_mul_ref  # noqa: E402
+from pagedllm.ops.fused import apply_rotary, gelu_tanh_and_mul, rms_norm, silu_and_mul  # noqa: E402
+from pagedllm.ops.fused_ref import (  # noqa: E402
+    apply_rotary_ref,
+    gelu_tanh_and_mul_ref,
+    rms_norm_ref,
+    silu_and_mul_ref,
+)
 
 # The interpreter rounds fp32 -> bf16 by truncation, the GPU to nearest: allow 1 bf16 ulp.
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -38,6 +43,35 @@ def test_fused_add_rms_norm(dtype, device):
     close(new_res, (x.float() + r.float()).to(dtype), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_unit_offset_rms_norm(dtype, with_residual, device):
+    """Gemma's form: scaled by (1 + w), in fp32, rounded once."""
+    x = torch.randn(7, 80, device=device).to(dtype) * 2
+    r = torch.randn(7, 80, device=device).to(dtype) if with_residual else None
+    w = (0.3 * torch.randn(80, device=device)).to(dtype)
+    got, want = rms_norm(x, w, 1e-6, r, unit_offset=True), rms_norm_ref(x, w, 1e-6, r, unit_offset=True)
+    for a, b in zip(got, want, strict=True) if with_residual else [(got, want)]:
+        close(a, b, dtype)
+
+
+def test_unit_offset_rms_norm_ref_is_hf_gemma():
+    """Independent check against HF's Gemma2RMSNorm.forward, written out: normalise x.float(),
+    times (1.0 + w.float()), .type_as(x)."""
+
+    def hf_gemma_norm(x, w, eps):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w.float())).type_as(x)
+
+    for dtype in (torch.float32, torch.bfloat16):
+        w = (0.5 * torch.randn(48)).to(dtype)
+        x, r = torch.randn(5, 48).to(dtype) * 3, torch.randn(5, 48).to(dtype)
+        assert torch.equal(rms_norm_ref(x, w, 1e-6, unit_offset=True), hf_gemma_norm(x, w, 1e-6))
+        out, res = rms_norm_ref(x, w, 1e-6, r, unit_offset=True)
+        assert torch.equal(res, x + r) and torch.equal(out, hf_gemma_norm(x + r, w, 1e-6))
+    assert not torch.allclose(rms_norm_ref(x, w, 1e-6).float(), hf_gemma_norm(x, w, 1e-6).float())
+
+
 def test_rms_norm_strided_rows(device):
     big = torch.randn(6, 2 * 64, device=device)
     x = big[:, :64]  # row stride 128
@@ -52,6 +86,24 @@ def test_silu_and_mul(inter, dtype, device):
     out = silu_and_mul(x)
     assert out.shape == (3, 2, inter)
     close(out, silu_and_mul_ref(x), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inter", [48, 1100])
+def test_gelu_tanh_and_mul(inter, dtype, device):
+    x = torch.randn(3, 2, 2 * inter, device=device).to(dtype) * 3
+    out = gelu_tanh_and_mul(x)
+    assert out.shape == (3, 2, inter)
+    close(out, gelu_tanh_and_mul_ref(x), dtype)
+
+
+def test_gelu_tanh_and_mul_ref_is_hf_geglu():
+    """Independent check: HF's gelu_pytorch_tanh is the tanh formula; GeGLU is act(gate) * up."""
+    x = torch.randn(6, 2 * 40) * 4
+    gate, up = x[:, :40], x[:, 40:]
+    gelu = 0.5 * gate * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (gate + 0.044715 * gate**3)))
+    torch.testing.assert_close(gelu_tanh_and_mul_ref(x), gelu * up, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(gelu_tanh_and_mul_ref(x), silu_and_mul_ref(x))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -105,3 +157,8 @@ def test_gpu_fused_large(dtype, device):
     torch.testing.assert_close(out.float(), out_ref.float(), atol=2e-2, rtol=2e-2)
     g = torch.randn(4096, 2 * 3072, device=device, dtype=dtype)
     torch.testing.assert_close(silu_and_mul(g).float(), silu_and_mul_ref(g).float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(gelu_tanh_and_mul(g).float(), gelu_tanh_and_mul_ref(g).float(), atol=2e-2, rtol=2e-2)
+    out, res = rms_norm(x, w, 1e-6, r, unit_offset=True)
+    out_ref, res_ref = rms_norm_ref(x, w, 1e-6, r, unit_offset=True)
+    torch.testing.assert_close(res, res_ref, atol=0, rtol=0)
+    torch.testing.assert_close(out.float(), out_ref.float(), atol=2e-2, rtol=2e-2)
