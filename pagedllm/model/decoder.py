@@ -1,7 +1,8 @@
-"""The decoder-only transformer of Llama 3, Qwen2/2.5 and Qwen3, in one plain PyTorch file.
+"""The decoder-only transformer of Llama 3, Mistral, Qwen2/2.5, Qwen3, Phi-3, Gemma 2 and Gemma 3
+(text), in one plain PyTorch file.
 
-The families differ in three switches, read from the HF config by the registry:
-qkv bias (Qwen2), per-head q/k RMSNorm (Qwen3), tied embeddings (Qwen3 small, Llama 3.2).
+The families differ in a few switches (FamilyTraits), set per architecture by the registry;
+the values behind them (windows, soft caps, rope bases) are read from the HF config here.
 Activations are [T, hidden]: the tokens of all scheduled sequences packed, no padding.
 The kernels (torch references or Triton, ops/kernels.py) are chosen once, by whoever builds
 the model, and handed to every layer that computes; the AttentionMetadata of a forward is
@@ -25,18 +26,46 @@ from pagedllm.model.parallel import tp_size
 from pagedllm.model.rotary import RotaryEmbedding
 from pagedllm.ops.kernels import Kernels
 
+# MLP activation (the config's hidden_act / hidden_activation) -> the Kernels method of act(gate) * up
+ACTIVATIONS = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul"}
 
-@dataclass
+
+@dataclass(frozen=True)
 class FamilyTraits:
-    qkv_bias: bool = False
-    qk_norm: bool = False
+    qkv_bias: bool = False  # Qwen2: q/k/v projections with a bias
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm of every q and k head before rotary
+    # Gemma 2/3: RMSNorms scale by (1 + w); four norms per layer (the "sandwich": attention and MLP
+    # outputs normalised before their residual add); embeddings times sqrt(hidden_size) rounded to
+    # the model's dtype; scores scaled by query_pre_attn_scalar**-0.5; final_logit_softcapping
+    gemma: bool = False
+    attn_soft_cap: bool = False  # Gemma 2: attn_logit_softcapping (HF's Gemma 3 attention ignores it)
+    # which layers config.sliding_window applies to: "none" (Llama: never), "all" (Mistral, Phi-3:
+    # every layer when set), "layer_types" (Qwen2/3, Gemma: the layers config.layer_types names sliding)
+    windows: str = "none"
+    activation_field: str = "hidden_act"  # the config field naming the MLP activation (Gemma: hidden_activation)
+
+
+def head_dim_of(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def rope_of(cfg, layer_type: str | None) -> tuple[float, dict | None]:
+    """(rope theta, scaling parameters or None) of a layer: the config's rope_parameters, taken
+    per layer kind where it is keyed by kind (Gemma 3: local layers their own base)."""
+    params = getattr(cfg, "rope_parameters", None)
+    if params is None:  # a config object from before rope_parameters
+        return getattr(cfg, "rope_theta", 10000.0), getattr(cfg, "rope_scaling", None)
+    if layer_type in params:
+        params = params[layer_type]
+    theta = params.get("rope_theta", 10000.0)
+    return theta, (params if params.get("rope_type", "default") != "default" else None)
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg, traits: FamilyTraits, kernels: Kernels):
+    def __init__(self, cfg, traits: FamilyTraits, kernels: Kernels, layer_type: str | None, window: int | None):
         super().__init__()
         tp = tp_size()
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.head_dim = head_dim_of(cfg)
         self.num_heads = cfg.num_attention_heads // tp
         self.num_kv_heads = cfg.num_key_value_heads // tp
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -49,15 +78,15 @@ class DecoderAttention(nn.Module):
         )
         self.qk_norm = traits.qk_norm
         if traits.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, kernels)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, kernels)
-        rope_params = getattr(cfg, "rope_parameters", None) or {}
-        theta = rope_params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-        scaling = getattr(cfg, "rope_scaling", None) or (
-            rope_params if rope_params.get("rope_type", "default") != "default" else None
-        )
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, kernels, unit_offset=traits.gemma)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, kernels, unit_offset=traits.gemma)
+        theta, scaling = rope_of(cfg, layer_type)
         self.rotary = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, theta, scaling, kernels)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, kernels)
+        scale = cfg.query_pre_attn_scalar**-0.5 if traits.gemma else self.head_dim**-0.5
+        cap = cfg.attn_logit_softcapping if traits.attn_soft_cap else None
+        self.attn = Attention(
+            self.num_heads, self.num_kv_heads, self.head_dim, scale, kernels, sliding_window=window, logits_soft_cap=cap
+        )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -73,48 +102,76 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, cfg, kernels: Kernels):
+    """down(act(gate(x)) * up(x)), gate and up packed in one matrix: SwiGLU, or GeGLU (Gemma)."""
+
+    def __init__(self, cfg, traits: FamilyTraits, kernels: Kernels):
         super().__init__()
-        self.kernels = kernels
         bias = getattr(cfg, "mlp_bias", False)
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=bias)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
-        if getattr(cfg, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (silu only)")
+        act = getattr(cfg, traits.activation_field, None) or "silu"
+        if act not in ACTIVATIONS:
+            raise ValueError(f"{traits.activation_field} {act!r} is not supported ({', '.join(ACTIVATIONS)})")
+        self.act_and_mul = getattr(kernels, ACTIVATIONS[act])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, traits: FamilyTraits, kernels: Kernels):
+    """Pre-norm residual block. The residual stream travels beside x between layers, so that each
+    norm that follows a residual add fuses it (RMSNorm with a residual: norm(x + r), x + r)."""
+
+    def __init__(self, cfg, traits: FamilyTraits, kernels: Kernels, layer_type: str | None, window: int | None):
         super().__init__()
-        self.self_attn = DecoderAttention(cfg, traits, kernels)
-        self.mlp = DecoderMLP(cfg, kernels)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        eps, gemma = cfg.rms_norm_eps, traits.gemma
+        self.self_attn = DecoderAttention(cfg, traits, kernels, layer_type, window)
+        self.mlp = DecoderMLP(cfg, traits, kernels)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, kernels, unit_offset=gemma)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, kernels, unit_offset=gemma)
+        self.sandwich = gemma
+        if gemma:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, kernels, unit_offset=True)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, kernels, unit_offset=True)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (this layer's output, not yet added, and the residual stream it is to be added to)."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        if not self.sandwich:  # Llama: post_attention_layernorm is the MLP's input norm
+            x, residual = self.post_attention_layernorm(x, residual)
+            return self.mlp(x), residual
+        # Gemma: norm the attention output, add it, norm the MLP input; norm the MLP output
+        x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual)
+        return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg, traits: FamilyTraits, kernels: Kernels):
+    embed_scale: torch.Tensor
+
+    def __init__(self, cfg, traits: FamilyTraits, kernels: Kernels, windows: Sequence[int | None]):
         super().__init__()
+        if len(windows) != cfg.num_hidden_layers:
+            raise ValueError(f"{len(windows)} layer windows for {cfg.num_hidden_layers} layers")
+        types = getattr(cfg, "layer_types", None) or [None] * cfg.num_hidden_layers
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, traits, kernels) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, traits, kernels, types[i], windows[i]) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels, unit_offset=traits.gemma)
+        # Gemma: the embedding is scaled by sqrt(hidden_size), rounded to the model's dtype as HF does
+        self.scaled_embedding = traits.gemma
+        self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size**0.5, dtype=torch.float32), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
+        if self.scaled_embedding:
+            x = x * self.embed_scale.to(x.dtype)
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
         x, _ = self.norm(x, residual)
@@ -122,7 +179,8 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    # checkpoint name -> (packed parameter name, shard id)
+    # checkpoint name -> (packed parameter name, shard id); a checkpoint that names the packed
+    # parameters themselves (Phi-3's qkv_proj, gate_up_proj) is cut into these shards on load
     packed_modules: dict[str, tuple[str, int | str]] = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
@@ -131,14 +189,16 @@ class DecoderForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg, traits: FamilyTraits, kernels: Kernels):
+    def __init__(self, cfg, traits: FamilyTraits, kernels: Kernels, windows: Sequence[int | None]):
+        """windows: each layer's attention window, None for full attention (registry.layer_windows)."""
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, traits, kernels)
+        self.model = DecoderModel(cfg, traits, kernels, windows)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.final_logit_soft_cap = getattr(cfg, "final_logit_softcapping", None) if traits.gemma else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden]."""
@@ -157,4 +217,8 @@ class DecoderForCausalLM(nn.Module):
             layer.bind_kv_cache(k, v)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        cap = self.final_logit_soft_cap
+        if cap is not None:  # Gemma: c * tanh(logits / c), in the logits' dtype as HF
+            logits = torch.tanh(logits / cap) * cap
+        return logits

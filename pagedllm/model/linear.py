@@ -3,7 +3,8 @@
 ColumnParallelLinear splits the output features across ranks (no communication);
 RowParallelLinear splits the input features and all-reduces the partial sums. Packed
 projections (qkv, gate_up) are column-parallel layers whose checkpoint shards are loaded
-into their slice of the packed weight by `load_weight(name, tensor, shard_id)`.
+into their slice of the packed weight by `load_weight(name, tensor, shard_id)`; a checkpoint
+that stores the packed matrix (Phi-3) is cut into the same shards first.
 """
 
 from __future__ import annotations
@@ -48,7 +49,18 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         return shard_id
 
     def load_weight(self, name: str, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
-        offset, size = self.shard_range(self.shard_index(shard_id))
+        """One shard of the packed matrix; shard_id None: the checkpoint stores the packed matrix
+        itself (Phi-3's qkv_proj, gate_up_proj), cut into its shards, each sliced for this rank."""
+        if shard_id is None:
+            for index, part in enumerate(loaded.split(self.output_sizes)):
+                self._load_shard(name, part, index)
+        else:
+            self._load_shard(name, loaded, self.shard_index(shard_id))
+
+    def _load_shard(self, name: str, loaded: torch.Tensor, index: int) -> None:
+        if loaded.shape[0] != self.output_sizes[index]:
+            raise ValueError(f"shard {index} of {name} has {loaded.shape[0]} rows, expected {self.output_sizes[index]}")
+        offset, size = self.shard_range(index)
         self.get_parameter(name).data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
 
 

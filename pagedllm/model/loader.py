@@ -1,5 +1,7 @@
 """Load a Hugging Face safetensors checkpoint (single file or sharded) into a model,
-packing q/k/v and gate/up into their fused parameters and slicing for this TP rank.
+packing q/k/v and gate/up into their fused parameters and slicing for this TP rank. A
+checkpoint that stores them packed already (Phi-3's qkv_proj, gate_up_proj) is cut into
+q/k/v and gate/up first, so each rank takes its slice of each (linear.py).
 
 A checkpoint made for an fp8 KV cache may carry per-layer KV scales (`...self_attn.k_scale`,
 `v_scale`, or one `kv_scale` for both; also under `self_attn.attn.`): they are returned, by
