@@ -21,6 +21,13 @@ def hf_logits(path: str, token_ids: list[int]) -> torch.Tensor:
 
 
 @torch.inference_mode()
+def hf_position_logits(path: str, token_ids: list[int]) -> torch.Tensor:
+    """[len, vocab]: row i is HF's logits after token_ids[: i + 1] (causal: one forward serves
+    every prefix of the sequence)."""
+    return hf_model(path)(torch.tensor([token_ids])).logits[0].float()
+
+
+@torch.inference_mode()
 def hf_greedy(path: str, prompt: list[int], max_tokens: int) -> list[int]:
     model = hf_model(path)
     ids = torch.tensor([prompt])
@@ -66,3 +73,35 @@ def generate(llm, prompts, max_tokens, order=None):
     for i, o in zip(idx, outs, strict=False):
         res[i] = o.outputs[0].token_ids
     return res
+
+
+def step_logits(llm, prompts, params):
+    """Run `prompts` through `llm`; returns, for every logits row of every step (mixed chunked
+    prefills and decodes), (the row, its sequence's token ids once finished, n): the row was
+    computed from the first n of those ids and sampled id n. Also each step's sequence ids."""
+    captured = []
+    real_sample = llm.runner.sample
+
+    def spy(logits, inp):
+        captured.append((logits.clone(), list(inp.sample_seq_ids)))
+        return real_sample(logits, inp)
+
+    seqs = {}
+    real_add = llm.engine.scheduler.add
+
+    def add(seq):
+        seqs[seq.seq_id] = seq
+        real_add(seq)
+
+    llm.runner.sample, llm.engine.scheduler.add = spy, add
+    try:
+        llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.runner.sample, llm.engine.scheduler.add = real_sample, real_add
+    lengths = {sid: len(s.prompt_token_ids) for sid, s in seqs.items()}
+    rows = []
+    for logits, ids in captured:
+        for row, sid in enumerate(ids):
+            rows.append((logits[row], tuple(seqs[sid].token_ids), lengths[sid]))
+            lengths[sid] += 1
+    return rows, [ids for _, ids in captured]

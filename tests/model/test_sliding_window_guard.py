@@ -56,3 +56,20 @@ def test_within_the_window_the_tokens_are_the_models(windowed):
 
 def test_configs_without_windowed_layers_still_load(tiny_models):
     LLM(tiny_models["qwen2"], num_kv_blocks=16)  # Qwen2 with use_sliding_window False
+
+
+def test_the_new_families_windows_are_guarded_the_same_way():
+    """Gemma's alternating windows (from layer_types) and Phi-3's window on every layer."""
+    from transformers import Gemma2Config, Gemma3TextConfig, Phi3Config
+
+    from pagedllm.model.registry import check_window
+
+    for cfg in (
+        Gemma2Config(architectures=["Gemma2ForCausalLM"], sliding_window=WINDOW, **TINY_SHAPE),
+        Gemma3TextConfig(architectures=["Gemma3ForCausalLM"], sliding_window=WINDOW, **TINY_SHAPE),
+        Phi3Config(architectures=["Phi3ForCausalLM"], sliding_window=WINDOW, pad_token_id=None, **TINY_SHAPE),
+    ):
+        with pytest.raises(ValueError, match=f"sliding_window={WINDOW}"):
+            check_window(cfg, WINDOW + 1)
+        check_window(cfg, WINDOW)
+    check_window(Phi3Config(architectures=["Phi3ForCausalLM"], pad_token_id=None, **TINY_SHAPE), 512)

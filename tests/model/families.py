@@ -1,0 +1,90 @@
+"""Tiny random checkpoints of the families with windows, soft caps or packed tensors, written by
+HF transformers (float32) and loaded unchanged: Gemma 2 (soft caps small enough to bite),
+Gemma 3 text (a rope base per layer kind, linear scaling on the global layers), Phi-3 (packed
+qkv_proj / gate_up_proj), Mistral (a window on every layer), Qwen2 (the window from
+max_window_layers on). Every one has sliding_window WINDOW; norm weights are perturbed so that
+each norm's form matters. Written once per session (family_checkpoints)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+
+from tests.helpers import TINY_SHAPE
+
+WINDOW = 32
+KINDS = ["gemma2", "gemma3", "phi3", "mistral", "qwen2"]
+
+
+def hf_checkpoint(kind: str, out: str) -> None:
+    from transformers import (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        MistralConfig,
+        MistralForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    common = dict(TINY_SHAPE, max_position_embeddings=256, bos_token_id=None, sliding_window=WINDOW)
+    gemma = dict(common, head_dim=32, query_pre_attn_scalar=24, pad_token_id=None, eos_token_id=None)
+    torch.manual_seed(KINDS.index(kind) + 11)
+    if kind == "gemma2":  # caps small enough to bite on these weights
+        model = Gemma2ForCausalLM(Gemma2Config(attn_logit_softcapping=2.0, final_logit_softcapping=3.0, **gemma))
+    elif kind == "gemma3":
+        cfg = Gemma3TextConfig(
+            sliding_window_pattern=2,
+            rope_local_base_freq=100.0,
+            rope_theta=10000.0,
+            rope_scaling={"rope_type": "linear", "factor": 2.0},
+            final_logit_softcapping=4.0,
+            **gemma,
+        )
+        model = Gemma3ForCausalLM(cfg)
+    elif kind == "phi3":
+        model = Phi3ForCausalLM(Phi3Config(pad_token_id=None, eos_token_id=None, **common))
+    elif kind == "mistral":
+        model = MistralForCausalLM(MistralConfig(**common))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(use_sliding_window=True, max_window_layers=1, **common))
+    with torch.no_grad():  # make every norm weight (and Qwen2's biases) matter
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.normal_(0, 0.3)
+    model.save_pretrained(out, safe_serialization=True)
+
+
+_written: dict[str, dict[str, str]] = {}
+
+
+def family_checkpoints(tok_dir: str, tmp_path_factory) -> dict[str, str]:
+    """kind -> a checkpoint directory (with the tokenizer of tok_dir), written once per session."""
+    if tok_dir not in _written:
+        dirs = {}
+        for kind in KINDS:
+            out = str(tmp_path_factory.mktemp(kind))
+            hf_checkpoint(kind, out)
+            for f in os.listdir(tok_dir):
+                if f.startswith("tokenizer") or f == "special_tokens_map.json":
+                    shutil.copy(os.path.join(tok_dir, f), out)
+            dirs[kind] = out
+        _written[tok_dir] = dirs
+    return _written[tok_dir]
+
+
+def short_workload(n: int = 5):
+    """Prompts of 3-18 token ids (every other one sharing a 12-token prefix) and their max_tokens
+    (4-8), so that every context stays within the window."""
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(1, 370, (12,), generator=g).tolist()
+    prompts = []
+    for i in range(n):
+        own = torch.randint(1, 370, (3 + 3 * i,), generator=g).tolist()
+        prompts.append(shared + own[:6] if i % 2 else own)
+    return prompts, [4 + i for i in range(n)]
