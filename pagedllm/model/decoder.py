@@ -43,6 +43,7 @@ class FamilyTraits:
     # every layer when set), "layer_types" (Qwen2/3, Gemma: the layers config.layer_types names sliding)
     windows: str = "none"
     activation_field: str = "hidden_act"  # the config field naming the MLP activation (Gemma: hidden_activation)
+    partial_rotary: bool = False  # Phi-3: rope_parameters' partial_rotary_factor rotates the first dims of each head
 
 
 def head_dim_of(cfg) -> int:
@@ -50,19 +51,27 @@ def head_dim_of(cfg) -> int:
 
 
 def rope_of(cfg, layer_type: str | None) -> tuple[float, dict | None]:
-    """(rope theta, scaling parameters or None) of a layer: the config's rope_parameters, taken
-    per layer kind where it is keyed by kind (Gemma 3: local layers their own base)."""
+    """(rope theta, rope parameters) of a layer: the config's rope_parameters (scaling type and
+    factors, partial_rotary_factor), taken per layer kind where it is keyed by kind (Gemma 3:
+    local layers their own base)."""
     params = getattr(cfg, "rope_parameters", None)
     if params is None:  # a config object from before rope_parameters
         return getattr(cfg, "rope_theta", 10000.0), getattr(cfg, "rope_scaling", None)
     if layer_type in params:
         params = params[layer_type]
-    theta = params.get("rope_theta", 10000.0)
-    return theta, (params if params.get("rope_type", "default") != "default" else None)
+    return params.get("rope_theta", 10000.0), params
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg, traits: FamilyTraits, kernels: Kernels, layer_type: str | None, window: int | None):
+    def __init__(
+        self,
+        cfg,
+        traits: FamilyTraits,
+        kernels: Kernels,
+        layer_type: str | None,
+        window: int | None,
+        max_model_len: int | None,
+    ):
         super().__init__()
         tp = tp_size()
         self.head_dim = head_dim_of(cfg)
@@ -81,7 +90,9 @@ class DecoderAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, kernels, unit_offset=traits.gemma)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, kernels, unit_offset=traits.gemma)
         theta, scaling = rope_of(cfg, layer_type)
-        self.rotary = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, theta, scaling, kernels)
+        self.rotary = RotaryEmbedding(
+            self.head_dim, cfg.max_position_embeddings, theta, scaling, kernels, max_model_len=max_model_len
+        )
         scale = cfg.query_pre_attn_scalar**-0.5 if traits.gemma else self.head_dim**-0.5
         cap = cfg.attn_logit_softcapping if traits.attn_soft_cap else None
         self.attn = Attention(
@@ -122,10 +133,18 @@ class DecoderLayer(nn.Module):
     """Pre-norm residual block. The residual stream travels beside x between layers, so that each
     norm that follows a residual add fuses it (RMSNorm with a residual: norm(x + r), x + r)."""
 
-    def __init__(self, cfg, traits: FamilyTraits, kernels: Kernels, layer_type: str | None, window: int | None):
+    def __init__(
+        self,
+        cfg,
+        traits: FamilyTraits,
+        kernels: Kernels,
+        layer_type: str | None,
+        window: int | None,
+        max_model_len: int | None,
+    ):
         super().__init__()
         eps, gemma = cfg.rms_norm_eps, traits.gemma
-        self.self_attn = DecoderAttention(cfg, traits, kernels, layer_type, window)
+        self.self_attn = DecoderAttention(cfg, traits, kernels, layer_type, window, max_model_len)
         self.mlp = DecoderMLP(cfg, traits, kernels)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, kernels, unit_offset=gemma)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, kernels, unit_offset=gemma)
@@ -154,14 +173,17 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     embed_scale: torch.Tensor
 
-    def __init__(self, cfg, traits: FamilyTraits, kernels: Kernels, windows: Sequence[int | None]):
+    def __init__(
+        self, cfg, traits: FamilyTraits, kernels: Kernels, windows: Sequence[int | None], max_model_len: int | None
+    ):
         super().__init__()
         if len(windows) != cfg.num_hidden_layers:
             raise ValueError(f"{len(windows)} layer windows for {cfg.num_hidden_layers} layers")
         types = getattr(cfg, "layer_types", None) or [None] * cfg.num_hidden_layers
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, traits, kernels, types[i], windows[i]) for i in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, traits, kernels, types[i], windows[i], max_model_len)
+            for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels, unit_offset=traits.gemma)
         # Gemma: the embedding is scaled by sqrt(hidden_size), rounded to the model's dtype as HF does
@@ -189,11 +211,20 @@ class DecoderForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg, traits: FamilyTraits, kernels: Kernels, windows: Sequence[int | None]):
-        """windows: each layer's attention window, None for full attention (registry.layer_windows)."""
+    def __init__(
+        self,
+        cfg,
+        traits: FamilyTraits,
+        kernels: Kernels,
+        windows: Sequence[int | None],
+        max_model_len: int | None = None,
+    ):
+        """windows: each layer's attention window, None for full attention (registry.layer_windows);
+        max_model_len: the engine's longest sequence (None: max_position_embeddings), which picks
+        longrope's factors (model/rotary.py)."""
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, traits, kernels, windows)
+        self.model = DecoderModel(cfg, traits, kernels, windows, max_model_len)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if self.tie_word_embeddings:

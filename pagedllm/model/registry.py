@@ -5,6 +5,7 @@ exactly as HF transformers does."""
 from __future__ import annotations
 
 from pagedllm.model.decoder import ACTIVATIONS, DecoderForCausalLM, FamilyTraits
+from pagedllm.model.rotary import check_rope_scaling
 from pagedllm.ops.kernels import Kernels
 
 _REGISTRY: dict[str, FamilyTraits] = {
@@ -12,7 +13,7 @@ _REGISTRY: dict[str, FamilyTraits] = {
     "Qwen2ForCausalLM": FamilyTraits(qkv_bias=True, windows="layer_types"),
     "LlamaForCausalLM": FamilyTraits(),
     "MistralForCausalLM": FamilyTraits(windows="all"),
-    "Phi3ForCausalLM": FamilyTraits(windows="all"),
+    "Phi3ForCausalLM": FamilyTraits(windows="all", partial_rotary=True),
     "Gemma2ForCausalLM": FamilyTraits(
         gemma=True, attn_soft_cap=True, windows="layer_types", activation_field="hidden_activation"
     ),
@@ -50,16 +51,18 @@ def _rope_dicts(cfg) -> list[dict]:
 
 
 def check_supported(cfg, traits: FamilyTraits) -> None:
-    """Refuse what the decoder would compute differently from HF: the activation, partial rotary,
-    attention variants (chunked, bidirectional, layer kinds other than full and sliding). Rope
-    scaling types are checked where the rotary tables are built (model/rotary.py)."""
+    """Refuse what the decoder would compute differently from HF: the activation, rope scaling
+    types (model/rotary.py), partial rotary outside Phi-3 (HF's other families' default rope
+    ignores partial_rotary_factor, their scaled ropes break on it), attention variants (chunked,
+    bidirectional, layer kinds other than full and sliding)."""
     act = getattr(cfg, traits.activation_field, None) or "silu"
     if act not in ACTIVATIONS:
         _refuse(traits.activation_field, act, f"supported activations: {', '.join(ACTIVATIONS)}")
     for params in _rope_dicts(cfg):
+        check_rope_scaling(params)
         factor = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
-        if factor is not None and float(factor) != 1.0:
-            _refuse("partial_rotary_factor", factor, "rotary over part of each head is not implemented")
+        if not traits.partial_rotary and factor is not None and float(factor) != 1.0:
+            _refuse("partial_rotary_factor", factor, "this family rotates the whole head (Phi-3 alone rotates part)")
     if getattr(cfg, "attention_chunk_size", None):
         _refuse("attention_chunk_size", cfg.attention_chunk_size, "chunked attention is not implemented")
     if getattr(cfg, "use_bidirectional_attention", None):
@@ -131,6 +134,7 @@ def check_window(cfg, max_model_len: int) -> None:
         )
 
 
-def build_model(cfg, kernels: Kernels) -> DecoderForCausalLM:
-    """The model for this config, running `kernels` (ops/kernels.py: kernels_for(device))."""
-    return DecoderForCausalLM(cfg, resolve(cfg), kernels, layer_windows(cfg))
+def build_model(cfg, kernels: Kernels, max_model_len: int | None = None) -> DecoderForCausalLM:
+    """The model for this config, running `kernels` (ops/kernels.py: kernels_for(device));
+    max_model_len: the engine's (None: max_position_embeddings), which picks longrope's factors."""
+    return DecoderForCausalLM(cfg, resolve(cfg), kernels, layer_windows(cfg), max_model_len)

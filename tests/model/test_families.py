@@ -152,10 +152,11 @@ def edited(path: str, tmp_path, **changes) -> str:
 REFUSED = {
     "hidden_activation": ("gemma2", dict(hidden_activation="gelu")),
     "hidden_act": ("phi3", dict(hidden_act="relu")),
-    "partial_rotary_factor": (
-        "phi3",
+    "partial_rotary_factor": (  # HF's Mistral rotates whole heads whatever the factor says
+        "mistral",
         dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
     ),
+    "dynamic": ("qwen2", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})),
     "use_bidirectional_attention": ("gemma3", dict(use_bidirectional_attention=True)),
     "attention_chunk_size": ("mistral", dict(attention_chunk_size=16)),
     "layer_types": ("gemma2", dict(layer_types=["sliding_attention", "chunked_attention"])),
@@ -168,6 +169,21 @@ def test_what_the_decoder_cannot_run_exactly_is_refused_at_start_up(family_model
     kind, changes = REFUSED[field]
     with pytest.raises(ValueError, match=field):
         LLM(edited(family_models[kind], tmp_path, **changes), num_kv_blocks=8, max_model_len=WINDOW)
+
+
+def test_phi3_partial_rotary_matches_hf(tmp_path):
+    """partial_rotary_factor 0.5: the first half of each head rotates (rope table of 8 dims)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(4)
+    cfg = Phi3Config(partial_rotary_factor=0.5, pad_token_id=None, eos_token_id=None, **TINY_SHAPE)
+    Phi3ForCausalLM(cfg).save_pretrained(str(tmp_path), safe_serialization=True)
+    model = ours(str(tmp_path))
+    assert model.model.layers[0].self_attn.rotary.cos_sin_cache.shape[-1] == 8
+    ids = torch.arange(3, 43)
+    with torch.inference_mode():
+        want = hf_model(str(tmp_path))(ids[None]).logits[0]
+    torch.testing.assert_close(prefill_logits(model, ids), want, rtol=1e-4, atol=1e-4)
 
 
 def test_mistral_windows_every_layer_whatever_its_layer_types(family_models):
