@@ -46,6 +46,7 @@ class EngineCore:
             config.enable_prefix_caching,
             tracer,
             hash_algo=config.prefix_caching_hash_algo,  # hash_seed: a secret of this process
+            groups=executor.kv_cache_groups,
         )
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len, eos_token_ids
