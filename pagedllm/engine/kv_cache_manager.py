@@ -218,7 +218,9 @@ class KVCacheManager:
             if not resumed:
                 seq.num_cached_tokens = num_cached  # once: a resume re-hits blocks the sequence computed
         for m, h in zip(managers, hits, strict=True):
-            self.num_copy_on_writes += m.allocate(seq, total, h, num_new_tokens, self.blocks_to_copy)
+            m.take_hit(seq, h)  # every group's hit first: none may be allocated as another's new block
+        for m in managers:
+            self.num_copy_on_writes += m.allocate(seq, total, num_new_tokens, self.blocks_to_copy)
         if hit:
             seq.num_computed_tokens += num_cached
             seq.num_registered_blocks = hit.num_blocks

@@ -77,16 +77,9 @@ class FullAttentionManager:
         cow = not hit and self._needs_copy_on_write(seq, num_new_tokens)
         return new + cow + sum(1 for b in hit if b is not None and b.ref_cnt == 0)
 
-    def allocate(
-        self,
-        seq: Sequence,
-        total_tokens: int,
-        hit: list[Block | None],
-        num_new_tokens: int,
-        blocks_to_copy: list[tuple[int, int]],
-    ) -> int:
-        """Take the hit, copy a shared last block about to be written, add new blocks. Returns the
-        number of copy-on-write copies (0 or 1)."""
+    def take_hit(self, seq: Sequence, hit: list[Block | None]) -> None:
+        """Hold the blocks of a prefix hit (before any group allocates: a free hit block must not
+        be handed out as a new one)."""
         table = seq.block_tables[self.group]
         for block in hit:
             if block is None:
@@ -97,8 +90,15 @@ class FullAttentionManager:
         if hit:
             last = next((b for b in reversed(hit) if b is not None), None)
             seq.chain_prefix_ids[self.group] = None if last is None else last.prefix_id
+
+    def allocate(
+        self, seq: Sequence, total_tokens: int, num_new_tokens: int, blocks_to_copy: list[tuple[int, int]]
+    ) -> int:
+        """Copy a shared last block about to be written, add new blocks up to total_tokens. Returns
+        the number of copy-on-write copies (0 or 1)."""
+        table = seq.block_tables[self.group]
         copies = 0
-        if not hit and self._needs_copy_on_write(seq, num_new_tokens):
+        if self._needs_copy_on_write(seq, num_new_tokens):
             self._copy_last_block(seq, blocks_to_copy)
             copies = 1
         for _ in range(-(-total_tokens // self.block_size) - len(table)):

@@ -50,9 +50,7 @@ def fake_logprobs(token: int, k: int, context: list) -> TokenLogprobs:
 def windowed_context(tokens: list, windows: tuple[int | None, ...]) -> list:
     """What a ShadowRunner with groups reads back before sampling after `tokens`."""
     n = len(tokens)
-    return [
-        [(g, p, tokens[p]) for p in range(n if w is None else max(0, n - w), n)] for g, w in enumerate(windows)
-    ]
+    return [[(g, p, tokens[p]) for p in range(n if w is None else max(0, n - w), n)] for g, w in enumerate(windows)]
 
 
 def reference_generate(
