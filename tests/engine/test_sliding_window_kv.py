@@ -113,7 +113,12 @@ def test_a_long_generation_holds_a_bounded_window():
             for out in engine.step():
                 if out.finished:
                     done[out.request_id] = out
-            most = [max(a, b) for a, b in zip(most, engine.kv.num_blocks_by_group(), strict=True)]
+            groups = engine.get_metrics()["kv_cache_groups"]  # what /metrics exports per group
+            assert [(g["kind"], g["sliding_window"]) for g in groups] == [
+                ("full_attention", None),
+                ("sliding_window", 64),
+            ]
+            most = [max(a, g["num_blocks"]) for a, g in zip(most, groups, strict=True)]
         assert most[1] <= 64 // 16 + 1
         # between steps: the step that computes position 1008 samples the last token and frees all
         # (async: one step later, so that step's blocks are seen)
