@@ -208,3 +208,72 @@ def test_cpu_kernels_pass_window_and_cap_on_every_path(cap):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             got = prefill_attention_ref(q, kv, vv, args["cu_seqlens_q"], scale, sliding_window=w, logits_soft_cap=cap)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ---- Triton kernels (interpreted on CPU) against the references ---------------------------------
+
+
+@pytest.fixture
+def triton_attention():
+    pytest.importorskip("triton")
+    from pagedllm.ops import paged_attention
+
+    return paged_attention
+
+
+def check(out, ref, dtype=torch.float32):
+    assert torch.isfinite(out).all()  # NaN: a poisoned block (before a window) was read
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+
+
+DECODE = [1, 3, 17, 40, 64, 130]  # contexts below, at and far above the windows
+
+
+@pytest.mark.parametrize("window,num_splits,cap", [(1, 1, None), (6, 1, 4.0), (16, 3, None), (29, 2, 4.0)])
+def test_triton_decode_with_window(window, num_splits, cap, triton_attention, device):
+    args, ks, vs, q_pos = make_case([1] * len(DECODE), [s - 1 for s in DECODE], 4, 2, 32, 8, window, device=device)
+    kw = dict(sliding_window=window, logits_soft_cap=cap)
+    ref = paged_attention_ref(**args, **kw)
+    check(ref, dense_batch(args, ks, vs, q_pos, window, cap).to(ref.device))
+    args.pop("cu_seqlens_q")
+    check(triton_attention.paged_attention_decode(**args, num_splits=num_splits, **kw), ref)
+
+
+@pytest.mark.parametrize("window,num_splits", [(5, 1), (19, 1), (40, 2), (300, 1)])
+def test_triton_prefill_with_prefix_and_window(window, num_splits, triton_attention, device):
+    """Small tiles (BLOCK_Q 8 x GQA 2, BLOCK_N 16) so that query tiles have window edges, fully
+    visible tiles and diagonals; split-K over a varlen batch too."""
+    q_lens, hist = [1, 21, 2, 9, 30], [50, 13, 33, 0, 70]
+    args, *_ = make_case(q_lens, hist, 4, 2, 32, 8, window, seed=window, device=device)
+    kw = dict(sliding_window=window, logits_soft_cap=2.5 if window == 19 else None)
+    ref = paged_attention_ref(**args, **kw)
+    cfg = dict(BLOCK_Q=8, BLOCK_N=16)
+    out = triton_attention.paged_attention(**args, max_seqlen_q=30, num_splits=num_splits, _config=cfg, **kw)
+    check(out, ref)
+
+
+def test_triton_soft_cap_without_window(triton_attention, device):
+    args, ks, vs, q_pos = make_case([1, 7, 1], [20, 9, 3], 4, 2, 32, 16, None, device=device)
+    args["q"] = args["q"] * 8  # scores well past the cap, where tanh saturates
+    ref = paged_attention_ref(**args, logits_soft_cap=3.0)
+    check(ref, dense_batch(args, ks, vs, q_pos, None, 3.0).to(ref.device))
+    assert (ref - paged_attention_ref(**args)).abs().max() > 0.05
+    check(triton_attention.paged_attention(**args, max_seqlen_q=7, logits_soft_cap=3.0), ref)
+
+
+def test_triton_fp8_and_bf16_with_window(triton_attention, device):
+    q_lens, hist = [1, 12, 1], [45, 20, 9]
+    args, *_ = make_case(q_lens, hist, 4, 2, 32, 8, 13, kv_dtype=torch.float8_e4m3fn, device=device)
+    kw = dict(sliding_window=13, logits_soft_cap=6.0)
+    check(triton_attention.paged_attention(**args, max_seqlen_q=12, **kw), paged_attention_ref(**args, **kw))
+    args, *_ = make_case(q_lens, hist, 4, 2, 32, 8, 13, dtype=torch.bfloat16, device=device)
+    ref = paged_attention_ref(**args, **kw)
+    check(triton_attention.paged_attention(**args, max_seqlen_q=12, **kw), ref, torch.bfloat16)
+
+
+def test_triton_head_dim_256(triton_attention, device):
+    """Gemma's head_dim, at its own tile choice (BLOCK_N 32), windowed decode and prefill."""
+    args, *_ = make_case([1, 5], [40, 30], 2, 1, 256, 16, 24, device=device)
+    kw = dict(sliding_window=24, logits_soft_cap=50.0)
+    check(triton_attention.paged_attention(**args, max_seqlen_q=5, **kw), paged_attention_ref(**args, **kw))
