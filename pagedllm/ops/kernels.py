@@ -133,19 +133,40 @@ class TorchKernels:
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
-        if sliding_window is not None or logits_soft_cap is not None:
-            raise NotImplementedError("sliding_window / logits_soft_cap: being written (issue 16)")
         if not k_cache.numel():
-            return prefill_attention_ref(q, k, v, meta.cu_seqlens_q, scale)
+            return prefill_attention_ref(
+                q, k, v, meta.cu_seqlens_q, scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap
+            )
         if meta.no_history:  # pure prefill: attend over the new tokens directly, as the cache holds them
             k, v = as_stored(k, k_scale, k_cache.dtype), as_stored(v, v_scale, v_cache.dtype)
-            return prefill_attention_ref(q, k, v, meta.cu_seqlens_q, scale)
+            return prefill_attention_ref(
+                q, k, v, meta.cu_seqlens_q, scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap
+            )
         if meta.decode_only:  # batched in groups of similar length, never padded to the longest
             return paged_decode_attention_grouped(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, k_scale, v_scale
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                scale,
+                k_scale,
+                v_scale,
+                sliding_window=sliding_window,
+                logits_soft_cap=logits_soft_cap,
             )
         return paged_attention_grouped(
-            q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, scale, k_scale, v_scale
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.cu_seqlens_q,
+            meta.seq_lens,
+            scale,
+            k_scale,
+            v_scale,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
         )
 
 
@@ -203,10 +224,10 @@ class TritonKernels:
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
-        if sliding_window is not None or logits_soft_cap is not None:
-            raise NotImplementedError("sliding_window / logits_soft_cap: being written (issue 16)")
         if not k_cache.numel():  # the profiling run, before the KV tensor exists
-            return prefill_attention_ref(q, k, v, meta.cu_seqlens_q, scale)
+            return prefill_attention_ref(
+                q, k, v, meta.cu_seqlens_q, scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap
+            )
         return self._paged_attention(
             q,
             k_cache,
@@ -219,6 +240,8 @@ class TritonKernels:
             max_seqlen_k=meta.max_seqlen_k,
             k_scale=k_scale,
             v_scale=v_scale,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
         )
 
 
