@@ -24,6 +24,12 @@ class InstantExecutor:
     num_kv_blocks = 40_000
     supports_async = False
 
+    @property
+    def kv_cache_groups(self):
+        from pagedllm.engine.kv_cache_groups import KVCacheGroup  # read only by engines that have groups
+
+        return (KVCacheGroup((0,)),)
+
     def __init__(self) -> None:
         self.rng = random.Random(0)
 

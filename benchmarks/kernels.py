@@ -16,6 +16,10 @@ context 1024 with fp8 (e4m3) KV, issue 15's number: fp8 KV bytes per second agai
 bandwidth, the goal being >= 0.8 (`kv_vs_copy`).
 --sweep also times a grid of tile configurations and split counts and reports the best (for
 the --kv-cache-dtype given; the fp8 rows of paged_attention.TILES come from it).
+--sliding-window W: instead, decode at contexts 1k..32k (batch 8 and 64) and prefill chunks over
+growing prefixes, each with the window and without: windowed decode should cost about the same at
+every context >= W (its keys start at the query's window), full attention grows with the context.
+Decode KV bytes count the keys each query reads (min(context, W) with the window).
 """
 
 from __future__ import annotations
@@ -94,30 +98,38 @@ def time_ms(fn, graph=False):
     return do_bench(fn, warmup=25, rep=100)
 
 
-def check(inp, out, max_seqlen_q):
-    ref = paged_attention_ref(**inp)
+def check(inp, out, max_seqlen_q, window=None):
+    ref = paged_attention_ref(**inp, sliding_window=window)
     err = (out.float() - ref.float()).abs().max().item()
     assert err < 3e-2, f"max abs error {err}"
     return err
 
 
-def bench_decode(batch, ctx, sweep, kv_dtype, copy_TBps):
+def bench_decode(batch, ctx, sweep, kv_dtype, copy_TBps, window=None):
     inp = make_inputs([1] * batch, [ctx] * batch, kv_dtype)
-    kv_bytes = 2 * batch * ctx * HKV * D * inp["k_cache"].element_size()  # in the cache's format
+    read = min(ctx, window or ctx)  # keys each query reads
+    kv_bytes = 2 * batch * read * HKV * D * inp["k_cache"].element_size()  # in the cache's format
     out = torch.empty_like(inp["q"])
 
     def run(num_splits=None, cfg=None):
         return lambda: paged_attention(
-            **inp, max_seqlen_q=1, max_seqlen_k=ctx, num_splits=num_splits, out=out, _config=cfg
+            **inp,
+            max_seqlen_q=1,
+            max_seqlen_k=ctx,
+            num_splits=num_splits,
+            out=out,
+            sliding_window=window,
+            _config=cfg,
         )
 
-    splits = default_num_splits(batch, HKV, ctx, inp["q"].device)
+    splits = default_num_splits(batch, HKV, read, inp["q"].device)
     ms = time_ms(run())
     ms_graph = time_ms(run(), graph=True)
-    err = check(inp, out, 1)
+    err = check(inp, out, 1, window)
     res = dict(
         batch=batch,
         ctx=ctx,
+        sliding_window=window,
         kv_dtype=str(kv_dtype),
         num_splits=splits,
         ms=ms,
@@ -151,21 +163,28 @@ def bench_decode(batch, ctx, sweep, kv_dtype, copy_TBps):
     return res
 
 
-def bench_prefill(n_seqs, new, hist, sweep, kv_dtype):
+def visible_pairs(new, hist, window=None):
+    """(query, key) pairs a prefill chunk of `new` tokens over `hist` cached ones computes."""
+    if window is None:
+        return new * hist + new * (new + 1) // 2
+    return sum(min(window, hist + i + 1) for i in range(new))
+
+
+def bench_prefill(n_seqs, new, hist, sweep, kv_dtype, window=None):
     inp = make_inputs([new] * n_seqs, [new + hist] * n_seqs, kv_dtype)
-    pairs = n_seqs * (new * hist + new * (new + 1) // 2)
-    flops = 4 * D * HQ * pairs
+    flops = 4 * D * HQ * n_seqs * visible_pairs(new, hist, window)
     out = torch.empty_like(inp["q"])
 
     def run(cfg=None):
-        return lambda: paged_attention(**inp, max_seqlen_q=new, out=out, _config=cfg)
+        return lambda: paged_attention(**inp, max_seqlen_q=new, out=out, sliding_window=window, _config=cfg)
 
     ms = time_ms(run())
-    err = check(inp, out, new)
+    err = check(inp, out, new, window)
     res = dict(
         n_seqs=n_seqs,
         new_tokens=new,
         history=hist,
+        sliding_window=window,
         ms=ms,
         kv_dtype=str(kv_dtype),
         TFLOPs=flops / ms / 1e9,
@@ -208,11 +227,45 @@ def copy_bandwidth():
     return dict(bytes=moved, ms=ms, ms_graph=ms_graph, TBps=moved / ms / 1e9, TBps_graph=moved / ms_graph / 1e9)
 
 
+def window_cases(window, kv, copy_TBps):
+    """Each case with the window and without; contexts 1k..32k."""
+    cases = []
+    for ctx in (1024, 2048, 4096, 8192, 16384, 32768):
+        for batch in (8, 64):
+            for w in (None, window):
+                tag = "full" if w is None else f"w{w}"
+                cases.append(
+                    (
+                        f"decode_{batch}x{ctx}_{tag}",
+                        lambda b=batch, c=ctx, w=w: bench_decode(b, c, False, kv, copy_TBps, w),
+                    )
+                )
+    for hist in (0, 4096, 16384):
+        for w in (None, window):
+            tag = "full" if w is None else f"w{w}"
+            cases.append(
+                (f"prefill_2x2048_hist{hist}_{tag}", lambda h=hist, w=w: bench_prefill(2, 2048, h, False, kv, w))
+            )
+    return cases
+
+
+def window_summary(res, window):
+    """ms (CUDA graph for decode) with and without the window, per shape."""
+    rows = []
+    for name, r in res.items():
+        if isinstance(r, dict) and name.endswith("_full") and f"{name[:-5]}_w{window}" in res:
+            w = res[f"{name[:-5]}_w{window}"]
+            key = "ms_graph" if "ms_graph" in r else "ms"
+            rows.append(dict(case=name[:-5], ms_full=r[key], ms_window=w[key], speedup=r[key] / w[key]))
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="write the JSON result here")
     ap.add_argument("--sweep", action="store_true", help="also time tile/split variants")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="the KV cache's format")
+    ap.add_argument("--sliding-window", type=int, help="time decode/prefill with this window against full attention")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs CUDA")
@@ -240,9 +293,14 @@ def main():
     ]
     if kv != fp8:  # issue 15's number is in every run
         cases.insert(1, ("decode_256x1024_fp8", lambda: bench_decode(256, 1024, False, fp8, copy_TBps)))
+    if args.sliding_window:
+        cases = window_cases(args.sliding_window, kv, copy_TBps)
     for name, fn in cases:
         res[name] = fn()
         print(json.dumps({name: res[name]}), file=sys.stderr, flush=True)  # progress
+        torch.cuda.empty_cache()
+    if args.sliding_window:
+        res["window_summary"] = window_summary(res, args.sliding_window)
     res["wall_s"] = time.time() - t0
     text = json.dumps(res, indent=1)
     print(text)

@@ -1,8 +1,9 @@
-"""Write a random-weight, Qwen3-shaped Hugging Face model directory, for benchmarks without
-downloads.
+"""Write a random-weight Hugging Face model directory (Qwen3- or Gemma-3-shaped), for benchmarks
+without downloads.
 
     python tools/make_random_model.py --out /tmp/qwen3-0.6b-random --shape qwen3-0.6b
     python tools/make_random_model.py --out /tmp/qwen3-8b-random --shape qwen3-8b --device cuda
+    python tools/make_random_model.py --out /tmp/gemma3-1b-random --shape gemma3-1b
 
 Weights are bf16, normal(0, 0.02) (norm weights 1), generated tensor by tensor on the target
 device and written straight to safetensors shards (no HF model is instantiated, so the 8B
@@ -42,6 +43,21 @@ SHAPES = {
         tie_word_embeddings=False,
         max_position_embeddings=40960,
     ),
+    # Gemma 3 1B's text shape: 5 sliding-window (512) layers to 1 global, head_dim 256, one KV head
+    "gemma3-1b": dict(
+        family="gemma3",
+        vocab_size=262144,
+        hidden_size=1152,
+        intermediate_size=6912,
+        num_hidden_layers=26,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        sliding_window=512,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+    ),
     "tiny": dict(
         vocab_size=151936,
         hidden_size=64,
@@ -67,6 +83,12 @@ TOKENIZER_FILES = (
 
 
 def hf_config(shape: dict, eos_token_id: int | None, bos_token_id: int | None) -> dict:
+    shape = dict(shape)
+    if shape.pop("family", "qwen3") == "gemma3":  # the config class fills the layer pattern and ropes
+        from transformers import Gemma3TextConfig
+
+        config = Gemma3TextConfig(**shape, eos_token_id=eos_token_id, bos_token_id=bos_token_id).to_dict()
+        return {**config, "architectures": ["Gemma3ForCausalLM"], "torch_dtype": "bfloat16"}
     return {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
@@ -89,12 +111,15 @@ def hf_config(shape: dict, eos_token_id: int | None, bos_token_id: int | None) -
 
 
 def tensor_shapes(c: dict) -> list[tuple[str, tuple[int, ...]]]:
-    """Qwen3ForCausalLM's checkpoint names and shapes, in HF's order."""
+    """Qwen3ForCausalLM's (or Gemma3ForCausalLM's) checkpoint names and shapes, in HF's order."""
     h, i, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    gemma = c.get("model_type") == "gemma3_text"
     out = [("model.embed_tokens.weight", (c["vocab_size"], h))]
     for n in range(c["num_hidden_layers"]):
         p = f"model.layers.{n}."
+        if gemma:  # the "sandwich": a norm before and after the MLP too
+            out += [(p + "pre_feedforward_layernorm.weight", (h,)), (p + "post_feedforward_layernorm.weight", (h,))]
         out += [
             (p + "input_layernorm.weight", (h,)),
             (p + "self_attn.q_proj.weight", (q, h)),
@@ -151,8 +176,9 @@ def write_weights(out: str, config: dict, device: str, seed: int, max_shard_byte
     for fname, shard in zip(names, shards, strict=False):
         tensors = {}
         for name, shape in shard:
-            if name.endswith("norm.weight"):
-                t = torch.ones(shape, dtype=torch.bfloat16, device=device)
+            if name.endswith("norm.weight"):  # scale 1: Gemma's norms multiply by (1 + w)
+                fill = 0.0 if config.get("model_type") == "gemma3_text" else 1.0
+                t = torch.full(shape, fill, dtype=torch.bfloat16, device=device)
             else:
                 t = torch.empty(shape, dtype=torch.bfloat16, device=device).normal_(0.0, 0.02, generator=gen)
             tensors[name] = t.to("cpu", non_blocking=False).contiguous()

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from pagedllm.engine import LLMEngine, SamplingParams, SchedulerConfig
 from pagedllm.engine.executor import StepResult
+from pagedllm.engine.kv_cache_groups import KVCacheGroup
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.scheduler import SchedulerOutput
 
@@ -104,6 +105,7 @@ class StepRecorder:
     (contiguous_blocks), and the prompt tokens the step computes."""
 
     supports_async = False
+    kv_cache_groups = (KVCacheGroup((0,)),)  # one full-attention group: the layers do not matter here
 
     def __init__(self, num_kv_blocks: int):
         self.num_kv_blocks = num_kv_blocks

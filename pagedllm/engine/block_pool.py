@@ -22,8 +22,12 @@ Invariants (checked by `check_invariants`, exercised by the property tests):
   parent_prefix_id is the prefix_id of the request's previous hit: a hit chain holds KV of the
   request's own prefix, whatever collides with it. Duplicates of a prefix share its prefix_id,
   so any of them serves, and a chain may mix them.
-- A held (ref_cnt > 0) registered block's parent prefix is held too: whoever holds a block holds
-  the blocks before it in its block table, and a held block keeps its hash.
+- A held (ref_cnt > 0) registered block of a full-attention group has its parent prefix held
+  too: whoever holds such a block holds the blocks before it in its block table, and a held block
+  keeps its hash. A sliding-window group gives back the blocks that left its window, so there a
+  held block's parent may be free or gone (`check_invariants(windowed_groups=...)`).
+- KV-cache groups (kv_cache_groups.py): a block is held by one group at a time (`Block.group`,
+  set when it is allocated; a hit never crosses groups: the hash table is keyed by group).
 - Allocation takes from the head of the free queue; freed blocks go to the tail.
 """
 
@@ -33,6 +37,7 @@ import array
 import hashlib
 import itertools
 import secrets
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 
 import xxhash
@@ -88,6 +93,7 @@ class Block:
         "extra",
         "prefix_id",
         "parent_prefix_id",
+        "group",
         "prev",
         "next",
     )
@@ -101,13 +107,14 @@ class Block:
         self.extra: bytes = b""  # extra keys (cache_salt) hashed with the tokens
         self.prefix_id: int | None = None  # names the whole prefix this block ends (BlockPool's counter)
         self.parent_prefix_id: int | None = None  # the prefix it was computed after; None: a first block
+        self.group = 0  # the KV-cache group that holds it (or held it last)
         self.prev: Block | None = None
         self.next: Block | None = None
 
     def __repr__(self) -> str:
         h = self.block_hash.hex() if self.block_hash is not None else None
         return (
-            f"Block({self.block_id}, ref={self.ref_cnt}, hash={h}, prefix={self.prefix_id}, "
+            f"Block({self.block_id}, group={self.group}, ref={self.ref_cnt}, hash={h}, prefix={self.prefix_id}, "
             f"parent={self.parent_prefix_id})"
         )
 
@@ -157,6 +164,9 @@ class FreeBlockQueue:
             b = b.next
 
 
+ANY_PARENT = -1  # `lookup`: accept a block computed after any prefix (the first block of a window's run)
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, tracer: Tracer | None = None):
         if num_blocks < 1:
@@ -164,9 +174,10 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
-        self.cached: dict[BlockHash, dict[int, Block]] = {}  # hash -> {block_id: block}
+        self.cached: dict[tuple[int, BlockHash], dict[int, Block]] = {}  # (group, hash) -> {block_id: block}
         self.tracer = tracer
         self.num_evictions = 0
+        self.num_held_by_group: Counter[int] = Counter()  # group -> its blocks with ref_cnt > 0
         self._prefix_ids = itertools.count()  # Block.prefix_id: never reused
 
     @property
@@ -175,21 +186,30 @@ class BlockPool:
 
     def _trace(self, kind: str, block: Block, seq_id: int | None) -> None:
         assert self.tracer is not None  # callers check first: no tracer, no cost
-        self.tracer.event(kind, block.block_id, seq_id, block.ref_cnt, len(self.free_queue))
+        self.tracer.event(kind, block.block_id, seq_id, block.ref_cnt, len(self.free_queue), block.group)
 
     def lookup(
-        self, block_hash: BlockHash, token_ids: tuple[int, ...], extra: bytes, parent: Block | None
+        self,
+        block_hash: BlockHash,
+        token_ids: tuple[int, ...],
+        extra: bytes,
+        parent_prefix_id: int | None,
+        group: int = 0,
     ) -> Block | None:
-        """A cached block computed from exactly these token ids and extra keys after the prefix of
-        `parent` (the request's previous hit; None for a first block), else None. Only the hash
-        narrows the search: a collision can cost a miss, never wrong KV."""
-        want = None if parent is None else parent.prefix_id
-        for block in self.cached.get(block_hash, {}).values():
-            if block.parent_prefix_id == want and block.token_ids == token_ids and block.extra == extra:
+        """A cached block of `group` computed from exactly these token ids and extra keys after the
+        prefix `parent_prefix_id` (the prefix_id of the request's previous hit; None for a first
+        block; ANY_PARENT: any), else None. Only the hash narrows the search: a collision can cost
+        a miss, never wrong KV."""
+        for block in self.cached.get((group, block_hash), {}).values():
+            if (
+                (parent_prefix_id == ANY_PARENT or block.parent_prefix_id == parent_prefix_id)
+                and block.token_ids == token_ids
+                and block.extra == extra
+            ):
                 return block
         return None
 
-    def allocate(self, seq_id: int | None = None) -> Block:
+    def allocate(self, seq_id: int | None = None, group: int = 0) -> Block:
         """ALLOCATE: the LRU head; a cached block found there is evicted now (lazy eviction)."""
         block = self.free_queue.popleft()
         if block.block_hash is not None:
@@ -198,6 +218,8 @@ class BlockPool:
             if self.tracer:
                 self._trace("EVICT", block, seq_id)
         block.ref_cnt = 1
+        block.group = group
+        self.num_held_by_group[group] += 1
         if self.tracer:
             self._trace("ALLOCATE", block, seq_id)
         return block
@@ -206,6 +228,7 @@ class BlockPool:
         """REUSE a live block (ref_cnt+1) or REACTIVATE a free cached one (out of the free queue)."""
         if block.ref_cnt == 0:
             self.free_queue.remove(block)
+            self.num_held_by_group[block.group] += 1
             kind = "REACTIVATE"
         else:
             kind = "REUSE"
@@ -219,36 +242,44 @@ class BlockPool:
         block.ref_cnt -= 1
         if block.ref_cnt == 0:
             self.free_queue.append(block)
+            self.num_held_by_group[block.group] -= 1
         if self.tracer:
             self._trace("RELEASE", block, seq_id)
 
     def _drop_hash(self, block: Block) -> None:
         h = block.block_hash
         assert h is not None
-        same = self.cached[h]
+        key = (block.group, h)
+        same = self.cached[key]
         del same[block.block_id]
         if not same:
-            del self.cached[h]
+            del self.cached[key]
         block.block_hash = block.token_ids = block.prefix_id = block.parent_prefix_id = None
         block.extra = b""
 
     def register(
-        self, block: Block, block_hash: BlockHash, token_ids: tuple[int, ...], extra: bytes, parent: Block | None
+        self,
+        block: Block,
+        block_hash: BlockHash,
+        token_ids: tuple[int, ...],
+        extra: bytes,
+        parent_prefix_id: int | None,
     ) -> bool:
-        """Make a block findable under its hash once a step that writes its KV is scheduled,
-        remembering what the KV is computed from: token ids, extra keys and the prefix of
-        `parent`, the block before it in the caller's block table (None: a first block). A
-        duplicate of a cached prefix takes that prefix's id. False: it was registered already."""
+        """Make a held block findable under its hash (in its group) once a step that writes its KV
+        is scheduled, remembering what the KV is computed from: token ids, extra keys and the
+        prefix it follows, `parent_prefix_id` (the prefix_id of the block before it in the
+        caller's block table; None: a first block). A duplicate of a cached prefix takes that
+        prefix's id. False: it was registered already."""
         if block.block_hash is not None:
             return False  # shared (fork) and registered by another holder: the same prefix
-        assert parent is None or (parent.ref_cnt > 0 and parent.prefix_id is not None), (block, parent)
-        same = self.lookup(block_hash, token_ids, extra, parent)
+        assert block.ref_cnt > 0 and parent_prefix_id != ANY_PARENT, (block, parent_prefix_id)
+        same = self.lookup(block_hash, token_ids, extra, parent_prefix_id, block.group)
         block.prefix_id = next(self._prefix_ids) if same is None else same.prefix_id
-        block.parent_prefix_id = None if parent is None else parent.prefix_id
+        block.parent_prefix_id = parent_prefix_id
         block.block_hash = block_hash
         block.token_ids = token_ids
         block.extra = extra
-        self.cached.setdefault(block_hash, {})[block.block_id] = block
+        self.cached.setdefault((block.group, block_hash), {})[block.block_id] = block
         return True
 
     def unregister(self, block: Block) -> None:
@@ -261,11 +292,11 @@ class BlockPool:
             if block.ref_cnt == 0 and block.block_hash is not None:
                 self._drop_hash(block)
 
-    def check_invariants(self) -> None:
+    def check_invariants(self, windowed_groups: frozenset[int] = frozenset()) -> None:
         in_queue = {b.block_id for b in self.free_queue}
         assert len(in_queue) == len(self.free_queue)
-        prefix_of: dict[tuple[int | None, tuple[int, ...], bytes], int] = {}  # what a prefix id stands for
-        ids: dict[int, tuple[int | None, tuple[int, ...], bytes]] = {}
+        prefix_of: dict[tuple[int, int | None, tuple[int, ...], bytes], int] = {}  # what a prefix id stands for
+        ids: dict[int, tuple[int, int | None, tuple[int, ...], bytes]] = {}
         held_prefixes: set[int] = set()
         held_parents: set[int] = set()
         for b in self.blocks:
@@ -275,14 +306,14 @@ class BlockPool:
                 assert b.token_ids is None and b.prefix_id is None and b.parent_prefix_id is None and not b.extra, b
                 continue
             assert b.token_ids is not None and b.prefix_id is not None, b
-            assert b.block_id in self.cached.get(b.block_hash, {}), b
-            key = (b.parent_prefix_id, b.token_ids, b.extra)
+            assert b.block_id in self.cached.get((b.group, b.block_hash), {}), b
+            key = (b.group, b.parent_prefix_id, b.token_ids, b.extra)
             assert prefix_of.setdefault(key, b.prefix_id) == b.prefix_id, b  # one prefix, one id
             assert ids.setdefault(b.prefix_id, key) == key, b  # one id, one prefix
             if b.ref_cnt > 0:
                 held_prefixes.add(b.prefix_id)
-                if b.parent_prefix_id is not None:
+                if b.parent_prefix_id is not None and b.group not in windowed_groups:
                     held_parents.add(b.parent_prefix_id)
         assert held_parents <= held_prefixes, held_parents - held_prefixes
-        for h, same in self.cached.items():
-            assert same and all(b.block_hash == h and b.block_id == i for i, b in same.items()), (h, same)
+        for (g, h), same in self.cached.items():
+            assert same and all(b.block_hash == h and b.group == g and b.block_id == i for i, b in same.items()), same

@@ -46,6 +46,7 @@ class EngineCore:
             config.enable_prefix_caching,
             tracer,
             hash_algo=config.prefix_caching_hash_algo,  # hash_seed: a secret of this process
+            groups=executor.kv_cache_groups,
         )
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len, eos_token_ids
@@ -284,4 +285,15 @@ class EngineCore:
             "num_copy_on_write_blocks": kv.num_copy_on_writes,
             "kv_cache_dtype": self.config.kv_cache_dtype,
             "block_size": self.config.block_size,
+            # per KV-cache group: its attention kind, layers and the blocks it holds now
+            "kv_cache_groups": [
+                {
+                    "group": g,
+                    "kind": group.kind,
+                    "sliding_window": group.sliding_window,
+                    "num_layers": len(group.layer_ids),
+                    "num_blocks": held,
+                }
+                for g, (group, held) in enumerate(zip(kv.groups, kv.num_blocks_by_group(), strict=True))
+            ],
         }

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 if TYPE_CHECKING:
+    from pagedllm.engine.kv_cache_groups import KVCacheGroup
     from pagedllm.engine.scheduler import SchedulerOutput
 
 
@@ -55,6 +56,12 @@ class Executor(Protocol):
     @property
     def kv_cache_dtype(self) -> str:
         """The KV storage format as resolved: "bfloat16", "float32", "fp8_e4m3", ... (config.RESOLVED_KV_CACHE_DTYPES)."""
+        ...
+
+    @property
+    def kv_cache_groups(self) -> tuple[KVCacheGroup, ...]:
+        """The model's layers grouped by attention kind (kv_cache_groups.py): one group per set of
+        block tables the executor reads; a model of one kind has one."""
         ...
 
     @property

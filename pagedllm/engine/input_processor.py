@@ -19,9 +19,11 @@ sets max_tokens to the room itself (the chat endpoint does when the client sets 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from pagedllm.engine.errors import InvalidRequestError
+from pagedllm.engine.kv_cache_groups import KVCacheGroup, blocks_per_sequence
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.engine.sampling_params import TOKEN_ID_MAX, SamplingParams, has_surrogate
 
@@ -38,12 +40,20 @@ class InputProcessor:
         num_kv_blocks: int,
         *,
         max_num_seqs: int | None = None,
+        kv_cache_groups: Sequence[KVCacheGroup] = (),
+        max_num_batched_tokens: int | None = None,
     ):
-        """max_num_seqs: the scheduler's sequence slots (None: no limit checked here)."""
+        """max_num_seqs: the scheduler's sequence slots (None: no limit checked here).
+        kv_cache_groups, max_num_batched_tokens: what a sequence's blocks are counted by (one
+        full-attention group and any chunk when not given: kv_cache_groups.blocks_per_sequence)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len, self.block_size, self.num_kv_blocks = max_model_len, block_size, num_kv_blocks
         self.max_num_seqs = max_num_seqs
+        self.kv_cache_groups, self.max_chunk = tuple(kv_cache_groups), max_num_batched_tokens
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return blocks_per_sequence(self.kv_cache_groups, num_tokens, self.block_size, self.max_chunk)
 
     def process(
         self, request_id: str, prompt: Any, params: SamplingParams, arrival_time: float | None = None
@@ -81,7 +91,7 @@ class InputProcessor:
     def check_beams_fit(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """A search's beams wait for each other every step, so all of them must fit in the pool at
         once even when preemption has undone their sharing: n x (prompt + max_tokens) blocks."""
-        need = params.n * -(-(num_prompt_tokens + params.max_tokens) // self.block_size)
+        need = params.n * self.blocks_needed(num_prompt_tokens + params.max_tokens)
         if need > self.num_kv_blocks:
             raise InvalidRequestError(
                 f"beam search with n={params.n} needs up to {need} KV blocks (n x (prompt {num_prompt_tokens} + "
@@ -168,7 +178,7 @@ class InputProcessor:
                 "max_tokens",
                 CONTEXT_LENGTH_EXCEEDED,
             )
-        need = -(-total // self.block_size)
+        need = self.blocks_needed(total)
         if need > self.num_kv_blocks:
             raise InvalidRequestError(
                 f"request needs {need} KV blocks (prompt {num_prompt_tokens} + max_tokens "

@@ -69,3 +69,19 @@ def layer_slots(groups: Sequence[KVCacheGroup], num_layers: int) -> list[tuple[i
     if missing:
         raise ValueError(f"layers {missing} are in no KV-cache group")
     return [s for s in out if s is not None]
+
+
+def blocks_per_sequence(
+    groups: Sequence[KVCacheGroup], num_tokens: int, block_size: int, max_chunk: int | None = None
+) -> int:
+    """The most blocks one sequence of num_tokens tokens holds at once, over all groups, when its
+    steps compute at most max_chunk tokens (None: any number). A full-attention group holds every
+    block; a sliding-window group the blocks of its window before a step's first token, plus the
+    blocks the step writes (single_type_kv_cache_manager.py)."""
+    full = -(-num_tokens // block_size)
+    chunk = num_tokens if max_chunk is None else min(max_chunk, num_tokens)
+    total = 0
+    for g in groups or (KVCacheGroup((0,)),):
+        w = g.sliding_window
+        total += full if w is None else min(full, -(-(w - 1) // block_size) + 1 + -(-chunk // block_size))
+    return total

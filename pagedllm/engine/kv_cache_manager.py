@@ -1,4 +1,6 @@
-"""KVCacheManager: maps sequences onto the block pool (prefix lookup, allocate, free, fork).
+"""KVCacheManager: maps sequences onto the block pool (prefix lookup, allocate, free, fork),
+coordinating one manager per KV-cache group (single_type_kv_cache_manager.py: full attention,
+sliding window) over the one pool, as vLLM v1's kv_cache_coordinator.py.
 
 The three paths of a block (the names of the block trace, ARCHITECTURE.md):
   ALLOCATE   - miss: a fresh block from the free queue's head
@@ -21,14 +23,24 @@ Sharing (`fork`): a child takes every block of its parent by reference count; a 
 read-only, and a sequence about to write into a shared, partly filled last block gets a private
 copy first (copy-on-write): `blocks_to_copy` lists (src, dst) pairs that the executor copies on
 the KV tensor before the step's forward.
+
+Groups: every group gives a sequence its own blocks for the same tokens, all from the one pool;
+an allocation takes every group's blocks or none. The block hashes are the sequence's (one chain
+of its tokens), each group registering its own blocks under them. A prefix hit is taken only
+at a length where every group has one (`get_computed_blocks`): a full-attention hit can be cut
+anywhere, a sliding-window hit only where its window's blocks are cached, so the length is
+lowered until all agree.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from pagedllm.engine.block_pool import Block, BlockHash, BlockHasher, BlockPool, HashFn
+from pagedllm.engine.kv_cache_groups import KVCacheGroup
 from pagedllm.engine.sequence import Sequence
+from pagedllm.engine.single_type_kv_cache_manager import FullAttentionManager, manager_for
 from pagedllm.engine.trace import Tracer
 
 
@@ -58,6 +70,18 @@ class PrefixCacheStats:
             self.hits += num_hits
 
 
+@dataclass
+class ComputedBlocks:
+    """A prefix hit: `num_blocks` leading blocks of the sequence, per group the cached blocks
+    (None where a sliding-window group needs no block: before its window)."""
+
+    blocks: list[list[Block | None]]
+    num_blocks: int = 0
+
+    def __len__(self) -> int:
+        return self.num_blocks
+
+
 def cache_salt_key(salt: str | None) -> bytes:
     """The extra key of a first block: b"" without a salt, else a tagged, length-prefixed
     encoding (one salt can never read as another, or as no salt)."""
@@ -70,7 +94,8 @@ def cache_salt_key(salt: str | None) -> bytes:
 class KVCacheManager:
     """`hash_algo` ("xxhash" or "sha256", SchedulerConfig.prefix_caching_hash_algo) and `hash_seed`
     (None: a secret drawn at construction) make the block hash (BlockHasher); `hash_fn` replaces
-    it (tests inject collisions with it)."""
+    it (tests inject collisions with it). `groups`: the model's KV-cache groups (one full-attention
+    group when not given)."""
 
     def __init__(
         self,
@@ -81,12 +106,18 @@ class KVCacheManager:
         hash_fn: HashFn | None = None,
         hash_algo: str = "xxhash",
         hash_seed: int | None = None,
+        groups: Seq[KVCacheGroup] = (),
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, tracer)
+        self.groups = tuple(groups) or (KVCacheGroup((0,)),)
+        self.managers: list[FullAttentionManager] = [
+            manager_for(self.pool, g, block_size, group.sliding_window) for g, group in enumerate(self.groups)
+        ]
+        self.windowed_groups = frozenset(g for g, group in enumerate(self.groups) if group.sliding_window)
         self.hash_fn: HashFn = BlockHasher(hash_algo, hash_seed) if hash_fn is None else hash_fn
         self.prefix_cache_stats = PrefixCacheStats()
         self.blocks_to_copy: list[tuple[int, int]] = []  # copy-on-write, drained by the scheduler
@@ -105,16 +136,15 @@ class KVCacheManager:
     def usage(self) -> float:
         return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
 
-    def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+    def num_blocks_by_group(self) -> list[int]:
+        """Blocks each group holds now (ref_cnt > 0)."""
+        return [self.pool.num_held_by_group[g] for g in range(len(self.groups))]
 
-    def _block_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
-        return tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-
-    @staticmethod
-    def _block_extra(seq: Sequence, i: int) -> bytes:
-        """Extra keys of block i, hashed with its tokens and verified on a hit: the salt, on block 0."""
-        return cache_salt_key(seq.sampling_params.cache_salt) if i == 0 else b""
+    def _block_key(self, seq: Sequence, i: int) -> tuple[tuple[int, ...], bytes]:
+        """Block i's token ids and extra keys (the request's cache_salt, on block 0): what it is
+        hashed from and verified against on a hit."""
+        tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+        return tokens, cache_salt_key(seq.sampling_params.cache_salt) if i == 0 else b""
 
     def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[BlockHash]:
         """Chained hashes of the first num_full_blocks blocks (computed once, then kept)."""
@@ -122,97 +152,94 @@ class KVCacheManager:
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(self.hash_fn(parent, self._block_tokens(seq, i), self._block_extra(seq, i)))
+            hashes.append(self.hash_fn(parent, *self._block_key(seq, i)))
         return hashes
 
-    # ---- scheduling API ------------------------------------------------------------------
-    def get_computed_blocks(self, seq: Sequence) -> list[Block]:
-        """Longest cached prefix of a sequence not yet holding any block (in whole blocks). None for
-        a sequence that needs prompt logprobs: every prompt position's logits must be computed."""
-        if not self.enable_prefix_caching or seq.block_table or seq.needs_prompt_logprobs:
-            return []
-        max_blocks = (seq.num_tokens - 1) // self.block_size  # keep the last token to compute
-        hits: list[Block] = []
-        parent = None
-        for i, h in enumerate(self._block_hashes(seq, max_blocks)):
-            block = self.pool.lookup(h, self._block_tokens(seq, i), self._block_extra(seq, i), parent)
-            if block is None:
-                break
-            hits.append(block)
-            parent = block
-        return hits
+    def _give_tables(self, seq: Sequence) -> None:
+        """One table per group for a sequence that holds no block yet."""
+        n = len(self.groups)
+        if len(seq.block_tables) != n:
+            assert not any(seq.block_tables), seq
+            seq.block_tables = [[] for _ in range(n)]
+            seq.chain_prefix_ids = [None] * n
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[Block] | None = None) -> bool:
+    # ---- scheduling API ------------------------------------------------------------------
+    def get_computed_blocks(self, seq: Sequence) -> ComputedBlocks:
+        """Longest cached prefix of a sequence not yet holding any block (in whole blocks), at a
+        length every group agrees on. None for a sequence that needs prompt logprobs: every prompt
+        position's logits must be computed."""
+        self._give_tables(seq)
+        none = ComputedBlocks([[] for _ in self.groups])
+        if not self.enable_prefix_caching or any(seq.block_tables) or seq.needs_prompt_logprobs:
+            return none
+        n = (seq.num_tokens - 1) // self.block_size  # keep the last token to compute
+        hashes = self._block_hashes(seq, n)
+        hits: list[list[Block | None] | None] = [None] * len(self.groups)
+        settled = False
+        while not settled:  # n only falls: each pass either agrees or lowers it
+            settled = True
+            for g, manager in enumerate(self.managers):
+                hit = hits[g]
+                if hit is not None and len(hit) == n:
+                    continue
+                if hit is not None and manager.sliding_window is None:
+                    hits[g] = hit[:n]  # a full-attention hit holds at any shorter length
+                    continue
+                hit = manager.find_longest_cache_hit(seq, hashes, self._block_key, n)
+                hits[g] = hit
+                if len(hit) < n:
+                    n, settled = len(hit), False
+        return ComputedBlocks([(hit or [])[:n] for hit in hits], n)
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: ComputedBlocks | None = None) -> bool:
         """Give seq room for num_new_tokens more tokens after its computed ones (and after the
-        prefix hit `computed_blocks`, which this call takes). False, with nothing changed,
-        when the pool cannot provide the blocks."""
-        if not computed_blocks:  # fast path: the tokens fit in blocks the sequence already holds
-            total = seq.num_computed_tokens + num_new_tokens
-            if total <= len(seq.block_table) * self.block_size and (
-                seq.num_computed_tokens % self.block_size == 0
-                or self.pool.blocks[seq.block_table[seq.num_computed_tokens // self.block_size]].ref_cnt == 1
-            ):
-                return True
-        computed_blocks = computed_blocks or []
-        num_cached = len(computed_blocks) * self.block_size
-        total = seq.num_computed_tokens + num_cached + num_new_tokens
-        num_new_blocks = max(0, self.blocks_needed(total) - len(seq.block_table) - len(computed_blocks))
-        cow = self._needs_copy_on_write(seq, num_new_tokens) and not computed_blocks
-        num_reactivated = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks + cow + num_reactivated > self.pool.num_free_blocks:
+        prefix hit `computed_blocks`, which this call takes) in every group. False, with no block
+        taken, when the pool cannot provide them (a sliding-window group may still have given
+        back blocks that left its window: they are not needed whatever happens)."""
+        self._give_tables(seq)
+        hit = computed_blocks if computed_blocks is not None and computed_blocks.num_blocks else None
+        num_cached = hit.num_blocks * self.block_size if hit else 0
+        first_new = seq.num_computed_tokens + num_cached
+        total = first_new + num_new_tokens
+        managers = self.managers
+        if self.windowed_groups:
+            for manager in managers:
+                manager.remove_skipped_blocks(seq, first_new)
+        if hit is None and all(m.fits(seq, total, num_new_tokens) for m in managers):
+            return True  # fast path: the tokens fit in blocks the sequence already holds
+        hits: list[list[Block | None]] = hit.blocks if hit else [[] for _ in managers]
+        need = sum(m.num_blocks_to_allocate(seq, total, h, num_new_tokens) for m, h in zip(managers, hits, strict=True))
+        if need > self.pool.num_free_blocks:
             return False
-        if seq.num_computed_tokens == 0 and not seq.block_table:  # admitted: first time or resumed
+        if seq.num_computed_tokens == 0 and not any(seq.block_tables):  # admitted: first time or resumed
             resumed = seq.num_preemptions > 0
             if self.enable_prefix_caching:
                 self.prefix_cache_stats.record(seq.num_tokens, num_cached, resumed)
             if not resumed:
                 seq.num_cached_tokens = num_cached  # once: a resume re-hits blocks the sequence computed
-        for block in computed_blocks:
-            self.pool.touch(block, seq.seq_id)
-            seq.block_table.append(block.block_id)
-        if computed_blocks:
+        for m, h in zip(managers, hits, strict=True):
+            m.take_hit(seq, h)  # every group's hit first: none may be allocated as another's new block
+        for m in managers:
+            self.num_copy_on_writes += m.allocate(seq, total, num_new_tokens, self.blocks_to_copy)
+        if hit:
             seq.num_computed_tokens += num_cached
-            seq.num_registered_blocks = len(computed_blocks)
-        if cow:
-            self._copy_last_block(seq)
-        for _ in range(num_new_blocks):
-            seq.block_table.append(self.pool.allocate(seq.seq_id).block_id)
+            seq.num_registered_blocks = hit.num_blocks
         return True
-
-    def _needs_copy_on_write(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """A write into a partly filled last block that another sequence shares."""
-        if num_new_tokens == 0 or seq.num_computed_tokens % self.block_size == 0:
-            return False
-        idx = seq.num_computed_tokens // self.block_size
-        return idx < len(seq.block_table) and self.pool.blocks[seq.block_table[idx]].ref_cnt > 1
-
-    def _copy_last_block(self, seq: Sequence) -> None:
-        idx = seq.num_computed_tokens // self.block_size
-        src = self.pool.blocks[seq.block_table[idx]]
-        dst = self.pool.allocate(seq.seq_id)
-        self.pool.release(src, seq.seq_id)
-        seq.block_table[idx] = dst.block_id
-        self.blocks_to_copy.append((src.block_id, dst.block_id))
-        self.num_copy_on_writes += 1
 
     def cache_full_blocks(self, seq: Sequence, num_scheduled_tokens: int) -> list[Block]:
         """Register the blocks that the sequence's first `num_scheduled_tokens` tokens fill (their
         writing step is scheduled: the module docstring) and whose token ids are all known (no
-        PLACEHOLDER). Returns the blocks this call made findable (for `uncache`)."""
+        PLACEHOLDER), in every group. Returns the blocks this call made findable (for `uncache`)."""
         if not self.enable_prefix_caching:
             return []
         num_full = min(num_scheduled_tokens, seq.num_tokens - seq.num_pending) // self.block_size
-        if num_full <= seq.num_registered_blocks:
+        start = seq.num_registered_blocks
+        if num_full <= start:
             return []
         hashes = self._block_hashes(seq, num_full)
-        blocks = self.pool.blocks
-        registered = []
-        for i in range(seq.num_registered_blocks, num_full):
-            parent = blocks[seq.block_table[i - 1]] if i else None
-            tokens, extra = self._block_tokens(seq, i), self._block_extra(seq, i)
-            block = blocks[seq.block_table[i]]
-            if self.pool.register(block, hashes[i], tokens, extra, parent):
-                registered.append(block)
+        registered: list[Block] = []
+        for manager in self.managers:
+            registered += manager.cache_full_blocks(seq, start, num_full, hashes, self._block_key)
         seq.num_registered_blocks = num_full
         return registered
 
@@ -223,20 +250,19 @@ class KVCacheManager:
             self.pool.unregister(block)
 
     def free(self, seq: Sequence) -> None:
-        """Release the sequence's blocks tail-first, so its prefix outlives its suffix in the LRU."""
-        for block_id in reversed(seq.block_table):
-            self.pool.release(self.pool.blocks[block_id], seq.seq_id)
-        seq.block_table = []
+        """Release the sequence's blocks, each group's tail-first (its prefix outlives its suffix)."""
+        for manager in self.managers:
+            manager.free(seq)
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Child shares every block of the parent by reference count (parallel sampling). Both
         hold the same token ids, so the child takes the parent's hashes and registered count."""
-        assert not child.block_table and child.token_ids == parent.token_ids
-        for block_id in parent.block_table:
-            self.pool.touch(self.pool.blocks[block_id], child.seq_id)
-        child.block_table = list(parent.block_table)
+        assert not any(child.block_tables) and child.token_ids == parent.token_ids
+        self._give_tables(child)
+        for manager in self.managers:
+            manager.fork(parent, child)
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_registered_blocks = parent.num_registered_blocks
         child.block_hashes = list(parent.block_hashes)
@@ -247,3 +273,6 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants(self.windowed_groups)

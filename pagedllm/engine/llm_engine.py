@@ -47,6 +47,8 @@ class LLMEngine:
             config.block_size,
             config.num_kv_blocks,
             max_num_seqs=config.max_num_seqs,
+            kv_cache_groups=self.kv.groups,
+            max_num_batched_tokens=config.max_num_batched_tokens,
         )
         self.output_processor = OutputProcessor(tokenizer)  # tokenizer None: token ids only (text "")
         self._ids = itertools.count()

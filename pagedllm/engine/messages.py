@@ -28,6 +28,7 @@ from typing import Any
 
 from pagedllm.engine.errors import InvalidRequestError
 from pagedllm.engine.executor import TokenLogprobs
+from pagedllm.engine.kv_cache_groups import KVCacheGroup
 from pagedllm.engine.sampling_params import SamplingParams
 
 Metrics = dict[str, Any]  # LLMEngine.get_metrics(): gauges and counters by name
@@ -122,6 +123,8 @@ class EngineCoreInfo:
     num_kv_blocks: int
     vocab_size: int | None
     max_num_seqs: int  # a request of more samples (n, best_of) could never be scheduled
+    max_num_batched_tokens: int = 8192  # with the groups: the blocks one sequence can hold at once
+    kv_cache_groups: tuple[KVCacheGroup, ...] = ()
     metrics: Metrics = field(default_factory=dict)
 
 

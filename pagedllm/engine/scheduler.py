@@ -152,7 +152,7 @@ class Scheduler:
             if slots + self._reserved(seq) > self.max_num_seqs:
                 break
             computed = self.kv.get_computed_blocks(seq)
-            num_new = min(seq.num_tokens - len(computed) * self.kv.block_size, budget)
+            num_new = min(seq.num_tokens - computed.num_blocks * self.kv.block_size, budget)
             if not self.kv.allocate_slots(seq, num_new, computed):
                 break
             self.waiting.popleft()

@@ -1,4 +1,4 @@
-"""A Sequence is one stream of tokens the engine generates; its KV lives in block_table."""
+"""A Sequence is one stream of tokens the engine generates; its KV lives in its block tables."""
 
 from __future__ import annotations
 
@@ -36,8 +36,9 @@ _seq_counter = itertools.count()
 class Sequence:
     """Token ids, the number of them whose KV is in the cache, and the block table holding it.
 
-    Invariant: num_computed_tokens <= num_tokens; block_table covers num_computed_tokens
-    (plus the tokens scheduled this step). The last token is never computed until it is
+    Invariant: num_computed_tokens <= num_tokens; each block table covers num_computed_tokens
+    (plus the tokens scheduled this step). One table per KV-cache group (kv_cache_groups.py);
+    a sliding-window group's table has NULL_BLOCK entries for the blocks it gave back. The last token is never computed until it is
     scheduled, so a step that completes the sequence's tokens yields a sampled next token.
 
     Parallel sampling: the first sequence of a request with n > 1 holds the others in `forks`
@@ -63,9 +64,11 @@ class Sequence:
         self.num_computed_tokens = 0  # nano-vllm calls it num_cached_tokens
         self.num_cached_tokens = 0  # prefix-cache hit at the first admission (vLLM's name), never reset
         self.num_preemptions = 0  # times preempted (vLLM's name): > 0 makes an admission a resume
-        self.block_table: list[int] = []
+        # per KV-cache group (the manager makes one per group when it first gives blocks)
+        self.block_tables: list[list[int]] = [[]]
+        self.chain_prefix_ids: list[int | None] = [None]  # the prefix id the group's next block follows
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks (block_pool.BlockHash), lazily extended
-        self.num_registered_blocks = 0  # leading blocks already in the prefix cache
+        self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
         self.forks: list[Sequence] = []  # children forked when this sequence samples its first token
         self.fork_parent: Sequence | None = None  # set while this child waits in its parent's forks
         self.prompt_logprobs: list[TokenLogprobs] = []  # scored prompt tokens so far (SamplingParams.prompt_logprobs)
@@ -79,6 +82,11 @@ class Sequence:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.stop_reason: int | str | None = None
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first KV-cache group's table: the only one of a model whose layers are of one kind."""
+        return self.block_tables[0]
 
     @property
     def needs_prompt_logprobs(self) -> bool:
@@ -133,5 +141,5 @@ class Sequence:
     def __repr__(self) -> str:
         return (
             f"Sequence(id={self.seq_id}, req={self.request_id!r}, status={self.status.name}, "
-            f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, blocks={self.block_table})"
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, blocks={self.block_tables})"
         )

@@ -15,8 +15,15 @@ class Tracer:
     def __init__(self, sink: IO[str] | list[dict[str, Any]] | None = None) -> None:
         self.sink = sys.stderr if sink is None else sink
 
-    def event(self, kind: str, block_id: int, seq_id: int | None, ref_cnt: int, num_free: int) -> None:
-        record = {"event": kind, "block_id": block_id, "seq_id": seq_id, "ref_cnt": ref_cnt, "num_free": num_free}
+    def event(self, kind: str, block_id: int, seq_id: int | None, ref_cnt: int, num_free: int, group: int = 0) -> None:
+        record = {
+            "event": kind,
+            "block_id": block_id,
+            "seq_id": seq_id,
+            "ref_cnt": ref_cnt,
+            "num_free": num_free,
+            "group": group,  # the KV-cache group (engine/kv_cache_groups.py) that holds the block
+        }
         if isinstance(self.sink, list):
             self.sink.append(record)
         else:

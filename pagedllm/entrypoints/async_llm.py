@@ -156,6 +156,8 @@ class AsyncLLM:
             self.block_size,
             self.num_kv_blocks,
             max_num_seqs=self.max_num_seqs,
+            kv_cache_groups=info.kv_cache_groups,
+            max_num_batched_tokens=info.max_num_batched_tokens,
         )
         self.max_queue_len = max_queue_len
         self.log_stats = log_stats

@@ -69,6 +69,8 @@ class EngineCoreProc:
             num_kv_blocks=core.kv.num_blocks,
             vocab_size=self.llm.engine.vocab_size,
             max_num_seqs=core.config.max_num_seqs,
+            max_num_batched_tokens=core.config.max_num_batched_tokens,
+            kv_cache_groups=core.kv.groups,
             metrics=core.get_metrics(),
         )
 

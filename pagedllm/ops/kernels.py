@@ -239,10 +239,10 @@ class TritonKernels:
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
-        if sliding_window is not None or logits_soft_cap is not None:
-            raise NotImplementedError("sliding_window / logits_soft_cap: being written (issue 16)")
         if not k_cache.numel():  # the profiling run, before the KV tensor exists
-            return prefill_attention_ref(q, k, v, meta.cu_seqlens_q, scale)
+            return prefill_attention_ref(
+                q, k, v, meta.cu_seqlens_q, scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap
+            )
         return self._paged_attention(
             q,
             k_cache,
@@ -255,6 +255,8 @@ class TritonKernels:
             max_seqlen_k=meta.max_seqlen_k,
             k_scale=k_scale,
             v_scale=v_scale,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
         )
 
 

@@ -21,6 +21,12 @@ on the H200) or to fp32 for an fp32 q; k_scale is folded into the softmax scale 
 multiplies the output in the kernel (paged_attention_kernels.py), so grids and the split-K merge
 are unchanged.
 
+A sliding window W (a layer's constant, so a compiled-in switch and one scalar: no host sync,
+graph-capturable) starts each program's keys at its first row's window instead of 0, so decode
+reads W keys whatever the context and split-K partitions only the window; the tiles at the
+window's lower edge are masked like the diagonal ones. A logits soft cap c is applied to each
+tile's scores before the mask (paged_attention_kernels.py).
+
 Reference: `attention_ref.paged_attention_ref`. The kernels: paged_attention_kernels.py.
 """
 
@@ -33,7 +39,9 @@ from pagedllm.ops._triton import is_interpreted, next_pow2, num_sms, require_tri
 from pagedllm.ops.kv_quant import is_fp8
 
 # ---- Tile table: (phase, KV format) -> (BLOCK_N, num_warps, num_stages) -------------------------
-# For q in bf16/fp16 with head_dim <= 128; fp32 q or a wider head uses BLOCK_N 32 (registers).
+# For q in bf16/fp16 with head_dim <= 128; fp32 q or a wider head uses BLOCK_N 32 (registers), and
+# a prefill with head_dim 256 (Gemma 2/3) also 8 warps: its [64, 256] fp32 accumulator is 128
+# registers a thread at 4 warps.
 # Retune on new hardware with `python benchmarks/kernels.py --sweep [--kv-cache-dtype fp8]`.
 TILES: dict[tuple[str, str], tuple[int, int, int]] = {
     # measured, H200, triton 3.6, Qwen3-0.6B shape, bf16 KV: decode the best of 18 (4.44 TB/s of KV
@@ -58,6 +66,8 @@ def _pick_config(
     block_n, num_warps, num_stages = TILES[("decode" if decode else "prefill", kv_format)]
     if dtype == torch.float32 or head_dim > 128:
         block_n = WIDE_BLOCK_N
+    if head_dim > 128 and not decode:
+        num_warps = 8
     block_q = max(1, (16 if decode else 64) // g_pad)  # decode: M = BLOCK_Q * G_PAD >= 16 for tl.dot
     return dict(BLOCK_Q=block_q, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
 
@@ -91,6 +101,8 @@ def paged_attention(
     out: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
     _config: dict | None = None,
 ) -> torch.Tensor:
     """Same semantics as `paged_attention_ref`; returns out [T, Hq, D] in q's dtype.
@@ -101,7 +113,8 @@ def paged_attention(
     (default: block_tables.shape[1] * block_size). num_splits: split-K factor; default 1
     unless this is decode and batch * kv_heads is small against the SM count.
     A padding sequence (seq_len 0, one query token, as in a CUDA-graph-padded decode
-    batch) gets zeros.
+    batch) gets zeros. sliding_window / logits_soft_cap: `Kernels.attend`'s; block-table entries
+    wholly before a sequence's first query's window are never read.
     """
     require_triton()
     t, hq, d = q.shape
@@ -133,6 +146,8 @@ def paged_attention(
     if num_splits is None:
         if decode:
             mk = max_seqlen_k if max_seqlen_k is not None else block_tables.shape[1] * block_size
+            if sliding_window is not None:  # the keys a decode query reads
+                mk = min(mk, sliding_window)
             num_splits = default_num_splits(batch, hkv, mk, q.device)
         else:
             num_splits = 1
@@ -142,6 +157,12 @@ def paged_attention(
         part_lse = torch.empty((t, hq, num_splits), dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
+    assert sliding_window is None or sliding_window >= 1
+    qk_scale = float(scale) * (float(k_scale) if kv_fp8 else 1.0)  # k_scale folded in: q.(stored k_scale)
+    if logits_soft_cap is not None:  # scores cap_log2 * tanh(q.k * qk_scale) = log2(e) * c tanh(s / c)
+        qk_scale, cap_log2 = qk_scale / float(logits_soft_cap), float(logits_soft_cap) * kernels.LOG2E
+    else:
+        qk_scale, cap_log2 = qk_scale * kernels.LOG2E, 1.0
     num_q_blocks = triton.cdiv(max_seqlen_q, block_q)
     grid = (num_q_blocks * num_splits, hkv, batch)
     kernels._paged_attn_kernel[grid](
@@ -154,9 +175,10 @@ def paged_attention(
         seq_lens,
         part_out,
         part_lse,
-        # k_scale folded in: q . (stored * k_scale) = k_scale * (q . stored)
-        float(scale) * float(k_scale) * kernels.LOG2E if kv_fp8 else float(scale) * kernels.LOG2E,
+        qk_scale,
         float(v_scale) if kv_fp8 else 1.0,
+        cap_log2,
+        int(sliding_window or 0),
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -179,6 +201,8 @@ def paged_attention(
         UPCAST=is_interpreted(kernels._paged_attn_kernel) and q.dtype != torch.float32,
         KV_FP8=kv_fp8,
         FP16_DOT=fp16_dot,
+        SLIDING=sliding_window is not None,
+        SOFT_CAP=logits_soft_cap is not None,
         **cfg,
     )
     if num_splits > 1:
@@ -209,6 +233,8 @@ def paged_attention_decode(
     out: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """One new token per sequence (q: [B, Hq, D]); CUDA-graph capturable."""
     return paged_attention(
@@ -225,6 +251,8 @@ def paged_attention_decode(
         out=out,
         k_scale=k_scale,
         v_scale=v_scale,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
     )
 
 

@@ -1,8 +1,17 @@
 """The Triton kernels of paged attention; their launchers and the algorithm are in paged_attention.py.
 
 `_paged_attn_kernel` computes one (query tile x GQA group x context split) program with an
-unmasked loop over the keys every row sees and a masked loop over the diagonal tiles;
+unmasked loop over the keys every row sees and a masked loop over the diagonal tiles (and, with a
+sliding window, a masked loop over the tiles at the window's lower edge before them);
 `_merge_splits_kernel` combines the splits of flash-decoding by their log2-sum-exp.
+
+Sliding window W (SLIDING, a constexpr; `window` the runtime W): the row at position p sees keys
+p - W < k <= p. A program's keys start at its first row's window, lo = p0 - W + 1 (not at 0), so
+windowed decode reads O(W) keys whatever the context, and no key before lo is ever loaded: the
+block-table entries wholly before a sequence's first window may name any block.
+Soft cap c (SOFT_CAP): the host passes qk_scale = scale * k_scale / c and cap_log2 = c * log2(e);
+a tile's scores become cap_log2 * tanh(q.k * qk_scale), i.e. c * tanh(s / c) in the log2 domain of
+the softmax, before the mask.
 
 fp8 KV (KV_FP8, a constexpr: the 16-bit path compiles as before): K and V tiles are loaded as
 fp8 bytes and converted in registers to fp16 (FP16_DOT: q is converted to fp16 too) or to q's
@@ -36,6 +45,8 @@ if HAS_TRITON:
         stride_vb,
         stride_vt,
         qk_scale,
+        cap_log2,
+        window,
         offs_n,
         offs_d,
         BLOCK_SIZE: tl.constexpr,
@@ -44,6 +55,8 @@ if HAS_TRITON:
         UPCAST: tl.constexpr,
         KV_FP8: tl.constexpr,
         COMPUTE_TY: tl.constexpr,
+        SLIDING: tl.constexpr,
+        SOFT_CAP: tl.constexpr,
     ):
         kpos = start + offs_n
         if MASK:
@@ -63,8 +76,14 @@ if HAS_TRITON:
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        if SOFT_CAP:  # tanh(x) = sign(x) (1 - e) / (1 + e), e = exp(-2|x|) <= 1: no overflow
+            e = tl.math.exp2(tl.abs(s) * (-2.0 * 1.4426950408889634))
+            t = (1.0 - e) / (1.0 + e)
+            s = tl.where(s < 0.0, -t, t) * cap_log2
         if MASK:
             visible = (kpos[None, :] <= q_pos[:, None]) & kvalid[None, :]
+            if SLIDING:
+                visible = visible & (kpos[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.math.exp2(s - m_new[:, None])
@@ -98,6 +117,8 @@ if HAS_TRITON:
         part_lse_ptr,
         qk_scale,
         v_scale,
+        cap_log2,
+        window,
         stride_qt,
         stride_qh,
         stride_ot,
@@ -121,6 +142,8 @@ if HAS_TRITON:
         UPCAST: tl.constexpr,
         KV_FP8: tl.constexpr,
         FP16_DOT: tl.constexpr,
+        SLIDING: tl.constexpr,
+        SOFT_CAP: tl.constexpr,
     ):
         BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
         pid0 = tl.program_id(0)
@@ -160,75 +183,54 @@ if HAS_TRITON:
             q = q.to(tl.float32)
 
         kv_hi = tl.minimum(ctx + (qblk + 1) * BLOCK_Q, seq_len)  # keys any row needs
-        kv_full = ctx + qblk * BLOCK_Q + 1  # keys every row sees
+        kv_full = ctx + qblk * BLOCK_Q + 1  # keys every row sees (causally)
+        if SLIDING:
+            kv_lo = tl.maximum(ctx + qblk * BLOCK_Q - window + 1, 0)  # the first row's window
+        else:
+            kv_lo = 0
+        # [kv_lo, kv_hi) in tiles of BLOCK_N from kv_lo, cut into NUM_SPLITS chunks of whole tiles
         if NUM_SPLITS > 1:
-            per = tl.cdiv(tl.cdiv(kv_hi, NUM_SPLITS), BLOCK_N) * BLOCK_N
-            lo = split * per
+            per = tl.cdiv(tl.cdiv(tl.maximum(kv_hi - kv_lo, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N
+            lo = kv_lo + split * per
             hi = tl.minimum(lo + per, kv_hi)
         else:
-            lo = 0
+            lo = kv_lo
             hi = kv_hi
-        full_end = lo + (tl.maximum(tl.minimum(hi, kv_full) - lo, 0) // BLOCK_N) * BLOCK_N
+        # the tiles every row sees wholly: [full_lo, full_hi), on the tile grid from kv_lo
+        if SLIDING:  # keys >= kv_hi - W are in every row's window
+            edge = kv_lo + tl.cdiv(tl.maximum(kv_hi - window - kv_lo, 0), BLOCK_N) * BLOCK_N
+            full_lo = tl.minimum(tl.maximum(edge, lo), tl.maximum(hi, lo))
+        else:
+            full_lo = lo
+        full_hi = tl.maximum(full_lo, lo + (tl.maximum(tl.minimum(hi, kv_full) - lo, 0) // BLOCK_N) * BLOCK_N)
 
         k_base = k_cache_ptr + kvh.to(tl.int64) * stride_kh
         v_base = v_cache_ptr + kvh.to(tl.int64) * stride_vh
         bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+        compute_ty = tl.float16 if FP16_DOT else q_ptr.dtype.element_ty
 
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        for start in range(lo, full_end, BLOCK_N):
+        if SLIDING:  # the window's lower edge: rows see different keys
+            for start in range(lo, full_lo, BLOCK_N):
+                acc, l_i, m_i = _attn_tile(
+                    acc, l_i, m_i, q, q_pos, start, full_lo, k_base, v_base, bt_row,
+                    stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, cap_log2, window, offs_n, offs_d,
+                    BLOCK_SIZE, True, DOT_PREC, UPCAST, KV_FP8, compute_ty, SLIDING, SOFT_CAP,
+                )  # fmt: skip
+        for start in range(full_lo, full_hi, BLOCK_N):
             acc, l_i, m_i = _attn_tile(
-                acc,
-                l_i,
-                m_i,
-                q,
-                q_pos,
-                start,
-                hi,
-                k_base,
-                v_base,
-                bt_row,
-                stride_kb,
-                stride_kt,
-                stride_vb,
-                stride_vt,
-                qk_scale,
-                offs_n,
-                offs_d,
-                BLOCK_SIZE,
-                False,
-                DOT_PREC,
-                UPCAST,
-                KV_FP8,
-                tl.float16 if FP16_DOT else q_ptr.dtype.element_ty,
-            )
-        for start in range(full_end, hi, BLOCK_N):
+                acc, l_i, m_i, q, q_pos, start, hi, k_base, v_base, bt_row,
+                stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, cap_log2, window, offs_n, offs_d,
+                BLOCK_SIZE, False, DOT_PREC, UPCAST, KV_FP8, compute_ty, SLIDING, SOFT_CAP,
+            )  # fmt: skip
+        for start in range(full_hi, hi, BLOCK_N):  # the diagonal and the ragged end
             acc, l_i, m_i = _attn_tile(
-                acc,
-                l_i,
-                m_i,
-                q,
-                q_pos,
-                start,
-                hi,
-                k_base,
-                v_base,
-                bt_row,
-                stride_kb,
-                stride_kt,
-                stride_vb,
-                stride_vt,
-                qk_scale,
-                offs_n,
-                offs_d,
-                BLOCK_SIZE,
-                True,
-                DOT_PREC,
-                UPCAST,
-                KV_FP8,
-                tl.float16 if FP16_DOT else q_ptr.dtype.element_ty,
-            )
+                acc, l_i, m_i, q, q_pos, start, hi, k_base, v_base, bt_row,
+                stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, cap_log2, window, offs_n, offs_d,
+                BLOCK_SIZE, True, DOT_PREC, UPCAST, KV_FP8, compute_ty, SLIDING, SOFT_CAP,
+            )  # fmt: skip
 
         nonempty = l_i > 0.0  # false only for rows with no keys (seq_len 0)
         o = acc / tl.where(nonempty, l_i, 1.0)[:, None]

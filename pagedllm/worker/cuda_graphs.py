@@ -5,11 +5,13 @@ ladder (1, 2, 4, 8, 16, 32, 48, ... up to max_num_seqs). A step of B sequences c
 inputs into the static buffers, pads to the next captured size (padding rows store nothing:
 slot PAD_SLOT_ID) and replays. All graphs share one memory pool. The AttentionMetadata a graph
 was captured with views the static buffers, so a replay reads the step's copied-in values.
+Each KV-cache group after the first has its own slot-mapping and block-table buffers.
 """
 
 from __future__ import annotations
 
 import bisect
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,6 +43,9 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((max_bs,), PAD_SLOT_ID, dtype=torch.int64, device=dev)
         self.block_tables = torch.zeros(max_bs, self.max_blocks, dtype=torch.int32, device=dev)
         self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
+        self.num_groups = len(runner.kv_cache_groups)
+        self.group_slots = [torch.full_like(self.slot_mapping, PAD_SLOT_ID) for _ in range(1, self.num_groups)]
+        self.group_tables = [torch.zeros_like(self.block_tables) for _ in range(1, self.num_groups)]
         self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
         # Pinned staging, so a step's inputs go up in one copy per array. Two sets, used in
         # turn: with async scheduling step N+1 is written on the host while step N's copies
@@ -55,6 +60,8 @@ class DecodeGraphs:
                     ("slot_mapping", self.slot_mapping),
                     ("seq_lens", self.seq_lens),
                     ("block_tables", self.block_tables),
+                    *((f"slot_mapping{g}", t) for g, t in enumerate(self.group_slots, 1)),
+                    *((f"block_tables{g}", t) for g, t in enumerate(self.group_tables, 1)),
                 )
             }
             for _ in range(2)
@@ -67,7 +74,7 @@ class DecodeGraphs:
         self._capture_all()
 
     def _meta(self, bs: int) -> AttentionMetadata:
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:bs],
             block_tables=self.block_tables[:bs],
             cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
@@ -77,6 +84,13 @@ class DecodeGraphs:
             decode_only=True,
             no_history=False,
         )
+        if self.group_slots:
+            others = [
+                replace(meta, slot_mapping=s[:bs], block_tables=t[:bs])
+                for s, t in zip(self.group_slots, self.group_tables, strict=True)
+            ]
+            meta.groups = (meta, *others)
+        return meta
 
     def _forward(self, bs: int) -> torch.Tensor:
         hidden = self.runner.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
@@ -96,7 +110,9 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def can_run(self, inp: StepInputs) -> bool:
-        return inp.num_seqs <= self.sizes[-1] and inp.block_tables.shape[1] <= self.max_blocks
+        return inp.num_seqs <= self.sizes[-1] and all(
+            t.shape[1] <= self.max_blocks for t in [inp.block_tables, *(t for _, t in inp.group_tables)]
+        )
 
     def run(self, inp: StepInputs, fix=None) -> torch.Tensor:
         bs = inp.num_seqs
@@ -114,11 +130,18 @@ class DecodeGraphs:
         nb = inp.block_tables.shape[1]
         bt = h["block_tables"].numpy()
         bt[:bs, :nb] = inp.block_tables
+        for g, (slots, tables) in enumerate(inp.group_tables, 1):
+            h[f"slot_mapping{g}"][:padded].fill_(PAD_SLOT_ID)
+            h[f"slot_mapping{g}"][:bs].numpy()[:] = slots
+            h[f"block_tables{g}"].numpy()[:bs, : tables.shape[1]] = tables
         self.input_ids[:padded].copy_(h["input_ids"][:padded], non_blocking=True)
         self.positions[:padded].copy_(h["positions"][:padded], non_blocking=True)
         self.slot_mapping[:padded].copy_(h["slot_mapping"][:padded], non_blocking=True)
         self.seq_lens[:padded].copy_(h["seq_lens"][:padded], non_blocking=True)
         self.block_tables[:bs].copy_(h["block_tables"][:bs], non_blocking=True)
+        for g in range(1, self.num_groups):
+            self.group_slots[g - 1][:padded].copy_(h[f"slot_mapping{g}"][:padded], non_blocking=True)
+            self.group_tables[g - 1][:bs].copy_(h[f"block_tables{g}"][:bs], non_blocking=True)
         self.copied[self.turn].record()
         self.runner.fill_placeholders(self.input_ids, fix)  # async scheduling: ids from the device
         self.graphs[padded].replay()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 
 from pagedllm import envs
 from pagedllm.engine.executor import StepResult
+from pagedllm.engine.kv_cache_groups import blocks_per_sequence
 from pagedllm.engine.scheduler import PLACEHOLDER, SchedulerOutput
 from pagedllm.model.attention_metadata import AttentionMetadata
 from pagedllm.model.loader import load_weights
@@ -22,15 +24,10 @@ from pagedllm.ops import PAD_SLOT_ID
 from pagedllm.ops.copy_blocks import copy_blocks, copy_blocks_ref
 from pagedllm.ops.kernels import kernels_for
 from pagedllm.ops.kv_quant import is_fp8
-from pagedllm.worker.device import (
-    GiB,
-    available_ram_bytes,
-    kv_cache_dtype_name,
-    resolve_kv_cache_dtype,
-    zeroed_host_bytes,
-)
+from pagedllm.worker.device import GiB, available_ram_bytes, kv_cache_dtype_name, resolve_kv_cache_dtype
 from pagedllm.worker.device import resolve_device as resolve_device  # re-exported: entrypoints/llm.py
 from pagedllm.worker.device import resolve_dtype as resolve_dtype
+from pagedllm.worker.kv_cache import allocate_kv_cache, block_bytes, groups_of, log_kv_cache
 from pagedllm.worker.kv_scales import CALIBRATION_SEQ_LEN, CALIBRATION_TOKENS, choose_kv_scales
 from pagedllm.worker.logprobs import PendingSampleLogprobs, prompt_logprobs
 from pagedllm.worker.sampler import sample, sampling_tensors
@@ -94,6 +91,7 @@ class ModelRunner:
         checkpoint_kv_scales = load_weights(self.model, model_dir)
         self.model.eval()
         self.attn_layers = self.model.attention_layers()
+        self.kv_cache_groups = groups_of(self.attn_layers)  # the Executor protocol: the scheduler's groups
         a = self.attn_layers[0]
         self.num_kv_heads, self.head_dim = a.num_kv_heads, a.head_dim
         self.kv_scales: list[tuple[float, float]] = [(1.0, 1.0)] * len(self.attn_layers)
@@ -136,14 +134,7 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
-        return (
-            2
-            * len(self.attn_layers)
-            * self.num_kv_heads
-            * self.block_size
-            * self.head_dim
-            * torch.empty((), dtype=self.kv_dtype).element_size()  # 1 for fp8
-        )
+        return block_bytes(self.kv_cache_groups, self.attn_layers[0], self.block_size, self.kv_dtype)
 
     def _size_kv_cache(self, num_kv_blocks, kv_cache_memory_bytes, gpu_memory_utilization) -> int:
         if num_kv_blocks is not None:
@@ -153,10 +144,10 @@ class ModelRunner:
         if self.device.type == "cuda":
             return self._profile_kv_blocks(gpu_memory_utilization)
         # CPU: a tenth of available RAM, no more than max_num_seqs full-length sequences need
-        want = self.max_num_seqs * (-(-self.max_model_len // self.block_size))
-        return max(
-            -(-self.max_model_len // self.block_size), min(want, available_ram_bytes() // 10 // self.block_bytes)
+        one = blocks_per_sequence(
+            self.kv_cache_groups, self.max_model_len, self.block_size, self.max_num_batched_tokens
         )
+        return max(one, min(self.max_num_seqs * one, available_ram_bytes() // 10 // self.block_bytes))
 
     @torch.inference_mode()
     def _profile_kv_blocks(self, utilization: float) -> int:
@@ -217,28 +208,18 @@ class ModelRunner:
         self._forward_without_kv(num_seqs * seq_len, num_seqs, np.random.default_rng(self.seed))
 
     def _allocate_kv_cache(self) -> None:
-        n_layers = len(self.attn_layers)
-        shape = (2, n_layers, self.num_kv_blocks, self.num_kv_heads, self.block_size, self.head_dim)
-        # zeroed bytes: a finite 0.0 in every format, so a padded read of a never-written slot adds
-        # nothing (ops/attention_ref.py); on CPU an O(1) lazily zeroed mapping (device.zeroed_host_bytes)
-        nbytes = self.num_kv_blocks * self.block_bytes
-        if self.device.type == "cpu":
-            raw = zeroed_host_bytes(nbytes)
-        else:
-            raw = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
-        self.kv_cache = raw.view(self.kv_dtype).view(shape)
-        self.model.bind_kv_cache(
-            [self.kv_cache[0, i] for i in range(n_layers)], [self.kv_cache[1, i] for i in range(n_layers)]
+        groups = self.kv_cache_groups
+        self.kv_cache = allocate_kv_cache(
+            self.attn_layers, groups, self.num_kv_blocks, self.block_size, self.kv_dtype, self.device
         )
-        peak = self.peak_activation_bytes
-        logger.info(
-            "KV cache: %s, %d blocks x %d tokens = %.3f GiB; weights %.3f GiB; peak activations %.3f GiB",
+        log_kv_cache(
+            self.kv_cache,
             self.kv_cache_dtype,
+            groups,
             self.num_kv_blocks,
             self.block_size,
-            self.kv_cache.numel() * self.kv_cache.element_size() / GiB,
-            self.weights_bytes / GiB,
-            peak / GiB,
+            self.weights_bytes,
+            self.peak_activation_bytes,
         )
         if is_fp8(self.kv_dtype):
             ks, vs = [k for k, _ in self.kv_scales], [v for _, v in self.kv_scales]
@@ -295,7 +276,7 @@ class ModelRunner:
         return self.run(self.step_inputs(out))
 
     def step_inputs(self, out: SchedulerOutput) -> StepInputs:
-        return build_step_inputs(out, self.block_size, self.vocab_size, self.eos_token_ids)
+        return build_step_inputs(out, self.block_size, self.vocab_size, self.eos_token_ids, self.kv_cache_groups)
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(a))
@@ -304,9 +285,10 @@ class ModelRunner:
         return t
 
     def _metadata_from(
-        self, *, slot_mapping, block_tables, cu, seq_lens, max_q, max_k, decode_only, no_history
+        self, *, slot_mapping, block_tables, cu, seq_lens, max_q, max_k, decode_only, no_history, groups=()
     ) -> AttentionMetadata:
-        return AttentionMetadata(
+        """groups: (slot_mapping, block_tables) of the KV-cache groups after the first."""
+        meta = AttentionMetadata(
             slot_mapping=self._to_device(slot_mapping),
             block_tables=self._to_device(block_tables),
             cu_seqlens_q=self._to_device(cu),
@@ -316,6 +298,12 @@ class ModelRunner:
             decode_only=decode_only,
             no_history=no_history,
         )
+        if groups:
+            others = [
+                replace(meta, slot_mapping=self._to_device(s), block_tables=self._to_device(b)) for s, b in groups
+            ]
+            meta.groups = (meta, *others)
+        return meta
 
     @torch.inference_mode()
     def run(self, inp: StepInputs) -> StepResult:
@@ -390,6 +378,7 @@ class ModelRunner:
             max_k=inp.max_seqlen_k,
             decode_only=inp.decode_only,
             no_history=inp.no_history,
+            groups=inp.group_tables,
         )
         input_ids = self._to_device(inp.input_ids)
         self.fill_placeholders(input_ids, fix)

@@ -1,7 +1,9 @@
 """StepInputs: one step's flat arrays, built from a SchedulerOutput with numpy.
 
 This is everything a rank needs to run the forward pass; with tensor parallelism rank 0
-builds it once and ships it to the other ranks.
+builds it once and ships it to the other ranks. `slot_mapping` and `block_tables` are the first
+KV-cache group's; `group_tables` the others' (engine/kv_cache_groups.py). A NULL_BLOCK entry
+(a block a sliding-window group gave back) becomes block 0 here: the kernels never read it.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagedllm.engine.kv_cache_groups import KVCacheGroup
 from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.engine.sequence import Sequence
 
@@ -56,6 +59,8 @@ class StepInputs:
     # the list itself is None when no row asks (the common case costs nothing)
     num_logprobs: list[int | None] | None = None
     prompt_logprobs: list[PromptLogprobsRows] = field(default_factory=list)
+    # (slot_mapping [T], block_tables [B, max_blocks]) of each KV-cache group after the first
+    group_tables: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -93,10 +98,30 @@ def min_tokens_mask(
     return np.array(rows, dtype=np.int64), np.array(ids, dtype=np.int64)
 
 
+def _tables(sched: list, group: int, positions: np.ndarray, seq_of_token: np.ndarray, block_size: int, windowed: bool):
+    """One group's (slot_mapping, block_tables)."""
+    max_blocks = max(len(s.seq.block_tables[group]) for s in sched)
+    block_tables = np.zeros((len(sched), max_blocks), dtype=np.int32)
+    for i, s in enumerate(sched):
+        bt = s.seq.block_tables[group]
+        block_tables[i, : len(bt)] = bt
+    if windowed:
+        np.maximum(block_tables, 0, out=block_tables)  # NULL_BLOCK (-1) -> 0: never read
+    slot_mapping = (
+        block_tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    )
+    return slot_mapping, block_tables
+
+
 def build_step_inputs(
-    out: SchedulerOutput, block_size: int, vocab_size: int, eos_token_ids: frozenset[int]
+    out: SchedulerOutput,
+    block_size: int,
+    vocab_size: int,
+    eos_token_ids: frozenset[int],
+    groups: tuple[KVCacheGroup, ...] = (),
 ) -> StepInputs:
-    """eos_token_ids: the scheduler's own set (what ends a sequence), masked for min_tokens."""
+    """eos_token_ids: the scheduler's own set (what ends a sequence), masked for min_tokens.
+    groups: the model's KV-cache groups (one full-attention group when empty)."""
     sched = out.scheduled
     n_new = np.fromiter((s.num_new_tokens for s in sched), dtype=np.int64, count=len(sched))
     start = np.fromiter((s.seq.num_computed_tokens for s in sched), dtype=np.int64, count=len(sched))
@@ -107,8 +132,6 @@ def build_step_inputs(
     # positions: for each sequence, start..end-1, concatenated (vectorised, no per-token loop)
     seq_of_token = np.repeat(np.arange(len(sched)), n_new)
     positions = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1].astype(np.int64), n_new) + np.repeat(start, n_new)
-    max_blocks = max(len(s.seq.block_table) for s in sched)
-    block_tables = np.zeros((len(sched), max_blocks), dtype=np.int32)
     decode_only = bool((n_new == 1).all())
     if decode_only:
         input_ids = np.fromiter((s.seq.token_ids[-1] for s in sched), dtype=np.int64, count=len(sched))
@@ -119,12 +142,11 @@ def build_step_inputs(
                 for s, a, b in zip(sched, start.tolist(), end.tolist(), strict=False)
             ]
         )
-    for i, s in enumerate(sched):
-        bt = s.seq.block_table
-        block_tables[i, : len(bt)] = bt
-    slot_mapping = (
-        block_tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
-    )
+    windowed = [g.sliding_window is not None for g in groups] or [False]
+    slot_mapping, block_tables = _tables(sched, 0, positions, seq_of_token, block_size, windowed[0])
+    group_tables = [
+        _tables(sched, g, positions, seq_of_token, block_size, windowed[g]) for g in range(1, len(windowed))
+    ]
     samples = end == np.fromiter((s.seq.num_tokens for s in sched), dtype=np.int64, count=len(sched))
     logits_indices = (cu[1:][samples] - 1).astype(np.int64)
     sampled = [s.seq for s, keep in zip(sched, samples, strict=False) if keep]
@@ -159,6 +181,7 @@ def build_step_inputs(
         min_tokens_mask=min_tokens_mask(sampled, eos_token_ids, vocab_size) if any_min_tokens else None,
         num_logprobs=num_logprobs if any(k is not None for k in num_logprobs) else None,
         prompt_logprobs=prompt_logprobs_rows(sched, cu, start, end),
+        group_tables=group_tables,
     )
 
 

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from pagedllm import envs
 from pagedllm.engine.executor import StepHandle, StepResult
+from pagedllm.engine.kv_cache_groups import KVCacheGroup
 from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.worker.step_inputs import StepInputs
 from pagedllm.worker.tp_channel import BroadcastChannel, ShmChannel
@@ -314,6 +315,10 @@ class TPExecutor:
     @property
     def kv_cache_dtype(self) -> str:
         return self.driver.kv_cache_dtype  # the same on every rank, as are the fp8 scales (agree_max)
+
+    @property
+    def kv_cache_groups(self) -> tuple[KVCacheGroup, ...]:
+        return self.driver.kv_cache_groups  # from the config's layers: the same on every rank
 
     def execute(self, scheduler_output: SchedulerOutput) -> StepResult:
         return self.run(self.driver.step_inputs(scheduler_output))

@@ -4,6 +4,12 @@ It writes (position, token) into slot = block_table[p // bs] * bs + p % bs for e
 token, then reads the whole context back through the block table. The next token is a
 hash of what it read back, so a wrong slot, a wrongly shared block or a wrong prefix hit
 changes the output.
+
+With KV-cache groups (`windows`: one entry per group, None for full attention, W for a
+sliding window), every group has its own block tables: the runner writes (group, position,
+token) through each group's table and reads back, per group, what its layers attend to: the
+whole context, or the last W positions. A block given back while still inside a window, or
+shared across groups, changes the output.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import zlib
 
 from pagedllm.engine.executor import PromptLogprobsChunk, StepResult, TokenLogprobs
+from pagedllm.engine.kv_cache_groups import KVCacheGroup
 from pagedllm.engine.scheduler import PLACEHOLDER, SchedulerOutput
 from pagedllm.engine.sequence import Sequence
 
@@ -40,12 +47,20 @@ def fake_logprobs(token: int, k: int, context: list) -> TokenLogprobs:
     return TokenLogprobs([token, *top], [-(base % 13) / 4.0] + [-(j + offset) / 8.0 for j in range(k)], 1 + base % 5)
 
 
-def reference_generate(prompt: list[int], max_tokens: int, seed: int | None = None) -> list[int]:
-    """What ShadowRunner samples for a request alone (seed: with salt_by_seed=True)."""
+def windowed_context(tokens: list, windows: tuple[int | None, ...]) -> list:
+    """What a ShadowRunner with groups reads back before sampling after `tokens`."""
+    n = len(tokens)
+    return [[(g, p, tokens[p]) for p in range(n if w is None else max(0, n - w), n)] for g, w in enumerate(windows)]
+
+
+def reference_generate(
+    prompt: list[int], max_tokens: int, seed: int | None = None, windows: tuple[int | None, ...] | None = None
+) -> list[int]:
+    """What ShadowRunner samples for a request alone (seed: with salt_by_seed=True; windows: its groups')."""
     tokens = list(prompt)
     out = []
     for _ in range(max_tokens):
-        ctx: list = [(p, tok) for p, tok in enumerate(tokens)]
+        ctx: list = [(p, tok) for p, tok in enumerate(tokens)] if windows is None else windowed_context(tokens, windows)
         t = next_token(ctx if seed is None else [*ctx, ("seed", seed)])
         tokens.append(t)
         out.append(t)
@@ -60,21 +75,40 @@ class ShadowRunner:
     Rows and prompts that ask for logprobs get `fake_logprobs`."""
 
     def __init__(
-        self, block_size: int, num_kv_blocks: int = 1 << 16, supports_async: bool = True, salt_by_seed: bool = False
+        self,
+        block_size: int,
+        num_kv_blocks: int = 1 << 16,
+        supports_async: bool = True,
+        salt_by_seed: bool = False,
+        windows: tuple[int | None, ...] | None = None,
     ):
         self.block_size = block_size
+        self.windows = windows
+        # one group per window, of one made-up layer each (the layers do not matter to the fake)
+        self.kv_cache_groups = tuple(KVCacheGroup((g,), w) for g, w in enumerate(windows or (None,)))
         self.salt_by_seed = salt_by_seed
         self.num_kv_blocks = num_kv_blocks
         self.kv_cache_dtype = "float32"  # the Executor protocol: nothing is stored, any name will do
         self.supports_async = supports_async
         self.closed = False
-        self.shadow: dict[int, tuple[int, int]] = {}
+        self.shadow: dict[int, tuple[int, ...]] = {}  # slot -> (position, token) or (group, position, token)
         self.device_tokens: dict[tuple[int, int], int] = {}
         self.steps = 0
         self.decode_and_prefill_mixed = 0
 
-    def slot(self, seq: Sequence, pos: int) -> int:
-        return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
+    def slot(self, seq: Sequence, pos: int, group: int = 0) -> int:
+        block = seq.block_tables[group][pos // self.block_size]
+        assert block >= 0, (seq, group, pos)  # a NULL_BLOCK entry is never read or written
+        return block * self.block_size + pos % self.block_size
+
+    def _context(self, seq: Sequence) -> list:
+        n = seq.num_tokens
+        if self.windows is None:
+            return [self.shadow.get(self.slot(seq, p)) for p in range(n)]
+        return [
+            [self.shadow.get(self.slot(seq, p, g)) for p in range(n if w is None else max(0, n - w), n)]
+            for g, w in enumerate(self.windows)
+        ]
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         self.steps += 1
@@ -91,7 +125,11 @@ class ShadowRunner:
                 token = seq.token_ids[pos]
                 if token == PLACEHOLDER:  # async scheduling: the id lives "on the device"
                     token = self.device_tokens[(seq.seq_id, pos)]
-                self.shadow[self.slot(seq, pos)] = (pos, token)
+                if self.windows is None:
+                    self.shadow[self.slot(seq, pos)] = (pos, token)
+                else:
+                    for g in range(len(self.windows)):
+                        self.shadow[self.slot(seq, pos, g)] = (g, pos, token)
         if len(kinds) == 2:
             self.decode_and_prefill_mixed += 1
         sampled: list[int] = []
@@ -104,7 +142,7 @@ class ShadowRunner:
                 self._prompt_logprobs(s, k, prompt)
             if not s.samples:
                 continue
-            ctx = [self.shadow.get(self.slot(seq, p)) for p in range(seq.num_tokens)]
+            ctx = self._context(seq)
             for q in s.sample_seqs:
                 seed = q.sampling_params.seed
                 token = next_token(ctx if seed is None or not self.salt_by_seed else [*ctx, ("seed", seed)])

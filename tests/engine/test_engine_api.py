@@ -199,7 +199,7 @@ def test_trace_events_are_json_lines():
     drain(engine)
     events = [json.loads(line) for line in sink.getvalue().splitlines()]
     assert {e["event"] for e in events} >= {"ALLOCATE", "RELEASE"}
-    assert set(events[0]) == {"event", "block_id", "seq_id", "ref_cnt", "num_free"}
+    assert set(events[0]) == {"event", "block_id", "seq_id", "ref_cnt", "num_free", "group"}
 
 
 def test_the_core_ships_token_ids_only():

@@ -82,15 +82,15 @@ def test_forks_mixed_with_other_requests_property(workload, async_scheduling, pr
 def test_copy_on_write_is_what_keeps_children_apart():
     """The in-place check can fail: with copy-on-write disabled the second child's write lands in
     the first child's block and the harness reports it."""
-    from pagedllm.engine.kv_cache_manager import KVCacheManager
+    from pagedllm.engine.single_type_kv_cache_manager import FullAttentionManager
 
-    orig = KVCacheManager._needs_copy_on_write
-    KVCacheManager._needs_copy_on_write = lambda self, seq, n: False  # type: ignore[method-assign]
+    orig = FullAttentionManager._needs_copy_on_write
+    FullAttentionManager._needs_copy_on_write = lambda self, seq, n: False  # type: ignore[method-assign]
     try:
         with pytest.raises(AssertionError, match="written in place"):
             run([Req("f", list(range(10)), 4, n=3, seed=1)], block_size=4)
     finally:
-        KVCacheManager._needs_copy_on_write = orig  # type: ignore[method-assign]
+        FullAttentionManager._needs_copy_on_write = orig  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])

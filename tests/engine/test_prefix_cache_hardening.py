@@ -35,7 +35,7 @@ def test_a_colliding_chain_never_hits_blocks_computed_after_another_prefix():
     assert c.num_cached_tokens == 0  # same hash as a's first block, other tokens: a miss
     b = seq_of(P_B + X + [0], "b")  # the attacker: last blocks equal a's, hashes equal a's
     hit = kv.get_computed_blocks(b)
-    assert [blk.block_id for blk in hit] == [c.block_table[0]]  # P_B only: a's X was computed after P_A
+    assert [blk.block_id for blk in hit.blocks[0]] == [c.block_table[0]]  # P_B only: a's X was computed after P_A
     assert admit(kv, b)
     assert b.num_cached_tokens == BS and b.block_table[1] != a.block_table[1]
 
@@ -60,7 +60,7 @@ def test_duplicate_prefixes_serve_each_other():
     prompt = P_A + X + Y
     a, b = seq_of(prompt + [0], "a"), seq_of(prompt + [1], "b")
     for s in (a, b):  # admitted in one step: both miss
-        assert kv.get_computed_blocks(s) == [] and kv.allocate_slots(s, s.num_tokens)
+        assert len(kv.get_computed_blocks(s)) == 0 and kv.allocate_slots(s, s.num_tokens)
     for s in (a, b):
         s.num_computed_tokens = s.num_tokens
         kv.cache_full_blocks(s, s.num_tokens)
@@ -72,7 +72,7 @@ def test_duplicate_prefixes_serve_each_other():
     assert filler.block_table == [table_a[3], table_a[2]]
     c = seq_of(prompt + [2], "c")
     hit = kv.get_computed_blocks(c)
-    assert [blk.block_id for blk in hit] == table_a[:2] + table_b[2:3]  # b's copy continues a's chain
+    assert [blk.block_id for blk in hit.blocks[0]] == table_a[:2] + table_b[2:3]  # b's copy continues a's chain
     assert admit(kv, c) and c.num_cached_tokens == 3 * BS
     kv.pool.check_invariants()
 
@@ -107,7 +107,7 @@ def test_engine_core_uses_the_configured_hash_algo():
             outs = drain(engine)
         assert outs["b"].num_cached_tokens == 2 * BS
         assert outs["b"].outputs[0].token_ids == reference_generate(P_A + X + [1], 2)
-        assert {len(h) for h in engine.kv.pool.cached} == {size}
+        assert {len(h) for _, h in engine.kv.pool.cached} == {size}
 
 
 def test_cache_salt_separates_tenants():

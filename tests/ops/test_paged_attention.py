@@ -334,3 +334,6 @@ def test_pick_config_by_kv_format():
     n, w, s = TILES[("decode", "fp8")]
     assert _pick_config(True, 2, 128, bf16, e4m3) == dict(BLOCK_Q=8, BLOCK_N=n, num_warps=w, num_stages=s)
     assert _pick_config(True, 2, 128, torch.float32, e4m3)["BLOCK_N"] == 32  # fp32 q: narrow tiles
+    # head_dim 256 (Gemma): narrow tiles, and 8 warps for a prefill's [64, 256] accumulator
+    assert _pick_config(False, 2, 256, bf16) == dict(BLOCK_Q=32, BLOCK_N=32, num_warps=8, num_stages=2)
+    assert _pick_config(True, 2, 256, bf16) == dict(BLOCK_Q=8, BLOCK_N=32, num_warps=4, num_stages=2)

@@ -54,8 +54,11 @@ def test_a_busy_port_is_one_line_and_exit_1_before_the_model_loads(tiny_models):
 
 def test_key_from_env_queue_full_and_sigterm_with_an_open_stream(proc_server):
     url = proc_server.url
-    info = [lab for name, lab, _ in scrape(url) if name == "pagedllm:cache_config_info"]
+    scraped = scrape(url)
+    info = [lab for name, lab, _ in scraped if name == "pagedllm:cache_config_info"]
     assert info and info[0]["kv_cache_dtype"] == "fp8_e4m3" and info[0]["num_gpu_blocks"] == "2100"
+    groups = [(lab["group"], lab["kind"], v) for name, lab, v in scraped if name == "pagedllm:kv_cache_group_blocks"]
+    assert groups == [("0", "full_attention", 0.0)]  # one group of every layer, idle
     assert httpx.post(url + "/v1/completions", json={"prompt": "x"}).status_code == 401
     # bound to 127.0.0.1: a page that rebinds its own name to it is refused (DNS rebinding)
     foreign = httpx.get(url + "/health", headers={"Host": "evil.example:8000"})

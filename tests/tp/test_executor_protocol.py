@@ -11,11 +11,12 @@ import torch
 
 from pagedllm.engine.config import RESOLVED_KV_CACHE_DTYPES
 from pagedllm.engine.executor import Executor
+from pagedllm.engine.kv_cache_groups import KVCacheGroup
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.tp_executor import TPExecutor
 from tests.engine.fake_runner import ShadowRunner
 
-MEMBERS = ("num_kv_blocks", "kv_cache_dtype", "supports_async", "execute", "execute_async", "close")
+MEMBERS = ("num_kv_blocks", "kv_cache_dtype", "kv_cache_groups", "supports_async", "execute", "execute_async", "close")
 
 
 def conforming(runner: ModelRunner, tp: TPExecutor, fake: ShadowRunner) -> list[Executor]:
@@ -31,6 +32,8 @@ def check(executor, supports_async: bool) -> None:
     assert isinstance(executor.num_kv_blocks, int) and executor.num_kv_blocks > 0
     assert executor.supports_async is supports_async
     assert executor.kv_cache_dtype in RESOLVED_KV_CACHE_DTYPES
+    groups = executor.kv_cache_groups
+    assert groups and all(isinstance(g, KVCacheGroup) for g in groups)
     for name in ("execute", "execute_async", "close"):
         assert callable(getattr(executor, name)), name
 

@@ -155,6 +155,16 @@ class _EngineCollector(Collector):
             1.0,
         )
         yield info
+        # blocks each KV-cache group holds (engine/kv_cache_groups.py): a window's stays bounded
+        groups = GaugeMetricFamily(
+            "pagedllm:kv_cache_group_blocks",
+            "KV blocks held by each KV-cache group (layers of one attention kind).",
+            labels=["model_name", "group", "kind", "sliding_window"],
+        )
+        for g in m.get("kv_cache_groups", []):
+            window = "" if g["sliding_window"] is None else str(g["sliding_window"])
+            groups.add_metric([self.model_name, str(g["group"]), g["kind"], window], float(g["num_blocks"]))
+        yield groups
 
 
 class ServerMetrics:
