@@ -98,7 +98,7 @@ def test_gemma2_soft_caps_bite(family_models):
 
 CONFIGS = {
     "chunked_prefix_bs8": dict(block_size=8, max_num_batched_tokens=12),
-    "preemption_bs16": dict(block_size=16, num_kv_blocks=5, max_num_batched_tokens=32),
+    "preemption_bs16": dict(block_size=16, num_kv_blocks=10, max_num_batched_tokens=32),
     "no_prefix_bs32": dict(block_size=32, enable_prefix_caching=False, max_num_batched_tokens=24),
 }
 
