@@ -69,9 +69,12 @@ class LLM:
         model = os.fspath(model)
         hf_config = load_hf_config(model)
         self.generation_defaults = generation_defaults(model, generation_config)
-        from pagedllm.model.registry import check_window, resolve
+        from pagedllm.model.registry import layer_windows
 
-        resolve(hf_config)  # fail early with the supported list
+        try:  # fail early, naming the field: an unknown architecture, a variant the decoder cannot run exactly
+            layer_windows(hf_config)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), "model") from None
         self.tokenizer = load_tokenizer(tokenizer or model)
         limit = getattr(hf_config, "max_position_embeddings", 4096)
         if max_model_len is None:
@@ -80,10 +83,6 @@ class LLM:
             raise InvalidRequestError(
                 f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}", "max_model_len"
             )
-        try:
-            check_window(hf_config, max_model_len)
-        except ValueError as e:
-            raise InvalidRequestError(str(e), "max_model_len") from None
         SchedulerConfig(
             num_kv_blocks=1,
             block_size=block_size,

@@ -238,14 +238,10 @@ class DecoderForCausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [m for m in self.modules() if isinstance(m, Attention)]
 
-    def bind_kv_cache(self, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor]) -> None:
-        """Bind layer i's attention to k_caches[i] / v_caches[i] (see Attention.bind_kv_cache: the
-        KV tensor is sized by a profiling forward of this model, so it is bound after it)."""
-        layers = self.attention_layers()
-        if not len(layers) == len(k_caches) == len(v_caches):
-            raise ValueError(f"{len(layers)} attention layers, {len(k_caches)} K and {len(v_caches)} V caches")
-        for layer, k, v in zip(layers, k_caches, v_caches, strict=True):
-            layer.bind_kv_cache(k, v)
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of a head the rotary embedding turns (head_dim, or less with a partial rotary factor)."""
+        return min(m.cos_sin_cache.shape[-1] for m in self.modules() if isinstance(m, RotaryEmbedding))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)

@@ -121,19 +121,6 @@ def sliding_window_of(cfg) -> int | None:
     return max(windows) if windows else None
 
 
-def check_window(cfg, max_model_len: int) -> None:
-    """ValueError naming `sliding_window` when a windowed layer could see a key outside its window:
-    the paged attention kernels attend to the whole context (per-layer windows: issue 16), which
-    within max_model_len <= window is exactly the windowed result (no key is ever outside it)."""
-    window = sliding_window_of(cfg)
-    if window is not None and max_model_len > window:
-        raise ValueError(
-            f"the model's config.json sets sliding_window={window} (layers attend to the last {window} tokens "
-            f"only), which pagedllm does not implement yet: past {window} tokens it would compute other tokens "
-            f"than the model. Run it with max_model_len <= {window} (exact: no key is ever outside the window)"
-        )
-
-
 def build_model(cfg, kernels: Kernels, max_model_len: int | None = None) -> DecoderForCausalLM:
     """The model for this config, running `kernels` (ops/kernels.py: kernels_for(device));
     max_model_len: the engine's (None: max_position_embeddings), which picks longrope's factors."""

@@ -88,3 +88,14 @@ def available_ram_bytes() -> int:
     except OSError:
         pass
     return 8 * GiB
+
+
+def check_kernel_shapes(head_dim: int, rotary_dim: int) -> None:
+    """The Triton kernels tile a head in one power-of-two block: refuse other sizes at start-up
+    (on CPU the torch references run any size)."""
+    for name, n in (("head_dim", head_dim), ("rotary dim (head_dim x partial_rotary_factor)", rotary_dim)):
+        if n & (n - 1):
+            raise ValueError(
+                f"{name} {n} is not a power of two, which the GPU kernels need; this model runs on CPU only "
+                "(device='cpu')"
+            )

@@ -24,7 +24,13 @@ from pagedllm.ops import PAD_SLOT_ID
 from pagedllm.ops.copy_blocks import copy_blocks, copy_blocks_ref
 from pagedllm.ops.kernels import kernels_for
 from pagedllm.ops.kv_quant import is_fp8
-from pagedllm.worker.device import GiB, available_ram_bytes, kv_cache_dtype_name, resolve_kv_cache_dtype
+from pagedllm.worker.device import (
+    GiB,
+    available_ram_bytes,
+    check_kernel_shapes,
+    kv_cache_dtype_name,
+    resolve_kv_cache_dtype,
+)
 from pagedllm.worker.device import resolve_device as resolve_device  # re-exported: entrypoints/llm.py
 from pagedllm.worker.device import resolve_dtype as resolve_dtype
 from pagedllm.worker.kv_cache import allocate_kv_cache, block_bytes, groups_of, log_kv_cache
@@ -85,7 +91,7 @@ class ModelRunner:
         torch.set_default_dtype(dtype)
         try:
             with torch.device(device):
-                self.model = build_model(hf_config, kernels_for(device))
+                self.model = build_model(hf_config, kernels_for(device), max_model_len)
         finally:
             torch.set_default_dtype(default_dtype)
         checkpoint_kv_scales = load_weights(self.model, model_dir)
@@ -94,6 +100,8 @@ class ModelRunner:
         self.kv_cache_groups = groups_of(self.attn_layers)  # the Executor protocol: the scheduler's groups
         a = self.attn_layers[0]
         self.num_kv_heads, self.head_dim = a.num_kv_heads, a.head_dim
+        if device.type == "cuda":
+            check_kernel_shapes(a.head_dim, self.model.rotary_dim)
         self.kv_scales: list[tuple[float, float]] = [(1.0, 1.0)] * len(self.attn_layers)
         self.kv_scales_source = "none (the cache is in the model's dtype)"
         if is_fp8(self.kv_dtype):  # before sizing and graphs: the scales are fixed from here on

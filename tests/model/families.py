@@ -78,6 +78,19 @@ def family_checkpoints(tok_dir: str, tmp_path_factory) -> dict[str, str]:
     return _written[tok_dir]
 
 
+def long_workload(n: int = 5):
+    """Prompts of 20-200 token ids (every other one sharing a 60-token prefix) and their max_tokens
+    (6-14): contexts well past the window of WINDOW tokens."""
+    g = torch.Generator().manual_seed(4)
+    shared = torch.randint(1, 370, (60,), generator=g).tolist()
+    lens = [20, 140, 45, 200, 33][:n]
+    prompts = []
+    for i, length in enumerate(lens):
+        own = torch.randint(1, 370, (length,), generator=g).tolist()
+        prompts.append((shared + own)[:length] if i % 2 else own)
+    return prompts, [6 + 2 * i for i in range(len(lens))]
+
+
 def short_workload(n: int = 5):
     """Prompts of 3-18 token ids (every other one sharing a 12-token prefix) and their max_tokens
     (4-8), so that every context stays within the window."""

@@ -8,8 +8,8 @@ Phi-3 its packed qkv_proj / gate_up_proj checkpoint tensors and a window on ever
 Mistral a window on every layer; Qwen2 the window from max_window_layers on.
 
 One prefill of 100 tokens past a window of 32 runs the model directly (no KV history); through
-the LLM the contexts stay within the window (max_model_len = window: sliding-window KV groups
-are the engine's, not the model's)."""
+the LLM, prompts of 20-200 tokens run past the window, with the sliding-window layers in KV-cache
+groups of their own (blocks that leave a window are given back) under each scheduling setting."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from pagedllm.model.loader import load_weights
 from pagedllm.model.registry import build_model, layer_windows
 from pagedllm.ops.kernels import TorchKernels
 from tests.helpers import TINY_SHAPE
-from tests.model.families import KINDS, WINDOW, family_checkpoints, short_workload
+from tests.model.families import KINDS, WINDOW, family_checkpoints, long_workload
 from tests.model.hf_reference import GREEDY, hf_model, hf_position_logits, step_logits
 
 
@@ -96,10 +96,12 @@ def test_gemma2_soft_caps_bite(family_models):
     assert (prefill_logits(model, ids) - capped).abs().max() > 1e-2
 
 
-CONFIGS = {
-    "chunked_prefix_bs8": dict(block_size=8, max_num_batched_tokens=12),
-    "preemption_bs16": dict(block_size=16, num_kv_blocks=10, max_num_batched_tokens=32),
-    "no_prefix_bs32": dict(block_size=32, enable_prefix_caching=False, max_num_batched_tokens=24),
+CONFIGS = {  # the pool: 64 blocks unless set (a lone 214-token sequence needs at most 14 + 7 at block size 16)
+    "chunked_prefix_bs8": dict(block_size=8, max_num_batched_tokens=40),
+    "preemption_bs16": dict(block_size=16, num_kv_blocks=24, max_num_batched_tokens=64),
+    "no_prefix_bs32": dict(block_size=32, enable_prefix_caching=False, max_num_batched_tokens=48),
+    "async_prefix_bs16": dict(block_size=16, async_scheduling=True, max_num_batched_tokens=96),
+    "sync_prefix_bs16": dict(block_size=16, async_scheduling=False, max_num_batched_tokens=256),
 }
 
 
@@ -111,8 +113,8 @@ def test_every_step_of_a_ragged_batch_matches_hf(family_models, kind):
     turns, so every configuration runs some family)."""
     path = family_models[kind]
     config = list(CONFIGS)[KINDS.index(kind) % len(CONFIGS)]
-    llm = LLM(path, **{"num_kv_blocks": 32, "max_model_len": WINDOW, **CONFIGS[config]})
-    prompts, max_tokens = short_workload()
+    llm = LLM(path, **{"num_kv_blocks": 64, "max_model_len": 256, **CONFIGS[config]})
+    prompts, max_tokens = long_workload()
     params = [SamplingParams(max_tokens=m, **GREEDY) for m in max_tokens]
     rows, steps = step_logits(llm, prompts, params)
     hf = {ids: hf_position_logits(path, list(ids)) for ids in {ids for _, ids, _ in rows}}
@@ -123,6 +125,9 @@ def test_every_step_of_a_ragged_batch_matches_hf(family_models, kind):
     assert len(rows) == sum(max_tokens)
     assert any(len(ids) > 1 for ids in steps)
     m = llm.get_metrics()
+    kinds = [(g["kind"], g["sliding_window"]) for g in m["kv_cache_groups"]]
+    windowed = [("sliding_window", WINDOW)]
+    assert kinds == (windowed if kind in ("phi3", "mistral") else [("full_attention", None), *windowed])
     assert m["num_free_kv_blocks"] == m["num_kv_blocks"]
     if "preemption" in config:
         assert m["num_preemptions"] > 0

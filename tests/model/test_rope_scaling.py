@@ -194,7 +194,6 @@ def test_prompt_logits_equal_hf(name, tmp_path):
     torch.testing.assert_close(prompt_logits(path, prompt), hf_logits(path, prompt), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.xfail(strict=True, reason="decoder.py does not yet pass the engine's max_model_len to RotaryEmbedding")
 def test_longrope_short_regime_through_max_model_len(tmp_path):
     """max_position 64 > original 16, but max_model_len 16: the short factors, as HF for short sequences."""
     from tests.model.hf_reference import hf_logits

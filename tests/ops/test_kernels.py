@@ -71,7 +71,8 @@ def tiny_model(kernels: Kernels, num_blocks: int = 4, block_size: int = 4):
     for p in model.parameters():
         p.data.copy_(torch.randn(p.shape, generator=g) * 0.3)
     kv = torch.zeros(2, LAYERS, num_blocks, 2, block_size, 16)
-    model.bind_kv_cache(list(kv[0]), list(kv[1]))
+    for layer, k, v in zip(model.attention_layers(), kv[0], kv[1], strict=True):
+        layer.bind_kv_cache(k, v)
     return model, kv
 
 
