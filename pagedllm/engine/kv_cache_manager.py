@@ -25,7 +25,7 @@ copy first (copy-on-write): `blocks_to_copy` lists (src, dst) pairs that the exe
 the KV tensor before the step's forward.
 
 Groups: every group gives a sequence its own blocks for the same tokens, all from the one pool;
-an allocation takes every group's blocks or none. The block hashes are the sequence's (one chain
+an allocation takes every group's blocks or none, so a sequence's tables always have one length. The block hashes are the sequence's (one chain
 of its tokens), each group registering its own blocks under them. A prefix hit is taken only
 at a length where every group has one (`get_computed_blocks`): a full-attention hit can be cut
 anywhere, a sliding-window hit only where its window's blocks are cached, so the length is
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pagedllm.engine.block_pool import Block, BlockHash, BlockHasher, BlockPool, HashFn
 from pagedllm.engine.kv_cache_groups import KVCacheGroup
 from pagedllm.engine.sequence import Sequence
-from pagedllm.engine.single_type_kv_cache_manager import FullAttentionManager, manager_for
+from pagedllm.engine.single_type_kv_cache_manager import FullAttentionManager, SlidingWindowManager, manager_for
 from pagedllm.engine.trace import Tracer
 
 
@@ -118,6 +118,12 @@ class KVCacheManager:
             manager_for(self.pool, g, block_size, group.sliding_window) for g, group in enumerate(self.groups)
         ]
         self.windowed_groups = frozenset(g for g, group in enumerate(self.groups) if group.sliding_window)
+        # the window groups by window: the first of each answers has_skipped_blocks for all of them
+        by_window: dict[int, list[SlidingWindowManager]] = {}
+        for m in self.managers:
+            if isinstance(m, SlidingWindowManager):
+                by_window.setdefault(m.window, []).append(m)
+        self.window_managers = list(by_window.values())
         self.hash_fn: HashFn = BlockHasher(hash_algo, hash_seed) if hash_fn is None else hash_fn
         self.prefix_cache_stats = PrefixCacheStats()
         self.blocks_to_copy: list[tuple[int, int]] = []  # copy-on-write, drained by the scheduler
@@ -202,11 +208,15 @@ class KVCacheManager:
         first_new = seq.num_computed_tokens + num_cached
         total = first_new + num_new_tokens
         managers = self.managers
-        if self.windowed_groups:
-            for manager in managers:
-                manager.remove_skipped_blocks(seq, first_new)
-        if hit is None and all(m.fits(seq, total, num_new_tokens) for m in managers):
-            return True  # fast path: the tokens fit in blocks the sequence already holds
+        for same_window in self.window_managers:
+            if same_window[0].has_skipped_blocks(seq, first_new):
+                for manager in same_window:
+                    manager.remove_skipped_blocks(seq, first_new)
+        # fast path: the tokens fit in blocks the sequence already holds (every group's table has
+        # the same length) and nothing is shared to copy first (only a fork shares a partial block)
+        if hit is None and total <= len(seq.block_tables[0]) * self.block_size:
+            if not seq.kv_forked or all(m.fits(seq, total, num_new_tokens) for m in managers):
+                return True
         hits: list[list[Block | None]] = hit.blocks if hit else [[] for _ in managers]
         need = sum(m.num_blocks_to_allocate(seq, total, h, num_new_tokens) for m, h in zip(managers, hits, strict=True))
         if need > self.pool.num_free_blocks:
@@ -263,6 +273,7 @@ class KVCacheManager:
         self._give_tables(child)
         for manager in self.managers:
             manager.fork(parent, child)
+        parent.kv_forked = child.kv_forked = True
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_registered_blocks = parent.num_registered_blocks
         child.block_hashes = list(parent.block_hashes)

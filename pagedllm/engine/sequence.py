@@ -69,6 +69,7 @@ class Sequence:
         self.chain_prefix_ids: list[int | None] = [None]  # the prefix id the group's next block follows
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks (block_pool.BlockHash), lazily extended
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
+        self.kv_forked = False  # shares blocks by a fork (only then can a partly filled block be shared)
         self.forks: list[Sequence] = []  # children forked when this sequence samples its first token
         self.fork_parent: Sequence | None = None  # set while this child waits in its parent's forks
         self.prompt_logprobs: list[TokenLogprobs] = []  # scored prompt tokens so far (SamplingParams.prompt_logprobs)

@@ -164,11 +164,21 @@ class FullAttentionManager:
 
 
 class SlidingWindowManager(FullAttentionManager):
+    """Groups of one window give back the same entries at the same time and take hits of the same
+    shape (None before the window's run), so their tables' NULL_BLOCK entries always agree:
+    `has_skipped_blocks` on one of them answers for all."""
+
     def __init__(self, pool: BlockPool, group: int, block_size: int, sliding_window: int) -> None:
         super().__init__(pool, group, block_size)
         self.sliding_window = self.window = sliding_window
         # blocks before a hit's end that its next token reads
         self.hit_blocks = -(-(sliding_window - 1) // block_size)
+
+    def has_skipped_blocks(self, seq: Sequence, first_new_position: int) -> bool:
+        """A block wholly before the window of the step's first new token is still held."""
+        table = seq.block_tables[self.group]
+        first_needed = min(max(0, first_new_position - self.window + 1) // self.block_size, len(table))
+        return first_needed > 0 and table[first_needed - 1] != NULL_BLOCK
 
     def remove_skipped_blocks(self, seq: Sequence, first_new_position: int) -> None:
         """Give back the blocks wholly before the window of the step's first new token, from the

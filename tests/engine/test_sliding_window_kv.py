@@ -51,6 +51,11 @@ def check_step(engine, runner, budget):
                 g, pos, written = runner.shadow[b.block_id * bs + j]
                 assert (g, pos % bs, written) == (b.group, j, tok), b
     for seq in engine.scheduler.running:
+        tables = seq.block_tables
+        assert len({len(t) for t in tables}) == 1, seq  # one length: an allocation covers every group
+        for g, group in enumerate(kv.groups):  # groups of one window empty the same entries
+            same = [h for h, other in enumerate(kv.groups) if other.sliding_window == group.sliding_window]
+            assert len({tuple(b == NULL_BLOCK for b in tables[h]) for h in same}) == 1, seq
         for group, held in zip(
             [g for g in kv.groups if g.sliding_window is not None], held_by_window(engine, seq), strict=True
         ):
@@ -58,7 +63,7 @@ def check_step(engine, runner, budget):
             assert held <= -(-(w - 1) // bs) + 1 + -(-budget // bs), (seq, held)
 
 
-WINDOW_SETS = [(8,), (None, 8), (None, 5, 20), (3,), (17, None)]
+WINDOW_SETS = [(8,), (None, 8), (None, 5, 20), (3,), (17, None), (None, 8, 8, 5), (6, 6)]
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
