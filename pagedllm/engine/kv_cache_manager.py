@@ -168,6 +168,7 @@ class KVCacheManager:
             assert not any(seq.block_tables), seq
             seq.block_tables = [[] for _ in range(n)]
             seq.chain_prefix_ids = [None] * n
+            seq.block_tables_version += 1
 
     # ---- scheduling API ------------------------------------------------------------------
     def get_computed_blocks(self, seq: Sequence) -> ComputedBlocks:
@@ -212,6 +213,7 @@ class KVCacheManager:
             if same_window[0].has_skipped_blocks(seq, first_new):
                 for manager in same_window:
                     manager.remove_skipped_blocks(seq, first_new)
+                seq.block_tables_version += 1
         # fast path: the tokens fit in blocks the sequence already holds (every group's table has
         # the same length) and nothing is shared to copy first (only a fork shares a partial block)
         if hit is None and total <= len(seq.block_tables[0]) * self.block_size:
@@ -231,6 +233,7 @@ class KVCacheManager:
             m.take_hit(seq, h)  # every group's hit first: none may be allocated as another's new block
         for m in managers:
             self.num_copy_on_writes += m.allocate(seq, total, num_new_tokens, self.blocks_to_copy)
+        seq.block_tables_version += 1
         if hit:
             seq.num_computed_tokens += num_cached
             seq.num_registered_blocks = hit.num_blocks
@@ -263,6 +266,7 @@ class KVCacheManager:
         """Release the sequence's blocks, each group's tail-first (its prefix outlives its suffix)."""
         for manager in self.managers:
             manager.free(seq)
+        seq.block_tables_version += 1
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
 
@@ -274,6 +278,7 @@ class KVCacheManager:
         for manager in self.managers:
             manager.fork(parent, child)
         parent.kv_forked = child.kv_forked = True
+        child.block_tables_version += 1
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_registered_blocks = parent.num_registered_blocks
         child.block_hashes = list(parent.block_hashes)

@@ -70,6 +70,7 @@ class Sequence:
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks (block_pool.BlockHash), lazily extended
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
         self.kv_forked = False  # shares blocks by a fork (only then can a partly filled block be shared)
+        self.block_tables_version = 0  # bumped by the KV-cache manager whenever a table changes
         self.forks: list[Sequence] = []  # children forked when this sequence samples its first token
         self.fork_parent: Sequence | None = None  # set while this child waits in its parent's forks
         self.prompt_logprobs: list[TokenLogprobs] = []  # scored prompt tokens so far (SamplingParams.prompt_logprobs)
@@ -137,7 +138,7 @@ class Sequence:
         child.first_token_time = self.first_token_time
         child.num_logprobs, child.beam = self.num_logprobs, self.beam
         child.status = self.status
-        return child
+        return child  # (a new seq_id: nothing cached for its tables)
 
     def __repr__(self) -> str:
         return (

@@ -98,19 +98,36 @@ def min_tokens_mask(
     return np.array(rows, dtype=np.int64), np.array(ids, dtype=np.int64)
 
 
-def _tables(sched: list, group: int, positions: np.ndarray, seq_of_token: np.ndarray, block_size: int, windowed: bool):
-    """One group's (slot_mapping, block_tables)."""
-    max_blocks = max(len(s.seq.block_tables[group]) for s in sched)
-    block_tables = np.zeros((len(sched), max_blocks), dtype=np.int32)
-    for i, s in enumerate(sched):
-        bt = s.seq.block_tables[group]
-        block_tables[i, : len(bt)] = bt
-    if windowed:
-        np.maximum(block_tables, 0, out=block_tables)  # NULL_BLOCK (-1) -> 0: never read
-    slot_mapping = (
-        block_tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
-    )
-    return slot_mapping, block_tables
+class BlockTableRows:
+    """The scheduled sequences' block tables as arrays, kept from step to step.
+
+    A sequence's tables (one per KV-cache group, all of one length) become one int32 array
+    [groups, blocks] with NULL_BLOCK entries as block 0 (never read). It is rebuilt only when the
+    KV-cache manager changed a table (`Sequence.block_tables_version`): a decode step changes a
+    sequence's tables once every block_size tokens, so most steps copy one array per sequence
+    instead of converting each group's list. Entries of sequences not scheduled in a step are dropped."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, tuple[int, np.ndarray]] = {}  # seq_id -> (block_tables_version, rows)
+
+    def tables(self, sched: list, num_groups: int) -> np.ndarray:
+        """[groups, B, max_blocks] int32, row i the i-th scheduled sequence's tables, zero-padded."""
+        kept: dict[int, tuple[int, np.ndarray]] = {}
+        rows = []
+        for s in sched:
+            seq = s.seq
+            entry = self.rows.get(seq.seq_id)
+            if entry is None or entry[0] != seq.block_tables_version:
+                arr = np.array(seq.block_tables, dtype=np.int32).reshape(num_groups, -1)
+                np.maximum(arr, 0, out=arr)  # NULL_BLOCK (-1) -> 0: never read
+                entry = (seq.block_tables_version, arr)
+            kept[seq.seq_id] = entry
+            rows.append(entry[1])
+        self.rows = kept
+        tables = np.zeros((num_groups, len(sched), max(r.shape[1] for r in rows)), dtype=np.int32)
+        for i, r in enumerate(rows):
+            tables[:, i, : r.shape[1]] = r
+        return tables
 
 
 def build_step_inputs(
@@ -119,9 +136,11 @@ def build_step_inputs(
     vocab_size: int,
     eos_token_ids: frozenset[int],
     groups: tuple[KVCacheGroup, ...] = (),
+    table_rows: BlockTableRows | None = None,
 ) -> StepInputs:
     """eos_token_ids: the scheduler's own set (what ends a sequence), masked for min_tokens.
-    groups: the model's KV-cache groups (one full-attention group when empty)."""
+    groups: the model's KV-cache groups (one full-attention group when empty); table_rows: the caller's
+    BlockTableRows, kept across its steps (None: built afresh)."""
     sched = out.scheduled
     n_new = np.fromiter((s.num_new_tokens for s in sched), dtype=np.int64, count=len(sched))
     start = np.fromiter((s.seq.num_computed_tokens for s in sched), dtype=np.int64, count=len(sched))
@@ -142,11 +161,11 @@ def build_step_inputs(
                 for s, a, b in zip(sched, start.tolist(), end.tolist(), strict=False)
             ]
         )
-    windowed = [g.sliding_window is not None for g in groups] or [False]
-    slot_mapping, block_tables = _tables(sched, 0, positions, seq_of_token, block_size, windowed[0])
-    group_tables = [
-        _tables(sched, g, positions, seq_of_token, block_size, windowed[g]) for g in range(1, len(windowed))
-    ]
+    tables = (table_rows or BlockTableRows()).tables(sched, max(1, len(groups)))
+    slots = tables[:, seq_of_token, positions // block_size].astype(np.int64) * block_size
+    slots += positions % block_size  # [groups, T]
+    slot_mapping, block_tables = slots[0], tables[0]
+    group_tables = [(slots[g], tables[g]) for g in range(1, len(tables))]
     samples = end == np.fromiter((s.seq.num_tokens for s in sched), dtype=np.int64, count=len(sched))
     logits_indices = (cu[1:][samples] - 1).astype(np.int64)
     sampled = [s.seq for s, keep in zip(sched, samples, strict=False) if keep]

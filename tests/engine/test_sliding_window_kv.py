@@ -53,7 +53,7 @@ def check_step(engine, runner, budget):
     for seq in engine.scheduler.running:
         tables = seq.block_tables
         assert len({len(t) for t in tables}) == 1, seq  # one length: an allocation covers every group
-        for g, group in enumerate(kv.groups):  # groups of one window empty the same entries
+        for group in kv.groups:  # groups of one window empty the same entries
             same = [h for h, other in enumerate(kv.groups) if other.sliding_window == group.sliding_window]
             assert len({tuple(b == NULL_BLOCK for b in tables[h]) for h in same}) == 1, seq
         for group, held in zip(
@@ -192,3 +192,53 @@ def test_forked_samples_share_and_copy_per_group():
         assert got == sorted(reference_generate(prompt, 25, seed=11 + i, windows=windows) for i in range(3))
         assert engine.get_metrics()["num_copy_on_write_blocks"] > 0
         assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+class RowsCheckingRunner(ShadowRunner):
+    """Builds each step's inputs twice, with the block-table arrays kept across steps and afresh:
+    they must agree (a table that changed without a new block_tables_version would not)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        from pagedllm.worker.step_inputs import BlockTableRows
+
+        self.rows = BlockTableRows()
+        self.checked = 0
+
+    def execute(self, out):
+        import numpy as np
+
+        from pagedllm.worker.step_inputs import build_step_inputs
+
+        if out.scheduled:
+            kept = build_step_inputs(out, self.block_size, 97, frozenset(), self.kv_cache_groups, self.rows)
+            fresh = build_step_inputs(out, self.block_size, 97, frozenset(), self.kv_cache_groups)
+            pairs = [(kept.slot_mapping, fresh.slot_mapping), (kept.block_tables, fresh.block_tables)]
+            pairs += [
+                (a, b)
+                for ka, kb in zip(kept.group_tables, fresh.group_tables, strict=True)
+                for a, b in zip(ka, kb, strict=True)
+            ]
+            assert all(np.array_equal(a, b) for a, b in pairs)
+            self.checked += 1
+        return super().execute(out)
+
+
+def test_block_table_arrays_kept_across_steps_follow_every_change():
+    """Appends, window releases, copy-on-write of forks, preemption and resumption with hits."""
+    for windows in ((None, 8, 8), (None,)):
+        cfg = SchedulerConfig(
+            num_kv_blocks=60, block_size=4, max_num_seqs=8, max_num_batched_tokens=24, max_model_len=256
+        )
+        runner = RowsCheckingRunner(4, salt_by_seed=True, windows=windows)
+        engine = LLMEngine(cfg, runner, async_scheduling=True)
+        rng = random.Random(3)
+        shared = [rng.randrange(97) for _ in range(20)]
+        for i in range(6):
+            prompt = shared + [rng.randrange(97) for _ in range(rng.randrange(1, 15))]
+            n = 3 if i % 2 else 1
+            params = SamplingParams(n=n, seed=i, temperature=1.0, max_tokens=30, ignore_eos=True)
+            engine.add_request(f"r{i}", prompt, params)
+        drain(engine)
+        assert runner.checked > 30 and engine.get_metrics()["num_preemptions"] > 0
+        assert engine.get_metrics()["num_copy_on_write_blocks"] > 0
