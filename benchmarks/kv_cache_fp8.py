@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""FP8 KV cache (issue 15): what one byte per element costs in accuracy and buys in capacity.
+"""FP8 KV cache: what one byte per element costs in accuracy and buys in capacity.
 
 accuracy (default; CPU by default, or --device cuda): the bundled model with float32 weights, each
   fp8 KV format (--kv-dtypes, default fp8_e4m3 fp8_e5m2) against the same run with kv_cache_dtype
@@ -8,7 +8,7 @@ accuracy (default; CPU by default, or --device cuda): the bundled model with flo
   (a) Perplexity: each file tokenized with the model's tokenizer, its first --ppl-tokens (2,047)
       tokens scored through SamplingParams(prompt_logprobs=0, max_tokens=1); total NLL / tokens
       scored (every prompt token after the first), exp of that, and the relative difference vs
-      auto (the issue's bar: within 1%). Also the mean |logprob difference| per scored token.
+      auto (the target: within 1%). Also the mean |logprob difference| per scored token.
   (b) Greedy agreement: --prompts (64) windows of --prompt-len (32) tokens at evenly spread
       offsets over the same files, --new-tokens (64) each, temperature 0, ignore_eos: the share of
       prompts whose tokens are all identical to auto's and the mean count of leading tokens that agree.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# fp8 KV cache on one GPU (issue 15), one call per mode, each inside the device tool's 10-minute limit:
+# fp8 KV cache on one GPU, one call per mode, each inside the device tool's 10-minute limit:
 #   bash scripts/fp8_gpu_check.sh kernels     # GPU tests of the fp8 kernels and engine, kernel bench + fp8 sweep
 #   bash scripts/fp8_gpu_check.sh throughput  # the standard throughput workload, auto (bf16) then fp8, + fp8 profile
 #   bash scripts/fp8_gpu_check.sh quality     # accuracy (fp32 weights) and capacity (Qwen3-0.6B and 8B shapes)

@@ -7,6 +7,13 @@ from __future__ import annotations
 
 import os
 
+# One intra-op thread, here and in every process the tests start (they inherit the environment):
+# the tiny models' ops are too small to gain from a second thread, and on a 2-core machine shared
+# with the suite's own servers and engine cores an OpenMP thread that waits for a descheduled
+# partner makes a step several times slower (a 24-token generate: 0.5 s with one thread, 3 s with
+# two). Set before torch is imported, so that its thread pool starts with this size.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import pytest
 import torch
 

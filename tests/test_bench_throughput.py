@@ -1,4 +1,5 @@
-"""The throughput benchmark's workload and step timer (CUDA events faked so it runs on CPU)."""
+"""The throughput benchmark's workload and step timer (CUDA events faked so it runs on CPU; under
+tensor parallelism: tests/tp/test_tp_logprobs.py, on that module's TP=2 engine)."""
 
 import time
 
@@ -42,15 +43,6 @@ def test_step_timer_splits_time_by_step_kind(tiny_models, monkeypatch, tmp_path,
     assert kinds["prefill_or_mixed"]["steps"] >= 1 and kinds["decode_batch_1_16"]["steps"] == 5
     assert all(k["wall_s"] >= 0 and k["gpu_s"] >= 0 for k in kinds.values())
     assert "aten::" in profile.read_text()  # the profiled window's op table
-
-
-def test_step_timer_times_rank_0_under_tensor_parallelism(tiny_models, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    with LLM(tiny_models["qwen3"], num_kv_blocks=64, block_size=8, tensor_parallel_size=2) as llm:
-        timer = throughput.StepTimer(llm)
-        llm.generate([[1, 2, 3]] * 3, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-        assert timer.summary()["time_by_step_kind"]["decode_batch_1_16"]["steps"] == 3
 
 
 def test_bench_throughput_needs_a_model_for_its_token_ids():

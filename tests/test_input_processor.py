@@ -49,11 +49,20 @@ def test_sampling_params_bound_integers_and_refuse_non_text():
         ({"stop": "a\ud800"}, "stop"),
         ({"stop": ["ok", "\udfff"]}, "stop"),
         ({"cache_salt": "\ud800"}, "cache_salt"),
+        # a seed is a signed 64-bit integer, and the i-th sample draws with seed + i
+        ({"seed": 2**63}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"seed": 2**63 - 2, "n": 3}, "seed"),
+        ({"seed": 2**63 - 2, "n": 2, "best_of": 3}, "seed"),
     ]:
         with pytest.raises(InvalidRequestError) as e:
             SamplingParams(**fields)
         assert e.value.param == param, fields
     assert SamplingParams(top_k=2**31 - 1).top_k == 2**31 - 1
+    # the edges themselves are accepted: the last sample draws with exactly 2**63 - 1
+    assert SamplingParams(seed=2**63 - 2, n=2).seed == 2**63 - 2
+    assert SamplingParams(seed=2**63 - 3, n=2, best_of=3).seed == 2**63 - 3
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)
 
 
 def test_generate_refuses_out_of_vocabulary_ids_and_surrogate_prompts(llm):

@@ -11,12 +11,14 @@ from __future__ import annotations
 import math
 import random
 
+from pagedllm.entrypoints.model_dir import load_tokenizer
+
 
 def random_prompts(tokenizer_dir: str, num: int, length: int, seed: int) -> list[list[int]]:
     """`num` prompts of `length` random non-special token ids of the tokenizer in `tokenizer_dir`."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok = load_tokenizer(tokenizer_dir)
+    if tok is None:
+        raise ValueError(f"{tokenizer_dir} has no tokenizer files: the random dataset draws from its vocabulary")
     special = set(tok.all_special_ids)
     vocab = [i for i in range(len(tok)) if i not in special]
     rng = random.Random(seed)

@@ -88,10 +88,8 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: set[int] | frozenset[int] = frozenset(),
     ):
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        if max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        # preconditions, not validation: SchedulerConfig.__post_init__ refused non-positive sizes at the edge
+        assert max_num_seqs >= 1 and max_num_batched_tokens >= 1, (max_num_seqs, max_num_batched_tokens)
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

@@ -89,7 +89,7 @@ def perplexity(llm, texts):
     return math.exp(-lps.mean().item())
 
 
-# the bar: perplexity within 1% of the unquantized cache (e4m3 on the first 512 tokens of
+# the target: perplexity within 1% of the unquantized cache (e4m3 on the first 512 tokens of
 # base64.py and tokenize.py: +0.2%; e5m2, measured by benchmarks/kv_cache_fp8.py: +0.7%)
 PPL_RTOL = {"fp8": 0.01}
 

@@ -167,7 +167,7 @@ def test_parallel_sampling_children_equal_seeded_requests_alone(tiny_models, pro
             "company": (other, SamplingParams(seed=5, **hot)),
         },
     )
-    assert len({tuple(a["tokens"]) for a in alone}) == 3  # the seeds draw differently
+    assert len({tuple(a["tokens"]) for a in alone}) == 3  # different seeds draw differently
     for i in range(3):
         assert got["n3", i]["tokens"] == alone[i]["tokens"]
         check_generated(path, p, got["n3", i], 1)

@@ -30,7 +30,7 @@ from typing import Any
 import uvicorn
 
 from pagedllm import envs
-from pagedllm.entrypoints.args import CLIError, byte_size
+from pagedllm.entrypoints.args import CLIError, byte_size, engine_kwargs
 from pagedllm.entrypoints.async_llm import AsyncLLM
 from pagedllm.entrypoints.logs import LOG_DATEFMT, LOG_FORMAT
 from pagedllm.entrypoints.openai.api_server import build_app
@@ -174,8 +174,6 @@ def run_server(args: argparse.Namespace) -> int:
     """Bind, load the model, serve until SIGTERM/SIGINT, then abort in-flight requests (each stream
     ends cleanly) and return 0. CLIError when the port cannot be bound, and when the engine core
     died (unless --keep-alive-on-engine-death). `args` holds the engine flags and the server flags."""
-    from pagedllm.entrypoints.args import engine_kwargs  # the engine's flag table, owned by the CLI
-
     level = getattr(logging, str(args.log_level).upper(), logging.INFO)
     if not logger.handlers and not logging.getLogger().handlers:
         logging.basicConfig(format=LOG_FORMAT, datefmt=LOG_DATEFMT)
