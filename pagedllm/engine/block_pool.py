@@ -169,8 +169,7 @@ ANY_PARENT = -1  # `lookup`: accept a block computed after any prefix (the first
 
 class BlockPool:
     def __init__(self, num_blocks: int, tracer: Tracer | None = None):
-        if num_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {num_blocks}")
+        assert num_blocks >= 1, num_blocks  # SchedulerConfig refuses other sizes at the edge
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)

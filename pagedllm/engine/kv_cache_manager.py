@@ -108,8 +108,7 @@ class KVCacheManager:
         hash_seed: int | None = None,
         groups: Seq[KVCacheGroup] = (),
     ) -> None:
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        assert block_size >= 1, block_size  # SchedulerConfig refuses other sizes at the edge
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, tracer)
