@@ -25,8 +25,9 @@ copy first (copy-on-write): `blocks_to_copy` lists (src, dst) pairs that the exe
 the KV tensor before the step's forward.
 
 Groups: every group gives a sequence its own blocks for the same tokens, all from the one pool;
-an allocation takes every group's blocks or none, so a sequence's tables always have one length. The block hashes are the sequence's (one chain
-of its tokens), each group registering its own blocks under them. A prefix hit is taken only
+an allocation takes every group's blocks or none, so a sequence's tables always have one length.
+The block hashes are the sequence's (one chain of its tokens), each group registering its own
+blocks under them. A prefix hit is taken only
 at a length where every group has one (`get_computed_blocks`): a full-attention hit can be cut
 anywhere, a sliding-window hit only where its window's blocks are cached, so the length is
 lowered until all agree.

@@ -37,9 +37,10 @@ class Sequence:
     """Token ids, the number of them whose KV is in the cache, and the block table holding it.
 
     Invariant: num_computed_tokens <= num_tokens; each block table covers num_computed_tokens
-    (plus the tokens scheduled this step). One table per KV-cache group (kv_cache_groups.py);
-    a sliding-window group's table has NULL_BLOCK entries for the blocks it gave back. The last token is never computed until it is
-    scheduled, so a step that completes the sequence's tokens yields a sampled next token.
+    (plus the tokens scheduled this step). One table per KV-cache group (kv_cache_groups.py), all
+    of one length; a sliding-window group's table has NULL_BLOCK entries for the blocks it gave
+    back. The last token is never computed until it is scheduled, so a step that completes the
+    sequence's tokens yields a sampled next token.
 
     Parallel sampling: the first sequence of a request with n > 1 holds the others in `forks`
     until the step that computes its prompt's last token is scheduled; there the scheduler forks
