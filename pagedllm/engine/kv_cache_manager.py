@@ -189,7 +189,7 @@ class KVCacheManager:
                 hit = hits[g]
                 if hit is not None and len(hit) == n:
                     continue
-                if hit is not None and manager.sliding_window is None:
+                if hit is not None and not isinstance(manager, SlidingWindowManager):
                     hits[g] = hit[:n]  # a full-attention hit holds at any shorter length
                     continue
                 hit = manager.find_longest_cache_hit(seq, hashes, self._block_key, n)
@@ -217,7 +217,7 @@ class KVCacheManager:
         # fast path: the tokens fit in blocks the sequence already holds (every group's table has
         # the same length) and nothing is shared to copy first (only a fork shares a partial block)
         if hit is None and total <= len(seq.block_tables[0]) * self.block_size:
-            if not seq.kv_forked or all(m.fits(seq, total, num_new_tokens) for m in managers):
+            if not seq.kv_forked or not any(m.needs_copy_on_write(seq, num_new_tokens) for m in managers):
                 return True
         hits: list[list[Block | None]] = hit.blocks if hit else [[] for _ in managers]
         need = sum(m.num_blocks_to_allocate(seq, total, h, num_new_tokens) for m, h in zip(managers, hits, strict=True))

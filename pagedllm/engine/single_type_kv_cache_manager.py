@@ -39,13 +39,10 @@ BlockKey = Callable[[Sequence, int], tuple[tuple[int, ...], bytes]]  # (seq, i) 
 
 
 class FullAttentionManager:
-    sliding_window: int | None = None
+    """Full attention reads every earlier position: it never gives a block back before the sequence ends."""
 
     def __init__(self, pool: BlockPool, group: int, block_size: int) -> None:
         self.pool, self.group, self.block_size = pool, group, block_size
-
-    def remove_skipped_blocks(self, seq: Sequence, first_new_position: int) -> None:
-        """Full attention reads every earlier position: nothing to give back."""
 
     def find_longest_cache_hit(
         self, seq: Sequence, hashes: list[BlockHash], key: BlockKey, max_blocks: int
@@ -62,19 +59,13 @@ class FullAttentionManager:
         return hits
 
     # ---- allocation ---------------------------------------------------------------------
-    def fits(self, seq: Sequence, total_tokens: int, num_new_tokens: int) -> bool:
-        """The tokens fit in blocks the sequence holds, with nothing to copy first."""
-        return total_tokens <= len(seq.block_tables[self.group]) * self.block_size and not self._needs_copy_on_write(
-            seq, num_new_tokens
-        )
-
     def num_blocks_to_allocate(
         self, seq: Sequence, total_tokens: int, hit: list[Block | None], num_new_tokens: int
     ) -> int:
         """Free-queue blocks that `allocate` takes: new ones, a copy-on-write copy, reactivated hits."""
         table = seq.block_tables[self.group]
         new = max(0, -(-total_tokens // self.block_size) - len(table) - len(hit))
-        cow = not hit and self._needs_copy_on_write(seq, num_new_tokens)
+        cow = not hit and self.needs_copy_on_write(seq, num_new_tokens)
         return new + cow + sum(1 for b in hit if b is not None and b.ref_cnt == 0)
 
     def take_hit(self, seq: Sequence, hit: list[Block | None]) -> None:
@@ -98,14 +89,14 @@ class FullAttentionManager:
         the number of copy-on-write copies (0 or 1)."""
         table = seq.block_tables[self.group]
         copies = 0
-        if self._needs_copy_on_write(seq, num_new_tokens):
+        if self.needs_copy_on_write(seq, num_new_tokens):
             self._copy_last_block(seq, blocks_to_copy)
             copies = 1
         for _ in range(-(-total_tokens // self.block_size) - len(table)):
             table.append(self.pool.allocate(seq.seq_id, self.group).block_id)
         return copies
 
-    def _needs_copy_on_write(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def needs_copy_on_write(self, seq: Sequence, num_new_tokens: int) -> bool:
         """A write into a partly filled last block that another sequence shares."""
         if num_new_tokens == 0 or seq.num_computed_tokens % self.block_size == 0:
             return False
@@ -170,22 +161,25 @@ class SlidingWindowManager(FullAttentionManager):
 
     def __init__(self, pool: BlockPool, group: int, block_size: int, sliding_window: int) -> None:
         super().__init__(pool, group, block_size)
-        self.sliding_window = self.window = sliding_window
+        self.window = sliding_window
         # blocks before a hit's end that its next token reads
         self.hit_blocks = -(-(sliding_window - 1) // block_size)
+
+    def _num_skipped(self, table: list[int], first_new_position: int) -> int:
+        """Entries of `table` wholly before the window of a step whose first new token is there."""
+        return min(max(0, first_new_position - self.window + 1) // self.block_size, len(table))
 
     def has_skipped_blocks(self, seq: Sequence, first_new_position: int) -> bool:
         """A block wholly before the window of the step's first new token is still held."""
         table = seq.block_tables[self.group]
-        first_needed = min(max(0, first_new_position - self.window + 1) // self.block_size, len(table))
-        return first_needed > 0 and table[first_needed - 1] != NULL_BLOCK
+        n = self._num_skipped(table, first_new_position)
+        return n > 0 and table[n - 1] != NULL_BLOCK
 
     def remove_skipped_blocks(self, seq: Sequence, first_new_position: int) -> None:
         """Give back the blocks wholly before the window of the step's first new token, from the
         newest such block back to the first entry already given back."""
         table = seq.block_tables[self.group]
-        first_needed = max(0, first_new_position - self.window + 1) // self.block_size
-        for i in range(min(first_needed, len(table)) - 1, -1, -1):
+        for i in range(self._num_skipped(table, first_new_position) - 1, -1, -1):
             if table[i] == NULL_BLOCK:
                 break
             self.pool.release(self.pool.blocks[table[i]], seq.seq_id)

@@ -84,13 +84,13 @@ def test_copy_on_write_is_what_keeps_children_apart():
     the first child's block and the harness reports it."""
     from pagedllm.engine.single_type_kv_cache_manager import FullAttentionManager
 
-    orig = FullAttentionManager._needs_copy_on_write
-    FullAttentionManager._needs_copy_on_write = lambda self, seq, n: False  # type: ignore[method-assign]
+    orig = FullAttentionManager.needs_copy_on_write
+    FullAttentionManager.needs_copy_on_write = lambda self, seq, n: False  # type: ignore[method-assign]
     try:
         with pytest.raises(AssertionError, match="written in place"):
             run([Req("f", list(range(10)), 4, n=3, seed=1)], block_size=4)
     finally:
-        FullAttentionManager._needs_copy_on_write = orig  # type: ignore[method-assign]
+        FullAttentionManager.needs_copy_on_write = orig  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
