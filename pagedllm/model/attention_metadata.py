@@ -8,7 +8,8 @@ explicitly down the forward, model -> layer -> attention; nothing keeps it betwe
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -30,3 +31,10 @@ class AttentionMetadata:
     def group(self, g: int) -> AttentionMetadata:
         """The metadata a layer of KV-cache group g attends with."""
         return self.groups[g] if self.groups else self
+
+    def add_groups(self, tables: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> AttentionMetadata:
+        """Give this metadata (the first group's) the other groups' (slot_mapping, block_tables)."""
+        others = [replace(self, slot_mapping=s, block_tables=b) for s, b in tables]
+        if others:
+            self.groups = (self, *others)
+        return self

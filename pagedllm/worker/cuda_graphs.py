@@ -11,7 +11,6 @@ Each KV-cache group after the first has its own slot-mapping and block-table buf
 from __future__ import annotations
 
 import bisect
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -74,7 +73,7 @@ class DecodeGraphs:
         self._capture_all()
 
     def _meta(self, bs: int) -> AttentionMetadata:
-        meta = AttentionMetadata(
+        return AttentionMetadata(
             slot_mapping=self.slot_mapping[:bs],
             block_tables=self.block_tables[:bs],
             cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
@@ -83,14 +82,7 @@ class DecodeGraphs:
             max_seqlen_k=self.runner.max_model_len,
             decode_only=True,
             no_history=False,
-        )
-        if self.group_slots:
-            others = [
-                replace(meta, slot_mapping=s[:bs], block_tables=t[:bs])
-                for s, t in zip(self.group_slots, self.group_tables, strict=True)
-            ]
-            meta.groups = (meta, *others)
-        return meta
+        ).add_groups((s[:bs], t[:bs]) for s, t in zip(self.group_slots, self.group_tables, strict=True))
 
     def _forward(self, bs: int) -> torch.Tensor:
         hidden = self.runner.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -299,7 +298,7 @@ class ModelRunner:
         self, *, slot_mapping, block_tables, cu, seq_lens, max_q, max_k, decode_only, no_history, groups=()
     ) -> AttentionMetadata:
         """groups: (slot_mapping, block_tables) of the KV-cache groups after the first."""
-        meta = AttentionMetadata(
+        return AttentionMetadata(
             slot_mapping=self._to_device(slot_mapping),
             block_tables=self._to_device(block_tables),
             cu_seqlens_q=self._to_device(cu),
@@ -308,13 +307,7 @@ class ModelRunner:
             max_seqlen_k=max_k,
             decode_only=decode_only,
             no_history=no_history,
-        )
-        if groups:
-            others = [
-                replace(meta, slot_mapping=self._to_device(s), block_tables=self._to_device(b)) for s, b in groups
-            ]
-            meta.groups = (meta, *others)
-        return meta
+        ).add_groups((self._to_device(s), self._to_device(b)) for s, b in groups)
 
     @torch.inference_mode()
     def run(self, inp: StepInputs) -> StepResult:

@@ -3,7 +3,8 @@ graphs' per-group buffers) against the CPU path, past the window (run with `pyte
 
 import pytest
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM
+from tests.gpu.test_gpu_engine import greedy
 from tests.model.families import family_checkpoints, long_workload
 
 pytestmark = pytest.mark.gpu
@@ -12,11 +13,6 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(scope="module")
 def checkpoints(tiny_models, tmp_path_factory):
     return family_checkpoints(tiny_models["qwen3"], tmp_path_factory)
-
-
-def greedy(llm, prompts, max_tokens):
-    params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=m) for m in max_tokens]
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 @pytest.mark.parametrize("kind", ["gemma3", "gemma2", "mistral"])
