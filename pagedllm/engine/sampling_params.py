@@ -19,6 +19,52 @@ TOKEN_ID_MAX = 2**31 - 1  # bound of token ids and top_k: no vocabulary is large
 MAX_LOGPROBS = 20  # the most top-k logprobs a request may ask for, per token (vLLM's default max_logprobs)
 MAX_BEAM_WIDTH = 64  # the widest beam search a request may ask for (also bounded by max_num_seqs)
 EARLY_STOPPING = (True, False, "never")  # HF's generation_config.early_stopping values
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)
+LOGIT_BIAS_MAX = 100.0  # a logit_bias value is clamped to [-100, 100] (OpenAI's range)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What a sequence's output must match (vLLM's StructuredOutputsParams): exactly one of
+    `json` (a JSON schema, as a dict or its JSON text), `regex`, `choice` (one of these strings),
+    `grammar` (a Lark / EBNF grammar, llguidance's dialect) or `json_object` (any JSON object).
+
+    `disable_any_whitespace` (default True here, vLLM's default is False): JSON is written without
+    free whitespace between its tokens; a small model given free whitespace tends to write
+    whitespace until it runs out of tokens. The grammar is compiled and checked by
+    `engine/structured_output.py` (a 400 naming the field when it cannot be compiled)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = True
+
+    def __post_init__(self) -> None:
+        given = [
+            k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False)
+        ]
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, json_object; "
+                f"got {given or 'none'}",
+                param="structured_outputs",
+            )
+        if self.choice is not None and not (
+            isinstance(self.choice, list) and self.choice and all(isinstance(c, str) for c in self.choice)
+        ):
+            raise InvalidRequestError(
+                "structured_outputs.choice must be a non-empty list of strings", "structured_outputs"
+            )
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, str) and v):
+                raise InvalidRequestError(f"structured_outputs.{name} must be a non-empty string", "structured_outputs")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise InvalidRequestError(
+                "structured_outputs.json must be a JSON schema (an object or its JSON text)", "structured_outputs"
+            )
 
 
 def has_surrogate(text: str) -> bool:
@@ -32,6 +78,10 @@ def has_surrogate(text: str) -> bool:
     except UnicodeEncodeError:
         return True
     return False
+
+
+def _token_id(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= TOKEN_ID_MAX
 
 
 def _finite(x: float) -> bool:
@@ -63,6 +113,21 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    # penalties (vLLM's semantics): presence/frequency count the output tokens only, repetition the
+    # prompt's and the output's (a logit > 0 is divided by it, one < 0 multiplied)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (clamped to [-100, 100])
+    allowed_token_ids: list[int] | None = None  # only these ids may be drawn
+    bad_words: list[str] | None = None  # never generated; InputProcessor tokenizes them into bad_words_token_ids
+    bad_words_token_ids: list[list[int]] | None = None  # each word's token ids (set by InputProcessor)
+    include_stop_str_in_output: bool = False  # a matched stop string (or a stop token's text) stays in the text
+    skip_special_tokens: bool = True  # special tokens' text is left out of the output text
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: max_model_len)
+    detokenize: bool = True  # False: token ids only, text stays ""
+    structured_outputs: StructuredOutputsParams | None = None
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -141,6 +206,7 @@ class SamplingParams:
             "early_stopping",
             "must be true, false or 'never'",
         )
+        self._check_controls(need)
         if self.use_beam_search:
             self._check_beam_search(need)
         else:  # they mean something only to beam search: accepted and ignored would be a wrong answer
@@ -169,6 +235,84 @@ class SamplingParams:
             self.stop_token_ids = list(self.stop_token_ids)
             need(all(0 <= t <= TOKEN_ID_MAX for t in self.stop_token_ids), "stop_token_ids", "must be token ids >= 0")
 
+    def _check_controls(self, need: Any) -> None:
+        """Penalties, token controls and output switches: types and ranges. Token ids are checked
+        against the vocabulary by the InputProcessor (it knows the model)."""
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            v = getattr(self, name)
+            need(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and _finite(v), name, "must be a finite number"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            need(
+                -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY, name, f"must be in [-{MAX_PENALTY}, {MAX_PENALTY}]"
+            )
+        need(self.repetition_penalty > 0, "repetition_penalty", "must be > 0 (1 is off)")
+        if self.logit_bias is not None:
+            need(isinstance(self.logit_bias, Mapping), "logit_bias", "must map token ids to numbers")
+            bias: dict[int, float] = {}
+            for k, v in self.logit_bias.items():
+                tid = int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k  # JSON keys are strings
+                need(
+                    isinstance(tid, int) and not isinstance(tid, bool) and 0 <= tid <= TOKEN_ID_MAX,
+                    "logit_bias",
+                    "keys must be token ids >= 0",
+                )
+                need(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and _finite(v),
+                    "logit_bias",
+                    "values must be finite numbers",
+                )
+                bias[tid] = max(-LOGIT_BIAS_MAX, min(LOGIT_BIAS_MAX, float(v)))
+            self.logit_bias = bias or None
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            need(
+                isinstance(ids, (list, tuple)) and ids and all(_token_id(t) for t in ids),
+                "allowed_token_ids",
+                "must be a non-empty list of token ids >= 0",
+            )
+            self.allowed_token_ids = list(ids)
+        if self.bad_words is not None:
+            need(
+                isinstance(self.bad_words, (list, tuple))
+                and all(isinstance(w, str) and w and not has_surrogate(w) for w in self.bad_words),
+                "bad_words",
+                "must be a list of non-empty strings",
+            )
+            self.bad_words = list(self.bad_words)
+        if self.bad_words_token_ids is not None:
+            need(
+                isinstance(self.bad_words_token_ids, (list, tuple))
+                and all(
+                    isinstance(w, (list, tuple)) and w and all(_token_id(t) for t in w)
+                    for w in self.bad_words_token_ids
+                ),
+                "bad_words",
+                "token ids must be non-empty lists of token ids >= 0",
+            )
+            self.bad_words_token_ids = [list(w) for w in self.bad_words_token_ids]
+        for name in (
+            "include_stop_str_in_output",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+            "detokenize",
+        ):
+            need(isinstance(getattr(self, name), bool), name, "must be a boolean")
+        t = self.truncate_prompt_tokens
+        need(
+            t is None or (isinstance(t, int) and not isinstance(t, bool) and (t >= 1 or t == -1)),
+            "truncate_prompt_tokens",
+            "must be an integer >= 1, -1 (the model's context) or None",
+        )
+        need(
+            self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs",
+            "must be a StructuredOutputsParams",
+        )
+        if not self.detokenize:  # stop strings are matched on text
+            need(not self.stop_list and not self.stop, "stop", "needs detokenize=True (stop strings match text)")
+
     def _check_beam_search(self, need: Any) -> None:
         """What beam search (HF's, exact) supports: n beams, greedy, no logprobs or other samplers."""
         need(self.n <= MAX_BEAM_WIDTH, "n", f"(the beam width) must be <= {MAX_BEAM_WIDTH} with use_beam_search")
@@ -182,6 +326,10 @@ class SamplingParams:
         need(self.stop is None or self.stop == [], "stop", "is not supported with use_beam_search")
         need(not self.stop_token_ids, "stop_token_ids", "is not supported with use_beam_search")
         need(self.seed is None, "seed", "has no effect with use_beam_search (it is deterministic): leave it unset")
+        for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+            need(getattr(self, name) == off, name, f"must be {off} with use_beam_search")
+        for name in ("logit_bias", "allowed_token_ids", "bad_words", "structured_outputs"):
+            need(getattr(self, name) is None, name, "is not supported with use_beam_search")
 
     @property
     def num_samples(self) -> int:
@@ -195,6 +343,18 @@ class SamplingParams:
         if self.logprobs is not None:
             return self.logprobs
         return 0 if self.num_samples > self.n else None
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def needs_output_history(self) -> bool:
+        """True when the next token's logits depend on the ids of the tokens before it (penalties,
+        a bad word of several tokens, a grammar): under async scheduling such a sequence waits for
+        its in-flight token before it is scheduled again."""
+        multi_bad = any(len(w) > 1 for w in self.bad_words_token_ids or ())
+        return self.uses_penalties or multi_bad or self.structured_outputs is not None
 
     @property
     def greedy(self) -> bool:

@@ -61,6 +61,9 @@ class StepInputs:
     prompt_logprobs: list[PromptLogprobsRows] = field(default_factory=list)
     # (slot_mapping [T], block_tables [B, max_blocks]) of each KV-cache group after the first
     group_tables: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    # structured output: (sample rows [R] int64, allowed-token bits [R, ceil(V / 32)] int32, bit j % 32
+    # of word j // 32 set when token j may be drawn; ops/token_bitmask.py); None: no row is constrained
+    token_bitmask: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def num_tokens(self) -> int:

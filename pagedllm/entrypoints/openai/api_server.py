@@ -30,7 +30,7 @@ The package `pagedllm.entrypoints.openai`, one concept per module:
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -80,7 +80,7 @@ def _watcher(request: Request) -> Any:
 
 def build_app(
     async_llm: AsyncLLM,
-    served_model_name: str | None = None,
+    served_model_name: str | Sequence[str] | None = None,
     api_key: str | None = None,
     *,
     allowed_hosts: Iterable[str] | None = None,
@@ -95,8 +95,8 @@ def build_app(
         served_model_name = os.path.basename(os.path.normpath(str(async_llm.model_path)))
     app = FastAPI(title="pagedllm", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     serving = OpenAIServing(async_llm, served_model_name)
-    metrics = ServerMetrics(async_llm, served_model_name)
-    app.state.async_llm, app.state.served_model_name = async_llm, served_model_name
+    metrics = ServerMetrics(async_llm, serving.served_model_name)
+    app.state.async_llm, app.state.served_model_name = async_llm, serving.served_model_name
     app.state.serving, app.state.metrics = serving, metrics
     install_error_handlers(app)
 
@@ -113,7 +113,7 @@ def build_app(
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [serving.model_card()]}
+        return {"object": "list", "data": serving.model_cards()}
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> dict[str, Any]:

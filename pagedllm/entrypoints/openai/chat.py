@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 import secrets
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from pagedllm.entrypoints.openai.errors import bad_request
@@ -177,11 +178,13 @@ def chat_prompt(body: dict[str, Any], tokenizer: Any, served_model_name: str) ->
     return {"prompt": text, "prompt_token_ids": ids}
 
 
-def parse_chat(body: dict[str, Any], served_model_name: str, tokenizer: Any) -> ParsedRequest:
+def parse_chat(body: dict[str, Any], served_model_names: Sequence[str], tokenizer: Any) -> ParsedRequest:
     """`prompts` is the one prompt the chat template makes of the messages, as text and token ids
     (the input processor checks the ids); a prompt error further in names `messages`."""
-    check_model(body, served_model_name)
+    model = check_model(body, served_model_names)
     stream, include_usage = stream_flags(body)
-    prompt = chat_prompt(body, tokenizer, served_model_name)
+    prompt = chat_prompt(body, tokenizer, model)
     fields, max_name, shown = sampling_fields(body, chat=True, stream=stream)
-    return ParsedRequest([prompt], fields, stream, include_usage, "messages", max_name, fields.get("n", 1), shown)
+    return ParsedRequest(
+        [prompt], fields, stream, include_usage, "messages", max_name, fields.get("n", 1), shown, model
+    )

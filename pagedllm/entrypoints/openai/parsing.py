@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +72,7 @@ class ParsedRequest:
     max_tokens_param: str = "max_tokens"
     n: int = 1  # choices per prompt
     shown: ShownLogprobs = field(default_factory=ShownLogprobs)
+    model: str = ""  # the served name the answer carries (check_model)
 
 
 def _reject_constant(name: str) -> None:
@@ -286,16 +288,21 @@ def sampling_fields(body: dict[str, Any], chat: bool, stream: bool) -> tuple[dic
     return fields, max_name, shown
 
 
-def check_model(body: dict[str, Any], served_model_name: str) -> None:
+def check_model(body: dict[str, Any], served_model_names: Sequence[str]) -> str:
+    """The name the answer carries: the body's `model` when it is one of the served names (any
+    of them: `--served-model-name` may give several), the first served name when it is absent."""
     model = get(body, "model", "str")
-    if model is not None and model != served_model_name:
+    if model is None:
+        return served_model_names[0]
+    if model not in served_model_names:
         raise APIError(
             404,
-            f"The model '{model}' does not exist; this server serves '{served_model_name}'",
+            f"The model '{model}' does not exist; this server serves {', '.join(repr(n) for n in served_model_names)}",
             "invalid_request_error",
             "model",
             "model_not_found",
         )
+    return str(model)
 
 
 def stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -334,9 +341,9 @@ def completion_prompts(body: dict[str, Any]) -> list[Any]:
     )
 
 
-def parse_completion(body: dict[str, Any], served_model_name: str) -> ParsedRequest:
-    check_model(body, served_model_name)
+def parse_completion(body: dict[str, Any], served_model_names: Sequence[str]) -> ParsedRequest:
+    model = check_model(body, served_model_names)
     stream, include_usage = stream_flags(body)
     fields, max_name, shown = sampling_fields(body, chat=False, stream=stream)
     prompts = completion_prompts(body)
-    return ParsedRequest(prompts, fields, stream, include_usage, "prompt", max_name, fields.get("n", 1), shown)
+    return ParsedRequest(prompts, fields, stream, include_usage, "prompt", max_name, fields.get("n", 1), shown, model)

@@ -41,7 +41,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -124,17 +124,21 @@ class _Submitted:
 class OpenAIServing:
     """It does not own `async_llm` (whoever made it shuts it down)."""
 
-    def __init__(self, async_llm: EngineClient, served_model_name: str):
+    def __init__(self, async_llm: EngineClient, served_model_name: str | Sequence[str]):
         self.engine = async_llm
-        self.served_model_name = served_model_name
+        # every name the server answers to (`--served-model-name a b`); the first is the one /v1/models lists first
+        self.served_model_names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+        assert self.served_model_names, "a server serves at least one name"
+        self.served_model_name = self.served_model_names[0]
         self.created = int(time.time())
         self.kv_tokens = async_llm.num_kv_blocks * async_llm.block_size
         self.texts = Texts(async_llm.tokenizer)
 
     # ---- /v1/models ----------------------------------------------------------------------
-    def model_card(self) -> dict[str, Any]:
+    def model_card(self, name: str | None = None) -> dict[str, Any]:
+        name = name or self.served_model_name
         return {
-            "id": self.served_model_name,
+            "id": name,
             "object": "model",
             "created": self.created,
             "owned_by": "pagedllm",
@@ -143,12 +147,15 @@ class OpenAIServing:
             "max_model_len": self.engine.max_model_len,
         }
 
+    def model_cards(self) -> list[dict[str, Any]]:
+        return [self.model_card(n) for n in self.served_model_names]
+
     def get_model(self, model: str) -> dict[str, Any]:
-        if model != self.served_model_name:
+        if model not in self.served_model_names:
             raise APIError(
                 404, f"The model '{model}' does not exist", "invalid_request_error", "model", "model_not_found"
             )
-        return self.model_card()
+        return self.model_card(model)
 
     # ---- /v1/completions and /v1/chat/completions ----------------------------------------
     async def create_completion(
@@ -158,7 +165,7 @@ class OpenAIServing:
         parsed, requests = await asyncio.to_thread(self._prepare_completion, body, rid)
         sub = self._submit(parsed, requests)
         builder = CompletionResponses(
-            rid, int(time.time()), self.served_model_name, parsed.include_usage, parsed.n, parsed.shown, self.texts
+            rid, int(time.time()), parsed.model, parsed.include_usage, parsed.n, parsed.shown, self.texts
         )
         return await self._answer(parsed, sub, builder, rid, disconnected)
 
@@ -169,7 +176,7 @@ class OpenAIServing:
         parsed, requests = await asyncio.to_thread(self._prepare_chat, body, rid)
         sub = self._submit(parsed, requests)
         builder = ChatResponses(
-            rid, int(time.time()), self.served_model_name, parsed.include_usage, parsed.n, parsed.shown, self.texts
+            rid, int(time.time()), parsed.model, parsed.include_usage, parsed.n, parsed.shown, self.texts
         )
         return await self._answer(parsed, sub, builder, rid, disconnected)
 
@@ -177,7 +184,7 @@ class OpenAIServing:
     def _prepare_completion(
         self, body: dict[str, Any] | bytes, rid: str
     ) -> tuple[ParsedRequest, list[EngineCoreRequest]]:
-        parsed = parse_completion(json_body(body) if isinstance(body, bytes) else body, self.served_model_name)
+        parsed = parse_completion(json_body(body) if isinstance(body, bytes) else body, self.served_model_names)
         if "max_tokens" in parsed.fields:  # asked for: past the context it is refused, never clamped
             params = self.sampling_params(parsed)
             return parsed, self._process(parsed, [(p, params) for p in parsed.prompts], rid)
@@ -195,7 +202,7 @@ class OpenAIServing:
 
     def _prepare_chat(self, body: dict[str, Any] | bytes, rid: str) -> tuple[ParsedRequest, list[EngineCoreRequest]]:
         body = json_body(body) if isinstance(body, bytes) else body
-        parsed = parse_chat(body, self.served_model_name, self.engine.tokenizer)
+        parsed = parse_chat(body, self.served_model_names, self.engine.tokenizer)
         prompt = parsed.prompts[0]  # {"prompt", "prompt_token_ids"}: chat.py tokenized it; process() checks the ids
         params = self.sampling_params(parsed, room=self._room(prompt["prompt_token_ids"]))
         return parsed, self._process(parsed, [(prompt, params)], rid)
