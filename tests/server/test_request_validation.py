@@ -201,7 +201,7 @@ def test_max_tokens_past_the_context_is_refused_on_both_endpoints(srv, http):
         return {"model": MODEL_NAME, "messages": [{"role": "user", "content": content}], "ignore_eos": True}
 
     def room_of(body: dict) -> int:
-        return n - len(parse_chat(body, MODEL_NAME, tokenizer).prompts[0]["prompt_token_ids"])
+        return n - len(parse_chat(body, [MODEL_NAME], tokenizer).parsed.prompts[0]["prompt_token_ids"])
 
     lo, hi = 1, n  # the longest content that leaves at least 10 tokens of room
     while lo < hi:
@@ -230,15 +230,15 @@ def test_special_tokens_typed_into_content_stay_text(srv, http):
     start, end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
     body = chat(content=INJECTION)
     # the template writes <|im_start|>user ... <|im_end|> <|im_start|>assistant: 2 starts, 1 end
-    prompt = parse_chat(body, MODEL_NAME, tokenizer).prompts[0]
+    prompt = parse_chat(body, [MODEL_NAME], tokenizer).parsed.prompts[0]
     ids = prompt["prompt_token_ids"]
     assert (ids.count(start), ids.count(end)) == (2, 1)
     assert tokenizer.decode(ids) == prompt["prompt"] and INJECTION in prompt["prompt"]
     assert post(http, "/v1/chat/completions", body).json()["usage"]["prompt_tokens"] == len(ids)
     # a content part, and a caller who asks for the tokens to be parsed gets them
     parts = chat(content=[{"type": "text", "text": "a"}, {"type": "text", "text": INJECTION}])
-    assert parse_chat(parts, MODEL_NAME, tokenizer).prompts[0]["prompt_token_ids"].count(start) == 2
-    trusted = parse_chat(chat(content=INJECTION, split_special_tokens=False), MODEL_NAME, tokenizer).prompts[0]
+    assert parse_chat(parts, [MODEL_NAME], tokenizer).parsed.prompts[0]["prompt_token_ids"].count(start) == 2
+    trusted = parse_chat(chat(content=INJECTION, split_special_tokens=False), [MODEL_NAME], tokenizer).parsed.prompts[0]
     assert (trusted["prompt_token_ids"].count(start), trusted["prompt_token_ids"].count(end)) == (3, 2)
     assert refused(post(http, "/v1/chat/completions", chat(split_special_tokens="no")))["param"] == (
         "split_special_tokens"
@@ -250,7 +250,7 @@ def test_cache_salt_reaches_sampling_params_and_is_validated(srv, http):
     serving = OpenAIServing(srv.async_llm, MODEL_NAME)
     params = serving.sampling_params(parse_completion(completion(cache_salt="tenant-a"), MODEL_NAME))
     assert params.cache_salt == "tenant-a"
-    parsed = parse_chat(chat(cache_salt="tenant-b"), MODEL_NAME, srv.async_llm.tokenizer)
+    parsed = parse_chat(chat(cache_salt="tenant-b"), [MODEL_NAME], srv.async_llm.tokenizer).parsed
     assert serving.sampling_params(parsed).cache_salt == "tenant-b"
     for path, body in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
         assert post(http, path, body(cache_salt="tenant-a")).status_code == 200

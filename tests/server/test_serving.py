@@ -80,7 +80,7 @@ def test_completion_without_sampling_fields_uses_the_models_generation_config(se
 
 
 def test_chat_max_tokens_defaults_to_the_room_capped_by_the_model(serving):
-    parsed = parse_chat({"messages": [{"role": "user", "content": "hi"}]}, "tiny", serving.engine.tokenizer)
+    parsed = parse_chat({"messages": [{"role": "user", "content": "hi"}]}, ["tiny"], serving.engine.tokenizer).parsed
     assert serving.sampling_params(parsed, room=3).max_tokens == 3
     assert serving.sampling_params(parsed, room=400).max_tokens == MODEL_MAX_NEW_TOKENS
     answer = asyncio.run(serving.create_chat_completion({"messages": [{"role": "user", "content": "hi"}]}))

@@ -85,16 +85,21 @@ def build_app(
     *,
     allowed_hosts: Iterable[str] | None = None,
     max_request_body_size: int = DEFAULT_MAX_REQUEST_BODY_SIZE,
+    tool_parser: str | None = None,
+    trust_request_chat_template: bool = False,
 ) -> FastAPI:
     """The ASGI app. It does not own async_llm (run_server shuts that down). `allowed_hosts`:
     None accepts any Host header; otherwise the Host must be a loopback name or address or one
-    of these names (run_server passes () when bound to loopback). `max_request_body_size`: bytes."""
+    of these names (run_server passes () when bound to loopback). `max_request_body_size`: bytes.
+    `tool_parser`, `trust_request_chat_template`: OpenAIServing's."""
     from pagedllm import __version__
 
     if served_model_name is None:
         served_model_name = os.path.basename(os.path.normpath(str(async_llm.model_path)))
     app = FastAPI(title="pagedllm", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
-    serving = OpenAIServing(async_llm, served_model_name)
+    serving = OpenAIServing(
+        async_llm, served_model_name, tool_parser=tool_parser, trust_request_chat_template=trust_request_chat_template
+    )
     metrics = ServerMetrics(async_llm, serving.served_model_name)
     app.state.async_llm, app.state.served_model_name = async_llm, serving.served_model_name
     app.state.serving, app.state.metrics = serving, metrics

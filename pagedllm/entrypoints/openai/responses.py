@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from pagedllm.engine.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
 from pagedllm.entrypoints.openai.logprobs import Entry, chat_logprobs, completion_logprobs, entries_of
 from pagedllm.entrypoints.openai.parsing import ShownLogprobs
+from pagedllm.entrypoints.openai.tool_parsers import ToolCallReader, ToolCallStream
 
 SSE_DONE = "data: [DONE]\n\n"
 _HOLE = "\x00pagedllm-delta\x00"
@@ -224,7 +225,34 @@ def completion_tokens(outs: list[RequestOutput]) -> int:
 
 
 class ChatResponses(_Choices):
+    """With a `tool_reader` (tool_parsers.py) each choice's text is read for tool calls: the final
+    message gets `tool_calls` and the text outside them as `content`; a stream sends each
+    reader delta (content, a call's head, argument fragments) as a chunk of its own. A choice
+    that called a tool and stopped ends with the reader's finish_reason ("tool_calls")."""
+
     OBJECT = "chat.completion.chunk"
+
+    def __init__(
+        self,
+        request_id: str,
+        created: int,
+        model: str,
+        include_usage: bool = False,
+        n: int = 1,
+        shown: ShownLogprobs | None = None,
+        texts: Texts | None = None,
+        tool_reader: ToolCallReader | None = None,
+    ):
+        super().__init__(request_id, created, model, include_usage, n, shown, texts)
+        self.tool_reader = tool_reader
+        self.tool_streams: dict[int, ToolCallStream] = {}  # choice index -> its reader
+        if tool_reader is not None:
+            self.simple = False
+
+    def _finish_reason(self, reason: str | None, called: bool) -> str | None:
+        if called and reason == "stop" and self.tool_reader is not None:
+            return self.tool_reader.finish_reason
+        return reason
 
     def _template(self) -> tuple[str, str]:
         return sse_template(self.chunk([self._choice(0, {"content": _HOLE}, None)], self.chunk_usage))
@@ -275,24 +303,60 @@ class ChatResponses(_Choices):
             return [sse(self.chunk([self._choice(0, delta, o.finish_reason, o.stop_reason)], self.chunk_usage))]
         events = []
         for i, _, o in self.changed(index, out):
-            delta = {"content": o.delta_text} if o.delta_text or o.finish_reason is None else {}
             lps = self._logprobs(list(o.delta_token_ids), o.logprobs)
-            events.append(
-                sse(self.chunk([self._choice(i, delta, o.finish_reason, o.stop_reason, lps)], self.chunk_usage))
-            )
+            if self.tool_reader is None:
+                delta = {"content": o.delta_text} if o.delta_text or o.finish_reason is None else {}
+                events.append(
+                    sse(self.chunk([self._choice(i, delta, o.finish_reason, o.stop_reason, lps)], self.chunk_usage))
+                )
+                continue
+            events.extend(self._tool_events(i, o, lps))
         return events
 
+    def _tool_events(self, i: int, o: CompletionOutput, lps: Any) -> list[str]:
+        """One choice's new text through its tool-call reader: a chunk per reader delta, the
+        logprobs on the first, the finish_reason on the last (an empty delta when it has none)."""
+        assert self.tool_reader is not None
+        reader = self.tool_streams.get(i)
+        if reader is None:
+            reader = self.tool_streams[i] = self.tool_reader.streamer()
+        done = o.finish_reason is not None
+        deltas = reader.feed(o.delta_text, done)
+        finish = self._finish_reason(o.finish_reason, reader.called)
+        if not deltas and (done or lps is not None):
+            deltas = [{}]
+        events = []
+        for k, delta in enumerate(deltas):
+            last = k == len(deltas) - 1
+            choice = self._choice(
+                i, delta, finish if last else None, o.stop_reason if last else None, lps if k == 0 else None
+            )
+            events.append(sse(self.chunk([choice], self.chunk_usage)))
+        return events
+
+    def _message(self, o: CompletionOutput) -> tuple[dict[str, Any], str | None]:
+        """A final choice's message and finish_reason."""
+        if self.tool_reader is None:
+            return {"role": "assistant", "content": o.text}, o.finish_reason
+        content, calls = self.tool_reader.extract(o.text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        return message, self._finish_reason(o.finish_reason, bool(calls))
+
     def final(self, outs: list[RequestOutput], prompt_lens: list[int]) -> dict[str, Any]:
-        choices = [
-            {
-                "index": j,
-                "message": {"role": "assistant", "content": o.text},
-                "logprobs": self._logprobs(list(o.token_ids), o.logprobs),
-                "finish_reason": o.finish_reason,
-                "stop_reason": o.stop_reason,
-            }
-            for j, o in enumerate(outs[0].outputs)
-        ]
+        choices = []
+        for j, o in enumerate(outs[0].outputs):
+            message, finish_reason = self._message(o)
+            choices.append(
+                {
+                    "index": j,
+                    "message": message,
+                    "logprobs": self._logprobs(list(o.token_ids), o.logprobs),
+                    "finish_reason": finish_reason,
+                    "stop_reason": o.stop_reason,
+                }
+            )
         return {
             "id": self.request_id,
             "object": "chat.completion",

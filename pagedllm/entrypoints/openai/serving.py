@@ -62,6 +62,7 @@ from pagedllm.entrypoints.openai.responses import (
     Texts,
     sse,
 )
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolCallReader
 
 logger = logging.getLogger("pagedllm")
 
@@ -124,7 +125,20 @@ class _Submitted:
 class OpenAIServing:
     """It does not own `async_llm` (whoever made it shuts it down)."""
 
-    def __init__(self, async_llm: EngineClient, served_model_name: str | Sequence[str]):
+    def __init__(
+        self,
+        async_llm: EngineClient,
+        served_model_name: str | Sequence[str],
+        *,
+        tool_parser: str | None = None,
+        trust_request_chat_template: bool = False,
+    ):
+        """`tool_parser`: the parser of tool_choice "auto" (`--enable-auto-tool-choice
+        --tool-call-parser NAME`; None refuses "auto"). `trust_request_chat_template`: a request
+        may bring its own `chat_template` (vLLM's `--trust-request-chat-template`)."""
+        if tool_parser is not None and tool_parser not in TOOL_PARSERS:
+            raise ValueError(f"unknown tool-call parser {tool_parser!r}; known: {', '.join(TOOL_PARSERS)}")
+        self.tool_parser, self.trust_request_chat_template = tool_parser, trust_request_chat_template
         self.engine = async_llm
         # every name the server answers to (`--served-model-name a b`); the first is the one /v1/models lists first
         self.served_model_names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
@@ -173,10 +187,10 @@ class OpenAIServing:
         self, body: dict[str, Any] | bytes, disconnected: Disconnected | None = None
     ) -> dict[str, Any] | SSEStream:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        parsed, requests = await asyncio.to_thread(self._prepare_chat, body, rid)
+        parsed, requests, reader = await asyncio.to_thread(self._prepare_chat, body, rid)
         sub = self._submit(parsed, requests)
         builder = ChatResponses(
-            rid, int(time.time()), parsed.model, parsed.include_usage, parsed.n, parsed.shown, self.texts
+            rid, int(time.time()), parsed.model, parsed.include_usage, parsed.n, parsed.shown, self.texts, reader
         )
         return await self._answer(parsed, sub, builder, rid, disconnected)
 
@@ -200,12 +214,21 @@ class OpenAIServing:
             )
         return parsed, self._process(parsed, prompts, rid)
 
-    def _prepare_chat(self, body: dict[str, Any] | bytes, rid: str) -> tuple[ParsedRequest, list[EngineCoreRequest]]:
+    def _prepare_chat(
+        self, body: dict[str, Any] | bytes, rid: str
+    ) -> tuple[ParsedRequest, list[EngineCoreRequest], ToolCallReader | None]:
         body = json_body(body) if isinstance(body, bytes) else body
-        parsed = parse_chat(body, self.served_model_names, self.engine.tokenizer)
+        chat = parse_chat(
+            body,
+            self.served_model_names,
+            self.engine.tokenizer,
+            tool_parser=self.tool_parser,
+            trust_request_chat_template=self.trust_request_chat_template,
+        )
+        parsed = chat.parsed
         prompt = parsed.prompts[0]  # {"prompt", "prompt_token_ids"}: chat.py tokenized it; process() checks the ids
         params = self.sampling_params(parsed, room=self._room(prompt["prompt_token_ids"]))
-        return parsed, self._process(parsed, [(prompt, params)], rid)
+        return parsed, self._process(parsed, [(prompt, params)], rid), chat.tool_reader
 
     def _room(self, ids: list[int]) -> int:
         """Tokens a prompt leaves for its completion (at least 1: a too-long prompt is refused later)."""
