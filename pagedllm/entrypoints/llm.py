@@ -187,6 +187,40 @@ class LLM:
             self.engine.add_request(r.request_id, r, stream=False)
         return self._run([r.request_id for r in requests], use_tqdm)
 
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of OpenAI messages) or a list of them, each
+        rendered by the chat template (the tokenizer's, or `chat_template`) with `tools` offered
+        to it, then generated as `generate` does; one RequestOutput per conversation. Control
+        tokens come from the template only (entrypoints/chat_utils.py)."""
+        from pagedllm.entrypoints.chat_utils import ChatOptions, check_tools, conversation_of, render_chat
+
+        if isinstance(messages, list) and messages and isinstance(messages[0], dict):
+            conversations: list[Any] = [messages]
+        else:
+            conversations = list(messages)
+        options = ChatOptions(
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tools=check_tools(tools) if tools is not None else None,
+            template_kwargs=dict(chat_template_kwargs or {}),
+        )
+        prompts = []
+        for conv in conversations:
+            text, ids = render_chat(self.tokenizer, conversation_of(conv), options)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def beam_search(self, prompts: Any, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """Beam search (vLLM's `LLM.beam_search`; HF transformers' algorithm, engine/beam_search.py):
         per prompt its `params.beam_width` best sequences, best (highest score) first. The beams
