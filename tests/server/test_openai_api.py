@@ -165,7 +165,8 @@ def test_auth(live):
         ({"best_of": 3, "stream": True}, "best_of"),
         ({"echo": "yes"}, "echo"),
         ({"suffix": "x"}, "suffix"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"presence_penalty": 5}, "presence_penalty"),
+        ({"priority": 1}, "priority"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
     ],
 )
