@@ -463,8 +463,7 @@ def _(ask):
     tok.chat_template = "{{ messages[0]['content'] }}{{ extra | default('') }}"
     try:
         assert (
-            ask.usage(chat_template_kwargs={"extra": " and more words"})["prompt_tokens"]
-            > ask.usage()["prompt_tokens"]
+            ask.usage(chat_template_kwargs={"extra": " and more words"})["prompt_tokens"] > ask.usage()["prompt_tokens"]
         )
     finally:
         tok.chat_template = real
