@@ -17,6 +17,7 @@ the README holds exactly this table).
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -221,6 +222,6 @@ def markdown_table(fields: Iterable[RequestField] = REQUEST_FIELDS) -> str:
         where = "both" if f.endpoints == BOTH else ("completions" if f.endpoints == CMPL else "chat")
         meaning = f.meaning + (f" ({f.vllm})" if f.vllm else "")
         if f.status == REFUSED and f.accepted:
-            meaning += "; accepted: " + ", ".join(repr(a) if not isinstance(a, list) else str(a) for a in f.accepted)
+            meaning += "; accepted: " + ", ".join(f"`{json.dumps(a)}`" for a in f.accepted)  # as JSON spells it
         rows.append(f"| `{f.name}` | {where} | {f.status} | {meaning.replace('|', chr(92) + '|')} |")
     return "\n".join(rows)
