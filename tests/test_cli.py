@@ -291,3 +291,68 @@ def test_max_tokens_past_the_context_is_a_one_line_error(model, capsys):
         assert cli.main(argv) == 1
         out, err = capsys.readouterr()
         assert "512" in one_error_line(err) and out == ""
+
+
+# ---- pagedllm serve: parsing only (no model is loaded) --------------------------------------
+def serve_args(*argv: str) -> argparse.Namespace:
+    return cli.build_parser(["serve", *argv]).parse_args(["serve", *argv])
+
+
+def test_serve_takes_the_model_as_positional_or_flag(capsys):
+    from pagedllm.entrypoints.openai import launcher
+
+    assert launcher.serve_model(serve_args("Qwen/Qwen3-0.6B")) == "Qwen/Qwen3-0.6B"
+    assert launcher.serve_model(serve_args("--model", "m")) == "m"
+    assert launcher.serve_model(serve_args("m", "--model", "m")) == "m"
+    assert launcher.serve_model(serve_args()) is None  # the bundled model
+    assert cli.main(["serve", "a", "--model", "b", "--port", "1"]) == 2  # refused before binding or loading
+    assert "given twice and differs: 'a' (positional) and --model 'b'" in capsys.readouterr().err
+
+
+def test_serve_vllm_flags_parse():
+    from pagedllm.entrypoints.openai import launcher
+
+    a = serve_args("m", "--served-model-name", "main", "alias", "--allowed-origins", '["https://app.example"]')
+    assert a.served_model_name == ["main", "alias"] and a.allowed_origins == ["https://app.example"]
+    assert (a.allowed_methods, a.allowed_headers, a.allow_credentials, a.log_requests) == (["*"], ["*"], False, True)
+    assert serve_args("--disable-log-requests").log_requests is False
+    assert launcher.tool_parser_of(serve_args("--enable-auto-tool-choice", "--tool-call-parser", "hermes")) == "hermes"
+    assert launcher.tool_parser_of(serve_args()) is None
+    for flags, needle in (
+        (["--enable-auto-tool-choice"], "needs --tool-call-parser"),
+        (["--tool-call-parser", "hermes"], "only with --enable-auto-tool-choice"),
+    ):
+        with pytest.raises(cli.CLIError, match=needle):
+            launcher.tool_parser_of(serve_args(*flags))
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--allowed-origins", "https://a.example"], "JSON list of strings"),
+        (["--allowed-methods", '{"a": 1}'], "JSON list of strings"),
+        (["--tool-call-parser", "mistral"], "invalid choice"),
+        (["--tokenizer-mode", "slow"], "invalid choice"),
+    ],
+)
+def test_bad_serve_flags_are_usage_errors(flags, needle, capsys):
+    assert cli.main(["serve", *flags]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_chat_template_is_a_file_or_an_inline_template(tmp_path):
+    from pagedllm.entrypoints.openai.launcher import chat_template_text
+
+    inline = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (tmp_path / "t.jinja").write_text(inline)
+    assert chat_template_text(str(tmp_path / "t.jinja")) == inline
+    assert chat_template_text(inline) == inline
+    with pytest.raises(cli.CLIError, match="no such file, and not a Jinja template"):
+        chat_template_text(str(tmp_path / "missing.jinja"))
+
+
+def test_serve_help_documents_the_vllm_flags(capsys):
+    assert cli.main(["serve", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for needle in ("MODEL", "--chat-template", "--allowed-origins", "--disable-log-requests", "always on"):
+        assert needle in text

@@ -127,3 +127,35 @@ def test_bench_throughput_uses_the_table_with_its_own_max_model_len(capsys):
 def test_unknown_command_defaults_are_refused():
     with pytest.raises(ValueError, match="max_len"):
         engine_parser(max_len=4096)
+
+
+@pytest.mark.parametrize(
+    "kwargs, param, needle",
+    [
+        ({"enable_chunked_prefill": False}, "enable_chunked_prefill", "always prefills"),
+        ({"tokenizer_mode": "slow"}, "tokenizer_mode", "auto, hf"),
+        ({"quantization": "awq"}, "quantization", "unquantized"),
+        ({"pipeline_parallel_size": 2}, "pipeline_parallel_size", "tensor_parallel_size"),
+        ({"swap_space": 4}, "swap_space", "unknown LLM argument"),
+        ({"revision": "main"}, "revision", "local directory"),
+    ],
+)
+def test_vllm_arguments_pagedllm_cannot_honour_are_refused_by_name(tiny_models, kwargs, param, needle):
+    from pagedllm.engine.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match=needle) as e:
+        LLM(tiny_models["qwen3"], device="cpu", **kwargs)
+    assert e.value.param == param
+
+
+def test_vllm_engine_flags_parse(capsys):
+    p = engine_parser()
+    args = p.parse_args(["--model", "Qwen/Qwen3-0.6B", "--revision", "main", "--trust-remote-code"])
+    assert engine_args.engine_kwargs(args) == {
+        "model": "Qwen/Qwen3-0.6B",
+        "revision": "main",
+        "trust_remote_code": True,
+    }
+    assert engine_args.engine_kwargs(p.parse_args(["--no-enable-chunked-prefill"]))["enable_chunked_prefill"] is False
+    help_text = " ".join(p.format_help().split())
+    assert "always on" in help_text and "changes nothing" in help_text and "nothing is downloaded" in help_text

@@ -21,13 +21,26 @@ from typing import Any
 TOTAL_OUTPUT_TOKENS = 133_966
 
 
-def workload(num_seqs: int = 256):
+# --structured-output json: every request's output must match this schema. An array of at least
+# 2,000 short strings cannot be complete within the workload's 1,024 tokens, so every request
+# still writes exactly max_tokens tokens and the run is the standard one plus a token mask per step.
+BENCH_SCHEMA: dict[str, Any] = {"type": "array", "items": {"type": "string", "maxLength": 32}, "minItems": 2000}
+
+
+def workload(num_seqs: int = 256, structured_output: str = "none"):
     from pagedllm import SamplingParams
+    from pagedllm.engine.sampling_params import StructuredOutputsParams
 
     random.seed(0)
     prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256)]
     params = [
-        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(100, 1024)) for _ in range(256)
+        SamplingParams(
+            temperature=0.6,
+            ignore_eos=True,
+            max_tokens=random.randint(100, 1024),
+            structured_outputs=StructuredOutputsParams(json=BENCH_SCHEMA) if structured_output == "json" else None,
+        )
+        for _ in range(256)
     ]
     assert sum(p.max_tokens for p in params) == TOTAL_OUTPUT_TOKENS
     return prompts[:num_seqs], params[:num_seqs]
@@ -46,6 +59,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--results-dir", default="benchmarks/results", help="(default: benchmarks/results)")
     p.add_argument("--out", help="also write this run's rows as JSON to this file")
     p.add_argument("--label", default="", help="free text stored with the row")
+    p.add_argument(
+        "--structured-output",
+        choices=("none", "json"),
+        default="none",
+        help="json: every request carries a JSON schema it cannot complete within its max_tokens "
+        "(the cost of structured output on the standard workload)",
+    )
     p.add_argument(
         "--profile-steps",
         default=None,
@@ -234,7 +254,7 @@ def main(args) -> int:
 
     if args.model is None:  # the bundled model's vocabulary is smaller than the workload's token ids
         raise ValueError("bench throughput needs --model DIR, e.g. a model made by tools/make_random_model.py")
-    prompts, params = workload(args.num_seqs)
+    prompts, params = workload(args.num_seqs, args.structured_output)
     env = environment()
     rows = []
     if not args.skip_pagedllm:
@@ -252,6 +272,7 @@ def main(args) -> int:
                 "benchmark": "throughput",
                 "model": os.path.basename(os.path.normpath(args.model)),
                 "label": args.label,
+                "structured_output": args.structured_output,
                 **env,
             }
         )

@@ -6,6 +6,11 @@ sequence, so nothing is emitted until the next token completes it.
 
 `fast_decoder(tokenizer)` is what both output processors' detokenizers call `.decode` on
 (output_processor.py): the tokenizer's Rust backend where that gives the same text.
+
+Per request (SamplingParams): `skip_special_tokens` (default True) leaves special tokens' text
+out; with it False, `spaces_between_special_tokens` (default True) writes a space between each
+special token's text and the text around it, as HF's slow tokenizers decode (`SpacedDecoder`:
+the fast backend and transformers' fast decode take no such flag and never write the spaces).
 """
 
 from __future__ import annotations
@@ -51,16 +56,47 @@ def fast_decoder(tokenizer: Any) -> Decoder:
     return fast
 
 
+class SpacedDecoder:
+    """Decodes with special tokens kept and a space between each special token's text and its
+    neighbours' (the texts of the runs between special tokens, each decoded alone, joined by " ")."""
+
+    def __init__(self, decoder: Decoder, special_ids: frozenset[int]):
+        self.decoder, self.special_ids = decoder, special_ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        special = self.special_ids
+        if skip_special_tokens or not any(t in special for t in ids):
+            return self.decoder.decode(ids, skip_special_tokens=skip_special_tokens)
+        parts: list[str] = []
+        run: list[int] = []
+        for t in ids:
+            if t in special:
+                if run:
+                    parts.append(self.decoder.decode(run, skip_special_tokens=False))
+                    run = []
+                parts.append(self.decoder.decode([t], skip_special_tokens=False))
+            else:
+                run.append(t)
+        if run:
+            parts.append(self.decoder.decode(run, skip_special_tokens=False))
+        return " ".join(parts)
+
+
+def special_ids_of(tokenizer: Any) -> frozenset[int]:
+    return frozenset(int(t) for t in getattr(tokenizer, "all_special_ids", ()) or ())
+
+
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Decoder, prompt_token_ids: list[int]):
+    def __init__(self, tokenizer: Decoder, prompt_token_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.token_ids = list(prompt_token_ids[-_WINDOW:])
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def decode_all(self, output_token_ids: list[int]) -> str:
         """Non-streaming: the whole output's text in one decode (same left context as step())."""

@@ -14,6 +14,12 @@ max_num_seqs of them could never run: refused here, naming `best_of` when it is 
 The length rule: prompt + max_tokens must fit in max_model_len (as OpenAI and vLLM refuse it);
 a max_tokens beyond the room left is refused, never clamped. A door that wants "as much as fits"
 sets max_tokens to the room itself (the chat endpoint does when the client sets none).
+truncate_prompt_tokens is applied before it (a truncated prompt has no text: it no longer
+matches the ids).
+
+Token controls: logit_bias keys, allowed_token_ids and the bad words' token ids are checked
+against the vocabulary here (SamplingParams checked their types), naming the field; bad_words
+are tokenized here into SamplingParams.bad_words_token_ids.
 """
 
 from __future__ import annotations
@@ -65,10 +71,13 @@ class InputProcessor:
             )
         self.check_samples(params)
         text, ids = self.tokenize(prompt)
+        kept = self.truncated(ids, params.truncate_prompt_tokens)  # before the length check
+        text, ids = (text if len(kept) == len(ids) else None), kept
         self.validate_length(len(ids), params.max_tokens)
         if params.use_beam_search:
             self.check_beams_fit(len(ids), params)
         self.check_stop_token_ids(params.stop_token_ids)
+        self.check_token_controls(params)
         return EngineCoreRequest(
             request_id=str(request_id),
             prompt=text,
@@ -100,8 +109,61 @@ class InputProcessor:
                 CONTEXT_LENGTH_EXCEEDED,
             )
 
-    def tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
-        """str | list[int] | {"prompt_token_ids": [...]} | {"prompt": str} -> (text, token ids)."""
+    def truncated(self, ids: list[int], keep: int | None) -> list[int]:
+        """truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len), all when None."""
+        if keep is None:
+            return ids
+        keep = self.max_model_len if keep == -1 else keep
+        return ids[-keep:] if len(ids) > keep else ids
+
+    def with_special_tokens(self, ids: list[int]) -> list[int]:
+        """`ids` with the special tokens the tokenizer adds around a text (BOS, ...), as
+        encode(add_special_tokens=True) would add them: found by encoding one character both ways."""
+        if self.tokenizer is None:
+            return ids
+        plain = list(self.tokenizer.encode("a", add_special_tokens=False))
+        full = list(self.tokenizer.encode("a", add_special_tokens=True))
+        start = next((i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain), None)
+        if not plain or start is None:
+            return ids
+        return full[:start] + list(ids) + full[start + len(plain) :]
+
+    def check_token_controls(self, params: SamplingParams) -> None:
+        """logit_bias keys, allowed_token_ids and bad words' ids must be in the vocabulary; bad_words
+        are tokenized into params.bad_words_token_ids here (the tokenizer is known only here)."""
+        if params.bad_words:
+            params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
+        for name, ids in (
+            ("logit_bias", list(params.logit_bias or ())),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+            ("bad_words", [t for w in params.bad_words_token_ids or () for t in w]),
+        ):
+            bad = self._outside_vocabulary(ids)
+            if bad is not None:
+                raise InvalidRequestError(f"{name}: token id {bad} is outside {self._vocabulary()}", name)
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's token ids as it starts a text and, when that tokenizes differently into
+        as many tokens, after a space (mid-text): vLLM's rule, so that both forms are banned."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("bad_words needs a tokenizer; this engine has none", "bad_words")
+        out: list[list[int]] = []
+        for word in words:
+            bare = list(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = list(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            for ids in (bare, spaced):
+                if not ids or ids in out:
+                    continue
+                if ids is spaced and (len(spaced) != len(bare) or spaced[0] == bare[0]):
+                    continue
+                out.append(ids)
+        if not out:
+            raise InvalidRequestError("bad_words: no word has any tokens", "bad_words")
+        return out
+
+    def tokenize(self, prompt: Any, add_special_tokens: bool = False) -> tuple[str | None, list[int]]:
+        """str | list[int] | {"prompt_token_ids": [...]} | {"prompt": str} -> (text, token ids).
+        add_special_tokens: a text prompt gets the tokenizer's special tokens (BOS, ...)."""
         if isinstance(prompt, dict):
             unknown = set(prompt) - {"prompt", "prompt_token_ids"}
             if unknown:
@@ -120,7 +182,9 @@ class InputProcessor:
                 raise InvalidRequestError(
                     "prompt is a string but the engine has no tokenizer; pass token ids", "prompt"
                 )
-            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=False)) if prompt else []
+            if not prompt:
+                return prompt, []
+            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
         if isinstance(prompt, (list, tuple)):
             return None, self.check_ids(prompt)
         raise InvalidRequestError(

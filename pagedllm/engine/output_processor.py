@@ -18,9 +18,15 @@ Invariants:
   it finished.
 - text handed out is never taken back: while a stop string may still complete, the last
   (longest stop string - 1) characters are held back from `delta_text`.
+- output switches (SamplingParams): `detokenize` False: no text at all (""); skip_special_tokens
+  and spaces_between_special_tokens choose the request's decoder (detokenizer.py).
+- a sequence that stops on a stop token or EOS (finish_reason "stop", stop_reason not a
+  string) keeps that token's id but not its text, unless include_stop_str_in_output (vLLM's
+  rule): the token is never fed to the detokenizer (`SequenceState.hide_last`).
 - stop strings: not before min_tokens output tokens, not on the token that finished the sequence
   anyway (EOS, stop token, length), searched only where the newest token's text can complete one;
-  on a hit the text is cut before it, later tokens are dropped, finish_reason "stop" and
+  on a hit the text is cut before it (after it with include_stop_str_in_output, which then
+  holds nothing back), later tokens are dropped, finish_reason "stop" and
   stop_reason the string.
 - the detokenizer is flushed (an incomplete character at the very end) when a sequence finishes
   by EOS, stop token or length; not after a stop string (the text is cut) or an abort.
@@ -42,11 +48,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.engine.detokenizer import Decoder, IncrementalDetokenizer, fast_decoder
+from pagedllm.engine.detokenizer import Decoder, IncrementalDetokenizer, SpacedDecoder, fast_decoder, special_ids_of
 from pagedllm.engine.executor import TokenLogprobs
 from pagedllm.engine.logprobs_processor import SampleLogprobsState, TokenTexts, prompt_logprobs_of
 from pagedllm.engine.messages import EngineCoreOutput, EngineCoreRequest
 from pagedllm.engine.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
+from pagedllm.engine.sampling_params import SamplingParams
 
 
 @dataclass
@@ -63,6 +70,7 @@ class SequenceState:
     first_token_time: float | None = None
     finish_time: float | None = None
     flushed: bool = False
+    hide_last: bool = False  # it stopped on a stop token / EOS whose text is left out
     logprobs: SampleLogprobsState | None = None  # None: the core sends none for this sequence
     beam: tuple[float, float] | None = None  # beam search: (cumulative logprob, score), sent by the core
 
@@ -95,11 +103,11 @@ class RequestState:
         self.arrival_time = request.arrival_time
         self.stops = params.stop_list
         self.longest_stop = max(map(len, self.stops), default=0)
+        # the text make_output holds back while a stop string may still complete
+        self.holdback = 0 if params.include_stop_str_in_output else max(0, self.longest_stop - 1)
+        self.decoder = decoder  # this request's (None: no text)
         eager = decoder is not None and (self.stream or bool(self.stops))
-        self.seqs = [
-            SequenceState(i, IncrementalDetokenizer(decoder, self.prompt_token_ids) if eager and decoder else None)
-            for i in range(params.num_samples)
-        ]
+        self.seqs = [SequenceState(i, self.new_detokenizer() if eager else None) for i in range(params.num_samples)]
         k = params.sample_logprobs
         if k is not None:
             for seq in self.seqs:
@@ -107,6 +115,10 @@ class RequestState:
         self.asks_logprobs = k is not None or params.prompt_logprobs is not None
         self.raw_prompt_logprobs: list[TokenLogprobs] | None = None  # from index 0's first output
         self.prompt_logprobs: PromptLogprobs | None = None  # built from it by the first make_output
+
+    def new_detokenizer(self) -> IncrementalDetokenizer:
+        assert self.decoder is not None
+        return IncrementalDetokenizer(self.decoder, self.prompt_token_ids, self.params.skip_special_tokens)
 
     @property
     def finished(self) -> bool:
@@ -133,6 +145,9 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any):
         """tokenizer None: outputs carry token ids only (text ""), and stop strings are not matched."""
         self.decoder: Decoder | None = fast_decoder(tokenizer) if tokenizer is not None else None
+        self.spaced: Decoder | None = None  # skip_special_tokens=False with spaces_between_special_tokens
+        if self.decoder is not None:
+            self.spaced = SpacedDecoder(self.decoder, special_ids_of(tokenizer))
         self.token_texts = TokenTexts(self.decoder)  # logprobs' decoded_token, one decode per id
         self.requests: dict[str, RequestState] = {}  # core request id -> unfinished request
 
@@ -141,9 +156,16 @@ class OutputProcessor:
         outputs for it carry `core_request_id` (default: the same)."""
         key = request.request_id if core_request_id is None else core_request_id
         assert key not in self.requests, "the core refuses a request id in use"
-        state = RequestState(request.request_id, key, request, stream, self.decoder)
+        state = RequestState(request.request_id, key, request, stream, self.decoder_for(request.params))
         self.requests[key] = state
         return state
+
+    def decoder_for(self, params: SamplingParams) -> Decoder | None:
+        if not params.detokenize:
+            return None
+        if not params.skip_special_tokens and params.spaces_between_special_tokens:
+            return self.spaced
+        return self.decoder
 
     def abort_request(self, core_request_id: str) -> RequestState | None:
         """Stop tracking; its unfinished sequences end with finish_reason "abort" (no flush)."""
@@ -195,6 +217,12 @@ class OutputProcessor:
 
     def _append(self, state: RequestState, seq: SequenceState, out: EngineCoreOutput) -> bool:
         """Apply one core output; True when a stop string ended the sequence."""
+        seq.hide_last = (
+            out.finish_reason == "stop"
+            and not isinstance(out.stop_reason, str)
+            and not state.params.include_stop_str_in_output
+            and bool(out.new_token_ids)
+        )
         if out.new_token_ids:
             start = len(seq.token_ids)
             seq.token_ids.extend(out.new_token_ids)
@@ -216,7 +244,7 @@ class OutputProcessor:
         detok = seq.detok
         assert detok is not None
         last = len(seq.token_ids) - 1
-        for i in range(start, len(seq.token_ids)):
+        for i in range(start, len(seq.token_ids) - seq.hide_last):
             before = len(detok.text)
             detok.step([seq.token_ids[i]])
             seq.num_decoded = i + 1
@@ -225,7 +253,8 @@ class OutputProcessor:
             window = max(0, before - state.longest_stop + 1)
             hit = min(((pos, s) for s in state.stops if (pos := detok.text.find(s, window)) >= 0), default=None)
             if hit is not None:
-                detok.text = detok.text[: hit[0]]
+                keep = hit[0] + len(hit[1]) if state.params.include_stop_str_in_output else hit[0]
+                detok.text = detok.text[:keep]
                 del seq.token_ids[i + 1 :]
                 if seq.logprobs is not None:
                     seq.logprobs.truncate(i + 1)
@@ -250,7 +279,7 @@ class OutputProcessor:
             text = self._text(state, seq)
             end = len(text)
             if state.stops and not seq.finished:  # hold back what may be the start of a stop string
-                end = max(seq.num_sent_chars, end - state.longest_stop + 1)
+                end = max(seq.num_sent_chars, end - state.holdback)
             delta = text[seq.num_sent_chars : end]
             seq.num_sent_chars = end
             lp = seq.logprobs
@@ -287,18 +316,19 @@ class OutputProcessor:
 
     def _text(self, state: RequestState, seq: SequenceState) -> str:
         """The sequence's text so far: feed the detokenizer what it has not seen (once)."""
-        if self.decoder is None:
+        if state.decoder is None:
             return ""
         detok = seq.detok
+        shown = len(seq.token_ids) - seq.hide_last  # the tokens whose text counts
         if detok is None:
             if not seq.finished:
                 return ""  # not streamed: nothing to show before the end
-            detok = seq.detok = IncrementalDetokenizer(self.decoder, state.prompt_token_ids)
-            detok.decode_all(seq.token_ids)  # decode once; decode_all's text needs no flush
-            seq.num_decoded, seq.flushed = len(seq.token_ids), True
-        elif seq.num_decoded < len(seq.token_ids):
-            detok.step(seq.token_ids[seq.num_decoded :])
-            seq.num_decoded = len(seq.token_ids)
+            detok = seq.detok = state.new_detokenizer()
+            detok.decode_all(seq.token_ids[:shown])  # decode once; decode_all's text needs no flush
+            seq.num_decoded, seq.flushed = shown, True
+        elif seq.num_decoded < shown:
+            detok.step(seq.token_ids[seq.num_decoded : shown])
+            seq.num_decoded = shown
         if seq.finished and not seq.flushed:
             seq.flushed = True
             if seq.finish_reason != "abort" and not isinstance(seq.stop_reason, str):

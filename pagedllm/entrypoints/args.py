@@ -92,9 +92,29 @@ class FlagHelp:
 
 FLAG_HELP: dict[str, FlagHelp] = {
     "model": FlagHelp(
-        "local Hugging Face model directory", "the bundled model, pagedllm.default_model_path()", metavar="DIR"
+        "a local Hugging Face model directory, or a hub id (Qwen/Qwen3-0.6B) already in the local Hugging Face "
+        "cache ($HF_HUB_CACHE, $HF_HOME/hub, ~/.cache/huggingface/hub); nothing is downloaded",
+        "the bundled model, pagedllm.default_model_path()",
+        metavar="DIR|ID",
     ),
-    "tokenizer": FlagHelp("tokenizer directory", "--model", metavar="DIR"),
+    "tokenizer": FlagHelp("tokenizer directory or cached hub id", "--model", metavar="DIR|ID"),
+    "revision": FlagHelp(
+        "branch, tag or commit of a hub id's cached snapshot (a local directory has none)", "main", metavar="REV"
+    ),
+    "download_dir": FlagHelp(
+        "the Hugging Face cache to find a hub id in (pagedllm never downloads into it)", "$HF_HUB_CACHE", metavar="DIR"
+    ),
+    "tokenizer_mode": FlagHelp(
+        "auto and hf both load Hugging Face's tokenizer (the fast one where there is one)", choices=("auto", "hf")
+    ),
+    "trust_remote_code": FlagHelp(
+        "accepted for vLLM's command lines and changes nothing: pagedllm never runs a model's own code; "
+        "it runs the architectures it implements, and any other fails naming it"
+    ),
+    "enable_chunked_prefill": FlagHelp(
+        "always on: a prompt longer than --max-num-batched-tokens is prefilled over several steps "
+        "(--no-enable-chunked-prefill is refused)"
+    ),
     "dtype": FlagHelp(
         "weight and activation dtype; auto = float32 on CPU, the config's dtype on GPU",
         choices=("auto", "float32", "float", "bfloat16", "float16", "half"),

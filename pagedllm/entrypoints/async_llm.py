@@ -87,7 +87,8 @@ class AsyncLLM:
     `async for out in async_llm.generate(prompt, params): ...` streams RequestOutputs
     (cumulative `text`, this output's `delta_text`). With n > 1 each output holds every sequence
     (`outputs[i].index == i`), as LLMEngine's do; a best_of > n request yields only its final
-    output (the n best). `abort(request_id)` from any thread.
+    output (the n best). `abort(request_id)` from any thread. `log_requests`: one INFO line per
+    queued request (its id, prompt length and SamplingParams), as vLLM's request log.
     """
 
     def __init__(
@@ -97,6 +98,7 @@ class AsyncLLM:
         llm: Any = None,
         max_queue_len: int | None = None,
         log_stats: bool = True,
+        log_requests: bool = False,
         engine_process: bool | None = None,
         startup_timeout: float | None = None,
         **llm_kwargs: Any,
@@ -122,6 +124,14 @@ class AsyncLLM:
 
                 llm = LLM(model, **llm_kwargs)
                 self._owns_llm = True
+            else:  # a hub id becomes its cached snapshot here: this process loads the tokenizer from it
+                from pagedllm.entrypoints.model_dir import resolve_model_path
+
+                model = resolve_model_path(
+                    model, llm_kwargs.pop("revision", None), llm_kwargs.pop("download_dir", None)
+                )
+                if llm_kwargs.get("tokenizer") is not None:
+                    llm_kwargs["tokenizer"] = resolve_model_path(llm_kwargs["tokenizer"], param="tokenizer")
         self.llm = llm  # None when the engine runs in its own process
         self.engine = llm.engine if llm is not None else None
         if llm is not None:
@@ -161,6 +171,7 @@ class AsyncLLM:
         )
         self.max_queue_len = max_queue_len
         self.log_stats = log_stats
+        self.log_requests = log_requests
         self.stats = _Stats(info.metrics, time.monotonic())
         self.registry = StreamRegistry(OutputProcessor(self.tokenizer), self._abort_in_core, self._stop_in_core)
         self.finish_callbacks: list[Callable[[RequestOutput], None]] = self.registry.finish_callbacks
@@ -222,6 +233,13 @@ class AsyncLLM:
         self.output_handler.own(loop)
         if self.max_queue_len is not None and self.registry.num_waiting >= self.max_queue_len:
             raise QueueFullError(f"the request queue is full ({self.max_queue_len} waiting); retry later")
+        if self.log_requests:  # vLLM's per-request line; the prompt's text stays out of the log
+            logger.info(
+                "Received request %s: prompt tokens: %d, params: %s",
+                request.request_id,
+                len(request.prompt_token_ids),
+                params,
+            )
         core_id = str(next(self._core_ids))
         handle = self.registry.register(request, core_id, stream, loop)  # before sending: outputs may come at once
         try:

@@ -15,9 +15,29 @@ from pagedllm.engine.executor import Executor
 from pagedllm.engine.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput
 from pagedllm.engine.sampling_params import BeamSearchParams, sampling_params_with_defaults
 from pagedllm.entrypoints.logs import ensure_log_handler
-from pagedllm.entrypoints.model_dir import eos_token_ids, generation_defaults, load_hf_config, load_tokenizer
+from pagedllm.entrypoints.model_dir import (
+    eos_token_ids,
+    generation_defaults,
+    load_hf_config,
+    load_tokenizer,
+    resolve_model_path,
+)
 
 logger = logging.getLogger("pagedllm")
+
+# vLLM's LLM arguments that pagedllm does not take: accepted at the value that asks for what
+# pagedllm does anyway, refused (naming the argument, saying why) at any other value
+NOT_SUPPORTED: dict[str, tuple[Any, str]] = {
+    "quantization": (None, "pagedllm runs unquantized checkpoints (fp8 is for the KV cache: kv_cache_dtype)"),
+    "pipeline_parallel_size": (1, "pagedllm shards a model over GPUs with tensor_parallel_size only"),
+    "data_parallel_size": (1, "run one pagedllm engine per replica"),
+    "cpu_offload_gb": (0, "pagedllm keeps every weight on the device"),
+    "tokenizer_revision": (None, "pass the tokenizer's snapshot directory (tokenizer=DIR) instead"),
+    "skip_tokenizer_init": (False, "pagedllm loads the tokenizer when the model has one"),
+    "load_format": ("auto", "pagedllm loads safetensors checkpoints only"),
+    "enable_lora": (False, "pagedllm has no LoRA adapters"),
+}
+TOKENIZER_MODES = ("auto", "hf")  # both: Hugging Face's AutoTokenizer (the fast tokenizer where there is one)
 
 
 class LLM:
@@ -44,11 +64,32 @@ class LLM:
         async_scheduling: bool | None = None,
         generation_config: str = "auto",
         kv_cache_dtype: str = "auto",
+        revision: str | None = None,
+        download_dir: str | None = None,
+        tokenizer_mode: str = "auto",
+        trust_remote_code: bool = False,
+        enable_chunked_prefill: bool = True,
         **kwargs: Any,
     ):
-        if kwargs:
-            unknown = sorted(kwargs)
-            raise InvalidRequestError(f"unknown LLM argument(s): {', '.join(unknown)}", unknown[0])
+        """vLLM's arguments. `model`: a local Hugging Face directory or a hub id already in the
+        local Hugging Face cache (`revision`: its branch, tag or commit; `download_dir`: the cache
+        to look in); nothing is downloaded. `trust_remote_code` changes nothing: pagedllm never
+        runs a model's own code, it runs the architectures it implements (model/registry.py), and
+        any other fails naming it. `enable_chunked_prefill` is always on (a prompt longer than
+        max_num_batched_tokens is prefilled over several steps); False is refused."""
+        _check_vllm_only(kwargs)
+        if not enable_chunked_prefill:
+            raise InvalidRequestError(
+                "enable_chunked_prefill=False is not supported: pagedllm always prefills a long prompt in "
+                "chunks of max_num_batched_tokens",
+                "enable_chunked_prefill",
+            )
+        if tokenizer_mode not in TOKENIZER_MODES:
+            raise InvalidRequestError(
+                f"tokenizer_mode must be one of {', '.join(TOKENIZER_MODES)} (Hugging Face's tokenizer), "
+                f"got {tokenizer_mode!r}",
+                "tokenizer_mode",
+            )
         if not 0 < gpu_memory_utilization <= 1:
             raise InvalidRequestError(
                 f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}", "gpu_memory_utilization"
@@ -66,7 +107,9 @@ class LLM:
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}", "kv_cache_dtype"
             )
         ensure_log_handler()  # the INFO lines (KV cache size, ...) visible as in vLLM, unless logging is set up
-        model = os.fspath(model)
+        model = resolve_model_path(os.fspath(model), revision, download_dir)
+        if tokenizer is not None:
+            tokenizer = resolve_model_path(os.fspath(tokenizer), param="tokenizer")
         hf_config = load_hf_config(model)
         self.generation_defaults = generation_defaults(model, generation_config)
         from pagedllm.model.registry import layer_windows
@@ -292,6 +335,17 @@ class LLM:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _check_vllm_only(kwargs: dict[str, Any]) -> None:
+    """Refuse every keyword LLM does not take, except a vLLM argument at its neutral value."""
+    unknown = sorted(set(kwargs) - set(NOT_SUPPORTED))
+    if unknown:
+        raise InvalidRequestError(f"unknown LLM argument(s): {', '.join(unknown)}", unknown[0])
+    for name in sorted(kwargs):
+        neutral, why = NOT_SUPPORTED[name]
+        if kwargs[name] != neutral:
+            raise InvalidRequestError(f"LLM argument {name}={kwargs[name]!r} is not supported: {why}", name)
 
 
 LLM_ARGUMENTS = [p for p in inspect.signature(LLM.__init__).parameters if p not in ("self", "model", "kwargs")]

@@ -1,7 +1,9 @@
 """Reading a local Hugging Face model directory: config, tokenizer, EOS ids, sampling defaults.
 
 The one place that knows the files of a model directory, used by `LLM` (engine side) and by
-AsyncLLM and the server (API side, which loads only the tokenizer). No hub downloads.
+AsyncLLM and the server (API side, which loads only the tokenizer). A hub model id
+(`Qwen/Qwen3-0.6B`) is found in the local Hugging Face cache (`resolve_model_path`); nothing is
+ever downloaded.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from typing import Any
 
 from pagedllm.engine.errors import InvalidRequestError
@@ -24,9 +27,67 @@ GENERATION_CONFIG_FIELDS = {
     "top_k": "top_k",
     "min_p": "min_p",
     "max_new_tokens": "max_tokens",
+    "repetition_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
 }
-# keys that change sampling but that pagedllm does not implement (yet): warned about, never silently used
-UNSUPPORTED_GENERATION_KEYS = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
+# what a hub repo id looks like: `name` or `org/name` (letters, digits, `-`, `_`, `.`)
+HUB_ID = re.compile(r"(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*")
+
+
+def hub_cache_dir(download_dir: str | None = None) -> str:
+    """The Hugging Face hub cache, read from the environment at each call (as huggingface_hub
+    computes it at import): `download_dir` (vLLM's name), else $HF_HUB_CACHE, else
+    $HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub."""
+    env = os.environ
+    if download_dir:
+        return os.path.expanduser(download_dir)
+    if env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE"):
+        return os.path.expanduser(env.get("HF_HUB_CACHE") or env["HUGGINGFACE_HUB_CACHE"])
+    home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    return os.path.join(os.path.expanduser(home), "hub")
+
+
+def resolve_model_path(
+    model: str, revision: str | None = None, download_dir: str | None = None, param: str = "model"
+) -> str:
+    """A local directory as given (`~` expanded), else a hub id's snapshot directory in the local
+    Hugging Face cache (`models--Org--Name/snapshots/<commit>/`, `revision` a branch, tag or
+    commit; unset: main). Never downloads: an id that is not cached is refused, saying so.
+    `revision` and `download_dir` only mean something for a hub id: with a local directory
+    they are refused, not ignored."""
+    path = os.path.expanduser(os.fspath(model))
+    if os.path.isdir(path):
+        for name, value in (("revision", revision), ("download_dir", download_dir)):
+            if value is not None:
+                raise InvalidRequestError(
+                    f"{name}={value!r} applies to a Hugging Face hub model id; {model!r} is a local directory", name
+                )
+        return path
+    if os.path.exists(path) or not HUB_ID.fullmatch(path):
+        raise InvalidRequestError(
+            f"model directory {model!r} does not exist (pagedllm loads local Hugging Face directories "
+            "and hub ids already in the local Hugging Face cache; it does not download)",
+            param,
+        )
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    cache = hub_cache_dir(download_dir)
+    try:
+        found = snapshot_download(path, revision=revision, cache_dir=cache, local_files_only=True)
+    except (LocalEntryNotFoundError, HFValidationError):
+        at = f" at revision {revision!r}" if revision is not None else ""
+        raise InvalidRequestError(
+            f"model {model!r} is not a local directory and is not in the local Hugging Face cache{at} "
+            f"({cache}); pagedllm does not download models: fetch it first (`hf download {model}`) or pass "
+            "a directory",
+            param,
+        ) from None
+    logger.debug("%s %r: the cached snapshot %s", param, model, found)
+    return str(found)
 
 
 def default_model_path() -> str:
@@ -122,12 +183,4 @@ def generation_defaults(model: str, generation_config: str = "auto") -> dict[str
         v = cfg.get(key)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             out[field] = v
-    for key, neutral in UNSUPPORTED_GENERATION_KEYS.items():
-        if cfg.get(key) not in (None, neutral):
-            logger.warning(
-                "%s sets %s=%r, which pagedllm does not implement; it is not applied",
-                os.path.join(folder, "generation_config.json"),
-                key,
-                cfg[key],
-            )
     return out

@@ -145,10 +145,10 @@ class _Processor(InputProcessor):
         super().__init__(_Tokenizer(), vocab_size=100, max_model_len=64, block_size=8, num_kv_blocks=4)
         self.error = error
 
-    def tokenize(self, prompt):
+    def tokenize(self, prompt, add_special_tokens=False):
         if prompt == [13] or (isinstance(prompt, dict) and prompt.get("prompt") == "chat prompt"):
             raise self.error  # a completion's ids [13], or the chat prompt (text and ids from the template)
-        return super().tokenize(prompt)
+        return super().tokenize(prompt, add_special_tokens)
 
 
 class _Stream:

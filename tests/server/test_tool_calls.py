@@ -89,6 +89,11 @@ def no_network(monkeypatch):
     monkeypatch.setattr(socket.socket, "connect", loopback_only)
 
 
+def via_client(**kw):
+    """openai client arguments: the template travels in extra_body."""
+    return {"model": MODEL_NAME, "messages": HI, "max_tokens": 40, "extra_body": {"chat_template": TOOLS_TEMPLATE}, **kw}
+
+
 def body(**kw):
     return {"model": MODEL_NAME, "messages": HI, "chat_template": TOOLS_TEMPLATE, "max_tokens": 40, **kw}
 
@@ -240,18 +245,18 @@ def _valid(call, tool=WEATHER):
 def test_required_and_named_are_enforced(client):
     for seed in range(3):
         r = client.chat.completions.create(
-            **body(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False, seed=seed, max_tokens=60)
+            **via_client(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False, seed=seed, max_tokens=60)
         )
         choice = r.choices[0]
         assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, choice
         call = choice.message.tool_calls[0]
         _valid(call, WEATHER if call.function.name == "get_weather" else TIME)
     named = {"type": "function", "function": {"name": "get_weather"}}
-    r = client.chat.completions.create(**body(tools=[WEATHER, TIME], tool_choice=named, max_tokens=60))
+    r = client.chat.completions.create(**via_client(tools=[WEATHER, TIME], tool_choice=named, max_tokens=60))
     assert r.choices[0].message.content is None
     _valid(r.choices[0].message.tool_calls[0])
     # streamed: a head with the id and name, then argument fragments
-    parts = list(client.chat.completions.create(**body(tools=[WEATHER], tool_choice=named, max_tokens=60, stream=True)))
+    parts = list(client.chat.completions.create(**via_client(tools=[WEATHER], tool_choice=named, max_tokens=60, stream=True)))
     calls = [tc for p in parts for c in p.choices for tc in (c.delta.tool_calls or [])]
     assert calls[0].id.startswith("call_") and calls[0].function.name == "get_weather"
     args = "".join(tc.function.arguments or "" for tc in calls)
@@ -289,5 +294,5 @@ def test_openai_parse_returns_the_model(client):
         city: str = Field(max_length=12)
         unit: str = Field(pattern="^[cf]$")
 
-    r = client.chat.completions.parse(**body(max_tokens=60), response_format=Weather)
+    r = client.chat.completions.parse(**via_client(max_tokens=60), response_format=Weather)
     assert isinstance(r.choices[0].message.parsed, Weather)

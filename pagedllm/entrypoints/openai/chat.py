@@ -21,7 +21,7 @@ from pagedllm.engine.errors import InvalidRequestError
 from pagedllm.entrypoints.chat_utils import CHAT_ROLES, ChatOptions, conversation_of, render_chat
 from pagedllm.entrypoints.openai.errors import bad_request
 from pagedllm.entrypoints.openai.parsing import ParsedRequest, check_model, get, sampling_fields, stream_flags
-from pagedllm.entrypoints.openai.tool_choice import TOOL_FIELDS, ToolUse, tool_use
+from pagedllm.entrypoints.openai.tool_choice import TOOL_FIELDS, ToolUse, check_tools_400, tool_use
 from pagedllm.entrypoints.openai.tool_parsers import ToolCallReader
 
 __all__ = ["CHAT_ROLES", "ChatRequest", "parse_chat"]
@@ -55,8 +55,14 @@ def chat_options(body: dict[str, Any], tools: ToolUse, trust_request_chat_templa
     )
 
 
-def chat_prompt(body: dict[str, Any], tokenizer: Any, options: ChatOptions, served_model_name: str) -> dict[str, Any]:
-    """The prompt of a chat body: {"prompt": text, "prompt_token_ids": ids}."""
+def chat_prompt(
+    body: dict[str, Any], tokenizer: Any, served_model_name: str, options: ChatOptions | None = None
+) -> dict[str, Any]:
+    """The prompt of a chat body: {"prompt": text, "prompt_token_ids": ids}; `options` None: the
+    body's rendering fields with its tools offered and request templates refused (/tokenize)."""
+    if options is None:
+        tools = get(body, "tools", "list")
+        options = chat_options(body, ToolUse(check_tools_400(tools) if tools else None), False)
     try:
         conversation = conversation_of(body.get("messages"))
         if tokenizer is None:
@@ -87,7 +93,7 @@ def parse_chat(
     model = check_model(body, served_model_names)
     stream, include_usage = stream_flags(body)
     tools = tool_use(body, tool_parser)
-    prompt = chat_prompt(body, tokenizer, chat_options(body, tools, trust_request_chat_template), model)
+    prompt = chat_prompt(body, tokenizer, model, chat_options(body, tools, trust_request_chat_template))
     sampling_body = {k: v for k, v in body.items() if k not in TOOL_FIELDS}  # the tool fields are read above
     fields, max_name, shown = sampling_fields(sampling_body, chat=True, stream=stream)
     if tools.structured is not None:

@@ -1,8 +1,11 @@
 """Running the server as a process: the server's flags, the listening socket, uvicorn, signals,
 shutdown.
 
-`add_server_args(parser)` adds the server's own flag group (the engine's flags come from
-`pagedllm.entrypoints.args`); `run_server(args)`:
+`add_server_args(parser)` adds the positional MODEL (`pagedllm serve MODEL`, as `vllm serve`)
+and the server's own flag group (the engine's flags come from `pagedllm.entrypoints.args`);
+`run_server(args)`:
+0. checks the flags that go together (MODEL and --model, the tool-call flags) and reads
+   --chat-template, so that a mistake there costs no model load;
 1. binds the port first, so a port in use is a one-line CLIError (exit 1) in a second, not after
    the model has loaded; the bound (not yet listening) socket is handed to uvicorn, so no other
    process can take the port in between;
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import json
 import logging
 import os
 import signal
@@ -30,7 +34,7 @@ from typing import Any
 import uvicorn
 
 from pagedllm import envs
-from pagedllm.entrypoints.args import CLIError, byte_size, engine_kwargs
+from pagedllm.entrypoints.args import USAGE_ERROR, CLIError, byte_size, engine_kwargs
 from pagedllm.entrypoints.async_llm import AsyncLLM
 from pagedllm.entrypoints.logs import LOG_DATEFMT, LOG_FORMAT
 from pagedllm.entrypoints.openai.api_server import build_app
@@ -54,7 +58,28 @@ def _int_in(lo: int, hi: int | None, what: str) -> Callable[[str], int]:
     return parse
 
 
+def json_list(text: str) -> list[str]:
+    """`'["https://a.example", "http://localhost:3000"]'` -> the list (vLLM's spelling of the CORS flags)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings such as '[\"*\"]', got {text!r}")
+    return value
+
+
+TOOL_CALL_PARSERS = ("hermes",)  # <tool_call>{...}</tool_call> (Hermes, Qwen)
+
+
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model, as in `vllm serve MODEL`: the same as --model (giving both, different, is an error)",
+    )
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
     g.add_argument(
@@ -70,9 +95,53 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help="the model name clients send; unset: --model as given, else the directory's name",
+        metavar="NAME",
+        help="the model names clients may send (the first is the one /v1/models lists first and /metrics "
+        "labels); unset: the model as given, else the directory's name",
     )
+    g.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE|TEMPLATE",
+        help="the chat template of /v1/chat/completions instead of the tokenizer's: a file, or the Jinja "
+        "template itself on one line",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto": tool calls parsed from the model\'s output (needs --tool-call-parser)',
+    )
+    g.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS, help="the format of tool calls")
+    g.add_argument(
+        "--disable-log-requests",
+        dest="log_requests",
+        action="store_false",
+        default=True,
+        help="no INFO line per request (request id, prompt length, sampling parameters); on by default",
+    )
+    g.add_argument(
+        "--enable-log-requests",
+        dest="log_requests",
+        action="store_true",
+        help="the INFO line per request (the default; vLLM's newer spelling)",
+    )
+    g.add_argument(
+        "--allowed-origins",
+        type=json_list,
+        default=None,
+        metavar="JSON",
+        help="CORS: origins whose web pages may call the API, a JSON list ('[\"https://app.example\"]', "
+        "'[\"*\"]' any); unset: no CORS headers, so browsers keep other origins out (vLLM allows any)",
+    )
+    g.add_argument(
+        "--allowed-methods", type=json_list, default=["*"], metavar="JSON", help="CORS: allowed methods, a JSON list"
+    )
+    g.add_argument(
+        "--allowed-headers", type=json_list, default=["*"], metavar="JSON", help="CORS: allowed headers, a JSON list"
+    )
+    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies, auth headers)")
     g.add_argument(
         "--max-queue-len",
         type=_int_in(0, None, "an integer >= 0"),
@@ -122,6 +191,40 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "process, sharing its GIL; for debugging)",
     )
     return parser
+
+
+def serve_model(args: argparse.Namespace) -> str | None:
+    """The model of `pagedllm serve [MODEL] [--model M]`: either spelling; both only when equal."""
+    tag, flag = args.model_tag, args.model
+    if tag is not None and flag is not None and tag != flag:
+        raise CLIError(f"the model is given twice and differs: {tag!r} (positional) and --model {flag!r}", USAGE_ERROR)
+    return tag if tag is not None else flag
+
+
+def tool_parser_of(args: argparse.Namespace) -> str | None:
+    """The tool-call parser the server uses for tool_choice "auto": vLLM's two flags go together."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise CLIError("--enable-auto-tool-choice needs --tool-call-parser (hermes)", USAGE_ERROR)
+    if args.tool_call_parser is not None and not args.enable_auto_tool_choice:
+        raise CLIError(
+            f"--tool-call-parser {args.tool_call_parser} is used only with --enable-auto-tool-choice", USAGE_ERROR
+        )
+    return args.tool_call_parser
+
+
+def chat_template_text(value: str) -> str:
+    """--chat-template: the file's text, or the value itself when it is a template (it holds `{`,
+    `}` or a newline, as vLLM tells them apart); a name that is neither is refused."""
+    path = os.path.expanduser(value)
+    if os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise CLIError(f"--chat-template: cannot read {value!r}: {e}", USAGE_ERROR) from None
+    if any(c in value for c in "{}\n"):
+        return value
+    raise CLIError(f"--chat-template {value!r}: no such file, and not a Jinja template", USAGE_ERROR)
 
 
 def bind_sockets(host: str, port: int) -> list[socket.socket]:
@@ -181,23 +284,39 @@ def run_server(args: argparse.Namespace) -> int:
     keep_alive = args.keep_alive_on_engine_death
     if keep_alive is None:
         keep_alive = envs.keep_alive_on_engine_death()
-    sockets = bind_sockets(args.host, args.port)
+    args.model = serve_model(args)
+    tool_parser = tool_parser_of(args)
+    template = None if args.chat_template is None else chat_template_text(args.chat_template)
+    sockets = bind_sockets(args.host, args.port)  # before the model loads: a busy port fails at once
     try:
         async_llm = AsyncLLM(
-            max_queue_len=args.max_queue_len, engine_process=args.engine_process, **engine_kwargs(args)
+            max_queue_len=args.max_queue_len,
+            engine_process=args.engine_process,
+            log_requests=args.log_requests,
+            **engine_kwargs(args),
         )
     except BaseException:
         for sock in sockets:
             sock.close()
         raise
-    name = args.served_model_name or args.model or os.path.basename(os.path.normpath(str(async_llm.model_path)))
+    if template is not None:
+        if async_llm.tokenizer is None:
+            async_llm.shutdown()
+            raise CLIError("--chat-template: the model has no tokenizer, so it cannot serve chat")
+        async_llm.tokenizer.chat_template = template
+    names = args.served_model_name or [args.model or os.path.basename(os.path.normpath(str(async_llm.model_path)))]
     api_key = args.api_key or envs.api_key()
     app = build_app(
         async_llm,
-        name,
+        names,
         api_key,
         allowed_hosts=allowed_hosts(args.allowed_hosts, sockets),
         max_request_body_size=args.max_request_body_size,
+        allowed_origins=args.allowed_origins,
+        allowed_methods=args.allowed_methods,
+        allowed_headers=args.allowed_headers,
+        allow_credentials=args.allow_credentials,
+        tool_parser=tool_parser,
     )
     config = uvicorn_config(
         app,
@@ -211,7 +330,10 @@ def run_server(args: argparse.Namespace) -> int:
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
     host, port = sockets[0].getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    logger.info("Serving model %r on http://%s:%d/v1%s", name, shown, port, " (API key required)" if api_key else "")
+    shown_names = ", ".join(repr(n) for n in names)
+    logger.info(
+        "Serving model %s on http://%s:%d/v1%s", shown_names, shown, port, " (API key required)" if api_key else ""
+    )
     try:
         try:
             server.run(sockets=sockets)

@@ -14,6 +14,12 @@ prompt token under `echo`) has null `token_logprobs` and `top_logprobs`.
 
 -inf (a token the raw logits rule out) is written as -9999.0, OpenAI's stand-in: JSON has no
 infinity.
+
+`as_ids` (vLLM's return_tokens_as_token_ids): every token is written "token_id:N" instead of its
+text, so a token whose text is not valid UTF-8 alone can still be identified.
+
+`prompt_logprobs_json`: vLLM's `prompt_logprobs` answer field, one item per prompt token: null
+for the first, then {token id (a string key): {"logprob", "rank", "decoded_token"}}.
 """
 
 from __future__ import annotations
@@ -32,7 +38,9 @@ def _value(lp: Logprob) -> float:
     return max(lp.logprob, LOGPROB_FLOOR)
 
 
-def _text(token_id: int, lp: Logprob | None, decode: TokenText) -> str:
+def _text(token_id: int, lp: Logprob | None, decode: TokenText, as_ids: bool = False) -> str:
+    if as_ids:
+        return f"token_id:{token_id}"
     if lp is not None and lp.decoded_token is not None:
         return lp.decoded_token
     return decode(token_id)
@@ -49,7 +57,7 @@ def entries_of(logprobs: Sequence[Entry] | None, num_tokens: int) -> list[Entry]
 
 
 def completion_logprobs(
-    token_ids: Sequence[int], entries: Sequence[Entry], decode: TokenText, offset: int = 0
+    token_ids: Sequence[int], entries: Sequence[Entry], decode: TokenText, offset: int = 0, as_ids: bool = False
 ) -> tuple[dict[str, Any], int]:
     """(the `logprobs` object of a completion choice, the text offset after its last token).
     `entries` has one entry (or None) per token."""
@@ -59,7 +67,7 @@ def completion_logprobs(
     text_offset: list[int] = []
     for token_id, entry in zip(token_ids, entries, strict=True):
         own = entry.get(token_id) if entry is not None else None
-        text = _text(token_id, own, decode)
+        text = _text(token_id, own, decode, as_ids)
         tokens.append(text)
         text_offset.append(offset)
         offset += len(text)
@@ -68,7 +76,7 @@ def completion_logprobs(
             top_logprobs.append(None)
             continue
         token_logprobs.append(None if own is None else _value(own))
-        top_logprobs.append({_text(t, lp, decode): _value(lp) for t, lp in entry.items()})
+        top_logprobs.append({_text(t, lp, decode, as_ids): _value(lp) for t, lp in entry.items()})
     return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
@@ -82,14 +90,30 @@ def _chat_token(text: str, logprob: float) -> dict[str, Any]:
 
 
 def chat_logprobs(
-    token_ids: Sequence[int], entries: Sequence[Entry], top: int, decode: TokenText
+    token_ids: Sequence[int], entries: Sequence[Entry], top: int, decode: TokenText, as_ids: bool = False
 ) -> list[dict[str, Any]]:
     """The `logprobs.content` list of a chat choice: one item per token, each with its `top` best."""
     content = []
     for token_id, entry in zip(token_ids, entries, strict=True):
         own = entry.get(token_id) if entry is not None else None
-        item = _chat_token(_text(token_id, own, decode), LOGPROB_FLOOR if own is None else _value(own))
+        item = _chat_token(_text(token_id, own, decode, as_ids), LOGPROB_FLOOR if own is None else _value(own))
         best = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:top] if entry is not None and top else []
-        item["top_logprobs"] = [_chat_token(_text(t, lp, decode), _value(lp)) for t, lp in best]
+        item["top_logprobs"] = [_chat_token(_text(t, lp, decode, as_ids), _value(lp)) for t, lp in best]
         content.append(item)
     return content
+
+
+def prompt_logprobs_json(
+    entries: Sequence[Entry] | None, decode: TokenText, as_ids: bool = False
+) -> list[dict[str, dict[str, Any]] | None] | None:
+    if entries is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            str(t): {"logprob": _value(lp), "rank": lp.rank, "decoded_token": _text(t, lp, decode, as_ids)}
+            for t, lp in entry.items()
+        }
+        for entry in entries
+    ]

@@ -24,8 +24,10 @@ from typing import Any
 
 from pagedllm.engine.sampling_params import MAX_LOGPROBS, has_surrogate
 from pagedllm.entrypoints.openai.errors import APIError, bad_request
+from pagedllm.entrypoints.openai.structured_request import structured_outputs_of
 
 MAX_JSON_DEPTH = 64  # the body object is depth 1: {"prompt": [[1]]} is 3 deep
+MAX_REQUEST_ID = 256  # characters of a client's request_id
 
 # body field -> JSON kind, for the fields that map one to one onto SamplingParams
 SAMPLING_FIELDS = (
@@ -38,6 +40,17 @@ SAMPLING_FIELDS = (
     ("seed", "int"),
     ("stop_token_ids", "list"),
     ("cache_salt", "str"),
+    ("presence_penalty", "number"),
+    ("frequency_penalty", "number"),
+    ("repetition_penalty", "number"),
+    ("logit_bias", "dict"),  # keys are strings in JSON: SamplingParams reads them as token ids
+    ("allowed_token_ids", "list"),
+    ("bad_words", "list"),
+    ("include_stop_str_in_output", "bool"),
+    ("skip_special_tokens", "bool"),
+    ("spaces_between_special_tokens", "bool"),
+    ("truncate_prompt_tokens", "int"),
+    ("prompt_logprobs", "int"),
 )
 _KIND_NAMES = {
     "bool": "a boolean",
@@ -56,13 +69,16 @@ class ShownLogprobs:
 
     top: int | None = None
     echo: bool = False
+    prompt: bool = False  # the client asked for prompt_logprobs: the answer carries them
+    as_token_ids: bool = False  # return_tokens_as_token_ids: tokens written "token_id:N"
 
 
 @dataclass
 class ParsedRequest:
     """One body, shape-checked. `fields` holds only what the client set (the model's defaults
     fill the rest); `prompt_param` and `max_tokens_param` are the fields' names as this
-    endpoint's client spells them, for errors raised further in."""
+    endpoint's client spells them, for errors raised further in; `structured_param` likewise
+    names the structured-output field the client used (`response_format`, `guided_json`...)."""
 
     prompts: list[Any]
     fields: dict[str, Any] = field(default_factory=dict)
@@ -73,6 +89,10 @@ class ParsedRequest:
     n: int = 1  # choices per prompt
     shown: ShownLogprobs = field(default_factory=ShownLogprobs)
     model: str = ""  # the served name the answer carries (check_model)
+    structured_param: str = "structured_outputs"
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
+    add_special_tokens: bool = True  # the tokenizer's special tokens around the prompt (chat: False)
+    request_id: str | None = None  # the client's id: the answer's is "<prefix>-<request_id>"
 
 
 def _reject_constant(name: str) -> None:
@@ -164,24 +184,6 @@ def get(body: dict[str, Any], name: str, kind: str, default: Any = None) -> Any:
     return v
 
 
-def refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
-    if chat:
-        if body.get("tools") or body.get("functions"):
-            raise bad_request("tool calling is not supported", "tools" if body.get("tools") else "functions")
-        fmt = get(body, "response_format", "dict")
-        if fmt is not None and fmt.get("type", "text") != "text":
-            raise bad_request("response_format other than text is not supported", "response_format")
-    elif get(body, "suffix", "str"):
-        raise bad_request("suffix is not supported", "suffix")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if get(body, name, "number", 0) != 0:
-            raise bad_request(f"{name} is not supported", name)
-    if get(body, "repetition_penalty", "number", 1) != 1:
-        raise bad_request("repetition_penalty is not supported", "repetition_penalty")
-    if get(body, "logit_bias", "dict"):
-        raise bad_request("logit_bias is not supported", "logit_bias")
-
-
 def beam_fields(body: dict[str, Any], stream: bool) -> dict[str, Any]:
     """vLLM's beam-search extras as SamplingParams fields: `use_beam_search` (`n` is the beam
     width), `length_penalty` (a number) and `early_stopping` (true, false or "never").
@@ -254,8 +256,6 @@ def sample_fields(body: dict[str, Any], chat: bool, stream: bool) -> tuple[dict[
         k = get(body, "logprobs", "int")
         if k is not None:  # SamplingParams checks the range, naming `logprobs`
             shown.top = fields["logprobs"] = k
-            if shown.echo:
-                fields["prompt_logprobs"] = k
     return fields, shown
 
 
@@ -263,7 +263,6 @@ def sampling_fields(body: dict[str, Any], chat: bool, stream: bool) -> tuple[dic
     """The SamplingParams fields the body sets (JSON types checked, values not), the name the
     client used for the token limit (`max_completion_tokens` wins over `max_tokens`) and the
     logprobs the answer shows."""
-    refuse_unsupported(body, chat)
     beam = beam_fields(body, stream)
     fields, shown = sample_fields(body, chat, stream)
     if beam and chat and "logprobs" in fields:  # SamplingParams would report chat's `true` as 0
@@ -285,7 +284,38 @@ def sampling_fields(body: dict[str, Any], chat: bool, stream: bool) -> tuple[dic
         stop = [stop] if isinstance(stop, str) else stop
         if stop:  # [] is no stop string; [""] is refused by SamplingParams
             fields["stop"] = stop
+    if "prompt_logprobs" in fields:
+        if stream:  # as vLLM: they would all come with the first chunk
+            raise bad_request("prompt_logprobs cannot be streamed; set stream to false", "prompt_logprobs")
+        shown.prompt = True
+    elif shown.echo and shown.top is not None:
+        fields["prompt_logprobs"] = shown.top
+    structured, _ = structured_outputs_of(body)
+    if structured is not None:
+        fields["structured_outputs"] = structured
     return fields, max_name, shown
+
+
+def request_options(parsed: ParsedRequest, body: dict[str, Any], chat: bool) -> ParsedRequest:
+    """What the body asks of the answer beyond sampling (both endpoints; `parsed` is changed
+    and returned): the structured-output field's name, continuous usage, add_special_tokens,
+    the client's request_id, return_tokens_as_token_ids."""
+    parsed.structured_param = structured_outputs_of(body)[1]
+    opts = get(body, "stream_options", "dict") or {}
+    parsed.continuous_usage = get(opts, "continuous_usage_stats", "bool", False)
+    if parsed.continuous_usage and not parsed.include_usage:
+        raise bad_request("stream_options.continuous_usage_stats needs stream_options.include_usage", "stream_options")
+    parsed.add_special_tokens = get(body, "add_special_tokens", "bool", not chat)
+    rid = get(body, "request_id", "str")
+    if rid is not None and not (0 < len(rid) <= MAX_REQUEST_ID and rid.isprintable()):
+        raise bad_request(f"request_id must be 1 to {MAX_REQUEST_ID} printable characters", "request_id")
+    parsed.request_id = rid
+    parsed.shown.as_token_ids = get(body, "return_tokens_as_token_ids", "bool", False)
+    if parsed.shown.as_token_ids and parsed.shown.top is None and not parsed.shown.prompt:
+        raise bad_request(
+            "return_tokens_as_token_ids needs logprobs (or prompt_logprobs)", "return_tokens_as_token_ids"
+        )
+    return parsed
 
 
 def check_model(body: dict[str, Any], served_model_names: Sequence[str]) -> str:
@@ -346,4 +376,5 @@ def parse_completion(body: dict[str, Any], served_model_names: Sequence[str]) ->
     stream, include_usage = stream_flags(body)
     fields, max_name, shown = sampling_fields(body, chat=False, stream=stream)
     prompts = completion_prompts(body)
-    return ParsedRequest(prompts, fields, stream, include_usage, "prompt", max_name, fields.get("n", 1), shown, model)
+    parsed = ParsedRequest(prompts, fields, stream, include_usage, "prompt", max_name, fields.get("n", 1), shown, model)
+    return request_options(parsed, body, chat=False)

@@ -9,6 +9,10 @@ a request with n > 1, logprobs or echo builds each choice's chunk (logprobs.py f
 Streams: every chunk holds one choice, with its `index`; each choice ends with a chunk of its
 own finish_reason; a choice's logprobs cover only that chunk's tokens. With `echo` a choice's
 first chunk starts with the prompt (and, with logprobs, the prompt's tokens).
+`continuous_usage` (stream_options.continuous_usage_stats): every choice chunk carries the usage
+so far of its choice (its prompt's tokens, its own tokens), as vLLM counts it.
+Asked-for `prompt_logprobs` (not streamed) are in each completion choice and at the top of a
+chat answer, as vLLM places them.
 """
 
 from __future__ import annotations
@@ -18,7 +22,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pagedllm.engine.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
-from pagedllm.entrypoints.openai.logprobs import Entry, chat_logprobs, completion_logprobs, entries_of
+from pagedllm.entrypoints.openai.logprobs import (
+    Entry,
+    chat_logprobs,
+    completion_logprobs,
+    entries_of,
+    prompt_logprobs_json,
+)
 from pagedllm.entrypoints.openai.parsing import ShownLogprobs
 from pagedllm.entrypoints.openai.tool_parsers import ToolCallReader, ToolCallStream
 
@@ -123,10 +133,13 @@ class _Choices(_Chunks):
         n: int = 1,
         shown: ShownLogprobs | None = None,
         texts: Texts | None = None,
+        continuous_usage: bool = False,
     ):
         super().__init__(request_id, self.OBJECT, created, model, include_usage)
         self.n, self.shown, self.texts = n, shown or ShownLogprobs(), texts or Texts(None)
-        self.simple = n == 1 and self.shown.top is None and not self.shown.echo  # the template path
+        self.continuous_usage = continuous_usage
+        # the template path
+        self.simple = n == 1 and self.shown.top is None and not self.shown.echo and not continuous_usage
         self.states: dict[int, _ChoiceState] = {}
         self.prompt_logprobs: dict[int, PromptLogprobs] = {}  # echo: by prompt index, once seen (streams)
         self.head, self.tail = self._template()
@@ -134,6 +147,15 @@ class _Choices(_Chunks):
     def _template(self) -> tuple[str, str]:
         """The SSE text of a one-choice chunk around its content (the fast path of `simple`)."""
         raise NotImplementedError
+
+    def usage_of(self, out: RequestOutput, o: CompletionOutput) -> Any:
+        """A choice chunk's `usage`: the choice's so far with continuous usage, else chunk_usage."""
+        if self.continuous_usage:
+            return usage(len(out.prompt_token_ids), len(o.token_ids))
+        return self.chunk_usage
+
+    def prompt_logprobs_of(self, out: RequestOutput) -> Any:
+        return prompt_logprobs_json(out.prompt_logprobs, self.texts.token, self.shown.as_token_ids)
 
     def changed(self, index: int, out: RequestOutput) -> list[tuple[int, _ChoiceState, CompletionOutput]]:
         """(choice index, its state, its output) of the choices with something to send."""
@@ -198,9 +220,11 @@ class CompletionResponses(_Choices):
                 text, ids, entries = self._with_echo(out, self.prompt_logprobs.get(index), text, ids, entries)
             lps = None
             if top is not None:
-                lps, st.text_offset = completion_logprobs(ids, entries, self.texts.token, st.text_offset)
+                lps, st.text_offset = completion_logprobs(
+                    ids, entries, self.texts.token, st.text_offset, self.shown.as_token_ids
+                )
             events.append(
-                sse(self.chunk([self._choice(i, text, o.finish_reason, o.stop_reason, lps)], self.chunk_usage))
+                sse(self.chunk([self._choice(i, text, o.finish_reason, o.stop_reason, lps)], self.usage_of(out, o)))
             )
         return events
 
@@ -208,13 +232,19 @@ class CompletionResponses(_Choices):
         choices = []
         top = self.shown.top
         for index, out in enumerate(outs):
+            prompt_lps = self.prompt_logprobs_of(out) if self.shown.prompt else None
             for j, o in enumerate(out.outputs):  # best_of: the n best, best first
                 text, ids = o.text, list(o.token_ids)
                 entries = entries_of(o.logprobs, len(ids)) if top is not None else []
                 if self.shown.echo:
                     text, ids, entries = self._with_echo(out, out.prompt_logprobs, text, ids, entries)
-                lps = completion_logprobs(ids, entries, self.texts.token)[0] if top is not None else None
-                choices.append(self._choice(index * self.n + j, text, o.finish_reason, o.stop_reason, lps))
+                lps = None
+                if top is not None:
+                    lps = completion_logprobs(ids, entries, self.texts.token, 0, self.shown.as_token_ids)[0]
+                choice = self._choice(index * self.n + j, text, o.finish_reason, o.stop_reason, lps)
+                if self.shown.prompt:
+                    choice["prompt_logprobs"] = prompt_lps
+                choices.append(choice)
         return self.chunk(choices, usage(sum(prompt_lens), completion_tokens(outs)))
 
 
@@ -241,9 +271,10 @@ class ChatResponses(_Choices):
         n: int = 1,
         shown: ShownLogprobs | None = None,
         texts: Texts | None = None,
+        continuous_usage: bool = False,
         tool_reader: ToolCallReader | None = None,
     ):
-        super().__init__(request_id, created, model, include_usage, n, shown, texts)
+        super().__init__(request_id, created, model, include_usage, n, shown, texts, continuous_usage)
         self.tool_reader = tool_reader
         self.tool_streams: dict[int, ToolCallStream] = {}  # choice index -> its reader
         if tool_reader is not None:
@@ -292,7 +323,8 @@ class ChatResponses(_Choices):
         top = self.shown.top
         if top is None:
             return None
-        return {"content": chat_logprobs(token_ids, entries_of(logprobs, len(token_ids)), top, self.texts.token)}
+        entries = entries_of(logprobs, len(token_ids))
+        return {"content": chat_logprobs(token_ids, entries, top, self.texts.token, self.shown.as_token_ids)}
 
     def events(self, index: int, out: RequestOutput) -> list[str]:
         if self.simple:
@@ -307,13 +339,15 @@ class ChatResponses(_Choices):
             if self.tool_reader is None:
                 delta = {"content": o.delta_text} if o.delta_text or o.finish_reason is None else {}
                 events.append(
-                    sse(self.chunk([self._choice(i, delta, o.finish_reason, o.stop_reason, lps)], self.chunk_usage))
+                    sse(
+                        self.chunk([self._choice(i, delta, o.finish_reason, o.stop_reason, lps)], self.usage_of(out, o))
+                    )
                 )
                 continue
-            events.extend(self._tool_events(i, o, lps))
+            events.extend(self._tool_events(i, o, lps, self.usage_of(out, o)))
         return events
 
-    def _tool_events(self, i: int, o: CompletionOutput, lps: Any) -> list[str]:
+    def _tool_events(self, i: int, o: CompletionOutput, lps: Any, chunk_usage: Any) -> list[str]:
         """One choice's new text through its tool-call reader: a chunk per reader delta, the
         logprobs on the first, the finish_reason on the last (an empty delta when it has none)."""
         assert self.tool_reader is not None
@@ -331,7 +365,7 @@ class ChatResponses(_Choices):
             choice = self._choice(
                 i, delta, finish if last else None, o.stop_reason if last else None, lps if k == 0 else None
             )
-            events.append(sse(self.chunk([choice], self.chunk_usage)))
+            events.append(sse(self.chunk([choice], chunk_usage)))
         return events
 
     def _message(self, o: CompletionOutput) -> tuple[dict[str, Any], str | None]:
@@ -357,7 +391,7 @@ class ChatResponses(_Choices):
                     "stop_reason": o.stop_reason,
                 }
             )
-        return {
+        answer = {
             "id": self.request_id,
             "object": "chat.completion",
             "created": self.created,
@@ -365,3 +399,6 @@ class ChatResponses(_Choices):
             "choices": choices,
             "usage": usage(prompt_lens[0], completion_tokens(outs)),
         }
+        if self.shown.prompt:
+            answer["prompt_logprobs"] = self.prompt_logprobs_of(outs[0])
+        return answer

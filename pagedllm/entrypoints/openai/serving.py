@@ -53,7 +53,8 @@ from pagedllm.engine.sampling_params import SamplingParams, sampling_params_with
 from pagedllm.entrypoints.async_llm import EngineShutdownError, EngineStepError, QueueFullError
 from pagedllm.entrypoints.openai.chat import parse_chat
 from pagedllm.entrypoints.openai.errors import APIError, error_body, internal_error, invalid_request
-from pagedllm.entrypoints.openai.parsing import ParsedRequest, json_body, parse_completion
+from pagedllm.entrypoints.openai.fields import UnknownFields
+from pagedllm.entrypoints.openai.parsing import ParsedRequest, json_body, parse_completion, request_options
 from pagedllm.entrypoints.openai.responses import (
     SSE_DONE,
     ChatResponses,
@@ -147,6 +148,7 @@ class OpenAIServing:
         self.created = int(time.time())
         self.kv_tokens = async_llm.num_kv_blocks * async_llm.block_size
         self.texts = Texts(async_llm.tokenizer)
+        self.known_fields = UnknownFields()  # refuses the refused fields, warns once per unknown one
 
     # ---- /v1/models ----------------------------------------------------------------------
     def model_card(self, name: str | None = None) -> dict[str, Any]:
@@ -175,49 +177,59 @@ class OpenAIServing:
     async def create_completion(
         self, body: dict[str, Any] | bytes, disconnected: Disconnected | None = None
     ) -> dict[str, Any] | SSEStream:
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        parsed, requests = await asyncio.to_thread(self._prepare_completion, body, rid)
+        parsed, requests, rid = await asyncio.to_thread(self._prepare_completion, body)
         sub = self._submit(parsed, requests)
         builder = CompletionResponses(
-            rid, int(time.time()), parsed.model, parsed.include_usage, parsed.n, parsed.shown, self.texts
+            rid,
+            int(time.time()),
+            parsed.model,
+            parsed.include_usage,
+            parsed.n,
+            parsed.shown,
+            self.texts,
+            continuous_usage=parsed.continuous_usage,
         )
         return await self._answer(parsed, sub, builder, rid, disconnected)
 
     async def create_chat_completion(
         self, body: dict[str, Any] | bytes, disconnected: Disconnected | None = None
     ) -> dict[str, Any] | SSEStream:
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        parsed, requests, reader = await asyncio.to_thread(self._prepare_chat, body, rid)
+        parsed, requests, rid, reader = await asyncio.to_thread(self._prepare_chat, body)
         sub = self._submit(parsed, requests)
         builder = ChatResponses(
-            rid, int(time.time()), parsed.model, parsed.include_usage, parsed.n, parsed.shown, self.texts, reader
+            rid,
+            int(time.time()),
+            parsed.model,
+            parsed.include_usage,
+            parsed.n,
+            parsed.shown,
+            self.texts,
+            continuous_usage=parsed.continuous_usage,
+            tool_reader=reader,
         )
         return await self._answer(parsed, sub, builder, rid, disconnected)
 
     # ---- on a worker thread: JSON, the chat template, tokenizing, every check ----------------
-    def _prepare_completion(
-        self, body: dict[str, Any] | bytes, rid: str
-    ) -> tuple[ParsedRequest, list[EngineCoreRequest]]:
-        parsed = parse_completion(json_body(body) if isinstance(body, bytes) else body, self.served_model_names)
-        if "max_tokens" in parsed.fields:  # asked for: past the context it is refused, never clamped
-            params = self.sampling_params(parsed)
-            return parsed, self._process(parsed, [(p, params) for p in parsed.prompts], rid)
-        # not asked for: the default (the model's max_new_tokens, else 16) shrinks to the room left
+    def _prepare_completion(self, body: dict[str, Any] | bytes) -> tuple[ParsedRequest, list[EngineCoreRequest], str]:
+        body = json_body(body) if isinstance(body, bytes) else body
+        self.known_fields.check(body, "completions")
+        parsed = parse_completion(body, self.served_model_names)
+        rid = f"cmpl-{parsed.request_id or uuid.uuid4().hex}"
+        # asked for: past the context it is refused, never clamped; not asked for: the default
+        # (the model's max_new_tokens, else 16) shrinks to the room left
+        shared = self.sampling_params(parsed) if "max_tokens" in parsed.fields else None
         prompts = []
         for p in parsed.prompts:
-            try:
-                text, ids = self.engine.input_processor.tokenize(p)
-            except InvalidRequestError as e:
-                raise invalid_request(e, parsed.prompt_param, parsed.max_tokens_param) from None
-            prompts.append(
-                ({"prompt": text, "prompt_token_ids": ids}, self.sampling_params(parsed, cap=self._room(ids)))
-            )
-        return parsed, self._process(parsed, prompts, rid)
+            text, ids = self._tokenized(parsed, p)
+            params = shared or self.sampling_params(parsed, cap=self._room(ids))
+            prompts.append(({"prompt": text, "prompt_token_ids": ids}, params))
+        return parsed, self._process(parsed, prompts, rid), rid
 
     def _prepare_chat(
-        self, body: dict[str, Any] | bytes, rid: str
-    ) -> tuple[ParsedRequest, list[EngineCoreRequest], ToolCallReader | None]:
+        self, body: dict[str, Any] | bytes
+    ) -> tuple[ParsedRequest, list[EngineCoreRequest], str, ToolCallReader | None]:
         body = json_body(body) if isinstance(body, bytes) else body
+        self.known_fields.check(body, "chat")
         chat = parse_chat(
             body,
             self.served_model_names,
@@ -225,10 +237,41 @@ class OpenAIServing:
             tool_parser=self.tool_parser,
             trust_request_chat_template=self.trust_request_chat_template,
         )
-        parsed = chat.parsed
+        parsed = request_options(chat.parsed, body, chat=True)
+        rid = f"chatcmpl-{parsed.request_id or uuid.uuid4().hex}"
         prompt = parsed.prompts[0]  # {"prompt", "prompt_token_ids"}: chat.py tokenized it; process() checks the ids
-        params = self.sampling_params(parsed, room=self._room(prompt["prompt_token_ids"]))
-        return parsed, self._process(parsed, [(prompt, params)], rid), chat.tool_reader
+        text, ids = self._tokenized(parsed, prompt)
+        params = self.sampling_params(parsed, room=self._room(ids))
+        return (
+            parsed,
+            self._process(parsed, [({"prompt": text, "prompt_token_ids": ids}, params)], rid),
+            rid,
+            chat.tool_reader,
+        )
+
+    def _tokenized(self, parsed: ParsedRequest, prompt: Any) -> tuple[str | None, list[int]]:
+        """A prompt's (text, ids) as the engine will see them: the tokenizer's special tokens
+        added when the request asks (text prompts only, as vLLM), then truncate_prompt_tokens
+        applied (the text is dropped when it no longer matches the ids)."""
+        ip = self.engine.input_processor
+        try:
+            if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+                text, ids = ip.tokenize(prompt)
+                if parsed.add_special_tokens and text is not None:
+                    ids = ip.with_special_tokens(ids)
+            else:
+                text, ids = ip.tokenize(prompt, add_special_tokens=parsed.add_special_tokens)
+            kept = ip.truncated(ids, parsed.fields.get("truncate_prompt_tokens"))
+        except InvalidRequestError as e:
+            raise self._invalid(parsed, e) from None
+        return (text if len(kept) == len(ids) else None), kept
+
+    @staticmethod
+    def _invalid(parsed: ParsedRequest, e: InvalidRequestError) -> APIError:
+        """The engine's error as a 400 naming the field as this request's client spelled it."""
+        if e.param == "structured_outputs":
+            e = e.renamed(parsed.structured_param)
+        return invalid_request(e, parsed.prompt_param, parsed.max_tokens_param)
 
     def _room(self, ids: list[int]) -> int:
         """Tokens a prompt leaves for its completion (at least 1: a too-long prompt is refused later)."""
@@ -253,7 +296,7 @@ class OpenAIServing:
         try:
             return sampling_params_with_defaults(defaults, **fields)
         except InvalidRequestError as e:
-            raise invalid_request(e, parsed.prompt_param, parsed.max_tokens_param) from None
+            raise self._invalid(parsed, e) from None
 
     def _process(
         self, parsed: ParsedRequest, prompts: list[tuple[Any, SamplingParams]], base_id: str
@@ -265,7 +308,7 @@ class OpenAIServing:
                 for i, (p, params) in enumerate(prompts)
             ]
         except InvalidRequestError as e:
-            raise invalid_request(e, parsed.prompt_param, parsed.max_tokens_param) from None
+            raise self._invalid(parsed, e) from None
 
     def _submit(self, parsed: ParsedRequest, requests: list[EngineCoreRequest]) -> _Submitted:
         """Queue every request, or none of them."""
@@ -275,7 +318,7 @@ class OpenAIServing:
                 sub.streams.append(self.engine.add_request(r, stream=parsed.stream))
         except InvalidRequestError as e:
             sub.close()
-            raise invalid_request(e, parsed.prompt_param, parsed.max_tokens_param) from None
+            raise self._invalid(parsed, e) from None
         except QueueFullError as e:
             sub.close()
             raise APIError(429, str(e), "rate_limit_error", None, "queue_full") from None

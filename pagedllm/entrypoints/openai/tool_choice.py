@@ -70,14 +70,18 @@ def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, An
     return schema
 
 
+def check_tools_400(tools: list[Any]) -> list[dict[str, Any]] | None:
+    """The body's tools checked (a 400 naming the one at fault); None for []."""
+    try:
+        return check_tools(tools) or None
+    except InvalidRequestError as e:
+        raise bad_request(e.message, e.param) from None
+
+
 def tool_use(body: dict[str, Any], tool_parser: str | None) -> ToolUse:
     """What the body's tool fields ask for; a mistake is a 400 naming the field."""
     tools = get(body, "tools", "list")
-    if tools is not None:
-        try:
-            tools = check_tools(tools) or None
-        except InvalidRequestError as e:
-            raise bad_request(e.message, e.param) from None
+    tools = check_tools_400(tools) if tools is not None else None
     parallel = get(body, "parallel_tool_calls", "bool", True)
     choice = body.get("tool_choice")
     if choice is None:
