@@ -91,7 +91,13 @@ def no_network(monkeypatch):
 
 def via_client(**kw):
     """openai client arguments: the template travels in extra_body."""
-    return {"model": MODEL_NAME, "messages": HI, "max_tokens": 40, "extra_body": {"chat_template": TOOLS_TEMPLATE}, **kw}
+    return {
+        "model": MODEL_NAME,
+        "messages": HI,
+        "max_tokens": 40,
+        "extra_body": {"chat_template": TOOLS_TEMPLATE},
+        **kw,
+    }
 
 
 def body(**kw):
@@ -245,7 +251,9 @@ def _valid(call, tool=WEATHER):
 def test_required_and_named_are_enforced(client):
     for seed in range(3):
         r = client.chat.completions.create(
-            **via_client(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False, seed=seed, max_tokens=60)
+            **via_client(
+                tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False, seed=seed, max_tokens=60
+            )
         )
         choice = r.choices[0]
         assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, choice
@@ -256,7 +264,9 @@ def test_required_and_named_are_enforced(client):
     assert r.choices[0].message.content is None
     _valid(r.choices[0].message.tool_calls[0])
     # streamed: a head with the id and name, then argument fragments
-    parts = list(client.chat.completions.create(**via_client(tools=[WEATHER], tool_choice=named, max_tokens=60, stream=True)))
+    parts = list(
+        client.chat.completions.create(**via_client(tools=[WEATHER], tool_choice=named, max_tokens=60, stream=True))
+    )
     calls = [tc for p in parts for c in p.choices for tc in (c.delta.tool_calls or [])]
     assert calls[0].id.startswith("call_") and calls[0].function.name == "get_weather"
     args = "".join(tc.function.arguments or "" for tc in calls)

@@ -29,7 +29,7 @@ from pagedllm.entrypoints.openai.tool_parsers import (
     ToolCallReader,
 )
 
-TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
 _EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
@@ -78,8 +78,24 @@ def check_tools_400(tools: list[Any]) -> list[dict[str, Any]] | None:
         raise bad_request(e.message, e.param) from None
 
 
+def _legacy_functions(body: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's older `functions` / `function_call` as `tools` / `tool_choice` (answers carry
+    `tool_calls`, the current form)."""
+    functions, call = body.get("functions"), body.get("function_call")
+    if functions is None and call is None:
+        return body
+    if body.get("tools") is not None or body.get("tool_choice") is not None:
+        raise bad_request("send tools and tool_choice, or the older functions and function_call, not both", "functions")
+    functions = get(body, "functions", "list", [])
+    tools = [{"type": "function", "function": f} for f in functions]
+    if isinstance(call, dict):
+        call = {"type": "function", "function": call}
+    return {**body, "tools": tools or None, "tool_choice": call}
+
+
 def tool_use(body: dict[str, Any], tool_parser: str | None) -> ToolUse:
     """What the body's tool fields ask for; a mistake is a 400 naming the field."""
+    body = _legacy_functions(body)
     tools = get(body, "tools", "list")
     tools = check_tools_400(tools) if tools is not None else None
     parallel = get(body, "parallel_tool_calls", "bool", True)
