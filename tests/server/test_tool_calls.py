@@ -101,7 +101,7 @@ def via_client(**kw):
 
 
 def body(**kw):
-    return {"model": MODEL_NAME, "messages": HI, "chat_template": TOOLS_TEMPLATE, "max_tokens": 40, **kw}
+    return {"model": MODEL_NAME, "messages": HI, "chat_template": TOOLS_TEMPLATE, "max_tokens": 8, **kw}
 
 
 def test_tools_and_tool_messages_reach_the_template_and_stay_text(srv):
