@@ -110,7 +110,12 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
     _f(
         "split_special_tokens", CHAT, HONOURED, "false: special-token text typed in a message becomes the control token"
     ),
-    _f("chat_template", CHAT, HONOURED, "a Jinja template for this request"),
+    _f(
+        "chat_template",
+        CHAT,
+        HONOURED,
+        "a Jinja template for this request (only with `--trust-request-chat-template`, else a 400)",
+    ),
     _f("chat_template_kwargs", CHAT, HONOURED, "extra variables for the chat template"),
     _f("add_generation_prompt", CHAT, HONOURED, "open the assistant's turn (default true)"),
     _f("continue_final_message", CHAT, HONOURED, "continue the last (assistant) message instead of opening a turn"),
@@ -119,7 +124,7 @@ REQUEST_FIELDS: tuple[RequestField, ...] = (
     _f("tools", CHAT, HONOURED, "functions the model may call; answers carry `tool_calls`"),
     _f("tool_choice", CHAT, HONOURED, '"none", "auto", "required" or a named function'),
     _f("parallel_tool_calls", CHAT, HONOURED, "false: at most one tool call"),
-    _f("functions", CHAT, HONOURED, "OpenAI's legacy form of tools"),
+    _f("functions", CHAT, HONOURED, "OpenAI's legacy form of tools (answers carry `tool_calls`, not `function_call`)"),
     _f("function_call", CHAT, HONOURED, "OpenAI's legacy form of tool_choice"),
     # ---- structured output ----
     _f("response_format", BOTH, HONOURED, f'{{"type": "text" | "json_object" | "json_schema"}}: {_STRUCTURED}'),

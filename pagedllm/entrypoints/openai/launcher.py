@@ -115,6 +115,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     g.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS, help="the format of tool calls")
     g.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests pass their own chat_template (a Jinja template the server runs); off: such a request is a 400",
+    )
+    g.add_argument(
         "--disable-log-requests",
         dest="log_requests",
         action="store_false",
@@ -317,6 +322,7 @@ def run_server(args: argparse.Namespace) -> int:
         allowed_headers=args.allowed_headers,
         allow_credentials=args.allow_credentials,
         tool_parser=tool_parser,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
     config = uvicorn_config(
         app,
