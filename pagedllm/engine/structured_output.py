@@ -146,15 +146,17 @@ def grammar_bitmask(sampled: Sequence[Seq], vocab_size: int) -> tuple[np.ndarray
     EOS (every id of the scheduler's set) is allowed exactly when the grammar accepts here; a
     sequence with ignore_eos never draws it (it ends when its grammar is complete). Token ids
     past the tokenizer's vocabulary (a padded model vocabulary) are never allowed."""
-    rows = [(i, q) for i, q in enumerate(sampled) if q.grammar is not None]
+    rows: list[tuple[int, Seq, SequenceGrammar]] = []
+    for i, q in enumerate(sampled):
+        if q.grammar is not None:
+            assert q.num_pending == 0, "a constrained sequence is scheduled only with its last token resolved"
+            rows.append((i, q, q.grammar))
     if not rows:
         return None
-    manager = rows[0][1].grammar.manager  # type: ignore[union-attr]  # (filtered above)
+    manager = rows[0][2].manager  # one per engine core: every sequence's grammar comes from it
     words = (vocab_size + 31) // 32
     bits = allocate_token_bitmask(len(rows), manager.vocab_size)
-    matchers = [q.grammar.matcher for _, q in rows]  # type: ignore[union-attr]
-    for (_, q), m in zip(rows, matchers, strict=True):
-        assert q.num_pending == 0, "a constrained sequence is scheduled only with its last token resolved"
+    matchers = [g.matcher for _, _, g in rows]
     if len(rows) >= PARALLEL_FILL_ROWS:
         fill_next_token_bitmask_par(manager.executor, [(m, k) for k, m in enumerate(matchers)], bits)
     else:
@@ -165,10 +167,10 @@ def grammar_bitmask(sampled: Sequence[Seq], vocab_size: int) -> tuple[np.ndarray
         n = min(words, bits.shape[1])
         fit[:, :n] = bits[:, :n]
         bits = fit
-    ignoring = [k for k, (_, q) in enumerate(rows) if q.sampling_params.ignore_eos]
+    ignoring = [k for k, (_, q, _) in enumerate(rows) if q.sampling_params.ignore_eos]
     if ignoring:
         u = bits.view(np.uint32)
         for t in manager.eos_token_ids:
             if t < vocab_size:
                 u[ignoring, t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
-    return np.array([i for i, _ in rows], dtype=np.int64), bits
+    return np.array([i for i, _, _ in rows], dtype=np.int64), bits
