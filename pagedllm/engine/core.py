@@ -7,14 +7,19 @@ output processor's (output_processor.py), which runs on top of the core in LLMEn
 API process of the server, where this core runs in a process of its own (entrypoints/engine_core.py).
 
 Requests come from InputProcessor.process, so the core asserts their preconditions instead of
-checking them again; the one refusal it can still make is a request id already in use.
+checking them again; the refusals it can still make are a request id already in use and a
+structured-output request to a core that was given no grammar tokenizer.
+
+Structured output: the core owns the StructuredOutputManager (structured_output.py); a
+request's first sequence gets its grammar here, compiled in the background while it waits.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import IO
+from collections.abc import Callable
+from typing import IO, TYPE_CHECKING
 
 from pagedllm.engine.beam_search import BeamSearch
 from pagedllm.engine.config import SchedulerConfig
@@ -27,6 +32,11 @@ from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import Sequence, SequenceStatus
 from pagedllm.engine.trace import Tracer
 
+if TYPE_CHECKING:
+    from llguidance import LLTokenizer
+
+    from pagedllm.engine.structured_output import StructuredOutputManager
+
 
 class EngineCore:
     def __init__(
@@ -36,7 +46,10 @@ class EngineCore:
         eos_token_ids: set[int] | frozenset[int] = frozenset(),
         trace_sink: IO[str] | list[dict[str, object]] | None = None,
         async_scheduling: bool = False,
+        grammar_tokenizer: Callable[[], LLTokenizer] | None = None,
     ):
+        """grammar_tokenizer: builds llguidance's tokenizer over the model's vocabulary (called
+        once, on the first structured-output request); None: such requests are refused."""
         self.config = config
         self.executor = executor
         tracer = Tracer(trace_sink) if config.trace_blocks else None
@@ -59,6 +72,8 @@ class EngineCore:
         self._beam_first: dict[str, Sequence] = {}  # beam search: the request's first sequence (its prompt's)
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self._grammar_tokenizer = grammar_tokenizer
+        self.structured_output: StructuredOutputManager | None = None  # made on the first such request
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -73,6 +88,8 @@ class EngineCore:
         if params.use_beam_search:
             self._add_beam_search(rid, ids, params, request.arrival_time)
             return
+        so = params.structured_outputs
+        grammar = None if so is None else self._grammar_manager().grammar_for(so)  # may refuse: before any change
         num = params.num_samples
         seqs = []
         for i in range(num):
@@ -93,6 +110,7 @@ class EngineCore:
             self._index[seq.seq_id] = i
             seqs.append(seq)
         parent = seqs[0]
+        parent.grammar = grammar  # the forks get copies of it when they fork (scheduler.py)
         parent.forks = seqs[1:]
         for child in parent.forks:
             child.fork_parent = parent
@@ -109,6 +127,17 @@ class EngineCore:
         self.requests[rid] = search.beams
         self._beam_first[rid] = seq
         self.scheduler.add(seq)
+
+    def _grammar_manager(self) -> StructuredOutputManager:
+        if self._grammar_tokenizer is None:
+            raise InvalidRequestError(
+                "structured_outputs needs a tokenizer, and this engine has none", "structured_outputs"
+            )
+        if self.structured_output is None:
+            from pagedllm.engine.structured_output import StructuredOutputManager
+
+            self.structured_output = StructuredOutputManager(self._grammar_tokenizer, self.scheduler.eos_token_ids)
+        return self.structured_output
 
     def check_new_request_id(self, request_id: str) -> None:
         if request_id in self.requests:
@@ -150,13 +179,14 @@ class EngineCore:
             return self._step_async()
         sched = self.scheduler.schedule()
         if not sched:
-            return []
+            return self._grammar_failures()
         try:
             result = self.executor.execute(sched)
         except BaseException:
             self.kv.uncache(sched.new_cached)
             raise
-        return self._outputs(self.scheduler.update(sched, result), len(result.sampled), sched.finished_searches)
+        outputs = self._outputs(self.scheduler.update(sched, result), len(result.sampled), sched.finished_searches)
+        return self._grammar_failures() + outputs
 
     def _step_async(self) -> list[EngineCoreOutput]:
         sched = self.scheduler.schedule()
@@ -171,6 +201,7 @@ class EngineCore:
                 result = handle.result()
                 touched = self.scheduler.resolve(prev, result, sched)
                 outputs = self._outputs(touched, len(result.sampled), prev.finished_searches)
+            outputs = self._grammar_failures() + outputs
         except BaseException:
             for failed in (self._inflight[0] if self._inflight else None, sched):
                 if failed is not None:
@@ -222,6 +253,26 @@ class EngineCore:
                 self._forget_if_done(rid, seqs)
         for search in searches:
             outputs += self._beam_outputs(search)
+        return outputs
+
+    def _grammar_failures(self) -> list[EngineCoreOutput]:
+        """Sequences the scheduler aborted because their grammar failed to compile: each ends
+        with no token and finish_reason "abort"."""
+        if not self.scheduler.grammar_failed:
+            return []
+        failed, self.scheduler.grammar_failed = self.scheduler.grammar_failed, []
+        outputs = []
+        for seq in failed:
+            index = self._index.get(seq.seq_id)
+            if index is None:
+                continue
+            outputs.append(
+                EngineCoreOutput(seq.request_id, index, [], seq.finish_reason, None, 0, None, seq.finish_time)
+            )
+        for rid in {s.request_id for s in failed}:
+            seqs = self.requests.get(rid)
+            if seqs is not None:
+                self._forget_if_done(rid, seqs)
         return outputs
 
     def _beam_outputs(self, search: BeamSearch) -> list[EngineCoreOutput]:

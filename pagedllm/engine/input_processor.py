@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagedllm.engine.errors import InvalidRequestError
+from pagedllm.engine.grammar import check_structured_outputs
 from pagedllm.engine.kv_cache_groups import KVCacheGroup, blocks_per_sequence
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.engine.sampling_params import TOKEN_ID_MAX, SamplingParams, has_surrogate
@@ -78,6 +79,7 @@ class InputProcessor:
             self.check_beams_fit(len(ids), params)
         self.check_stop_token_ids(params.stop_token_ids)
         self.check_token_controls(params)
+        check_structured_outputs(params.structured_outputs)
         return EngineCoreRequest(
             request_id=str(request_id),
             prompt=text,

@@ -21,10 +21,17 @@ of a token; the beam then has nothing to compute until every live beam of its re
 result, when the search steps: a beam chosen once is extended in place, one chosen again is
 forked (it shares the blocks; copy-on-write on the partial one), one not chosen is freed at once.
 No beam carries a PLACEHOLDER: async scheduling simply skips beams that wait for their search.
+
+Structured output (structured_output.py): a sequence with a grammar is admitted only once its
+grammar is compiled (it keeps its place in the queue, the ones behind it are admitted meanwhile);
+its matcher consumes each token as it is resolved, and the sequence finishes ("stop") as soon as
+its grammar is complete. Forked sequences get copies of the parent's matcher; a preempted one
+keeps its matcher (its outputs are kept); a finished one drops it.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -34,6 +41,8 @@ from pagedllm.engine.block_pool import Block
 from pagedllm.engine.executor import StepResult, TokenLogprobs
 from pagedllm.engine.kv_cache_manager import KVCacheManager
 from pagedllm.engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger("pagedllm")
 
 PLACEHOLDER = -1  # a sampled token whose id has not reached the host yet (async scheduling)
 
@@ -99,6 +108,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_forked_sequences = 0  # children forked by parallel sampling (a counter, for metrics)
+        self.grammar_failed: list[Sequence] = []  # finished (aborted) because their grammar failed to compile
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -112,8 +122,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if (seq.num_pending and self.reached_length(seq)) or num_new == 0:
-                i += 1  # async: finishes when its last token arrives; a beam waiting for its search
+            # async, a token in flight: a sequence at its length finishes when the token arrives; one
+            # whose next logits depend on its past tokens (penalties, a bad word of several tokens, a
+            # grammar's mask: SamplingParams.needs_output_history) waits for it, it must see the token
+            if (seq.num_pending and (self.reached_length(seq) or seq.sampling_params.needs_output_history)) or (
+                num_new == 0  # a beam waiting for its search
+            ):
+                i += 1
                 continue
             while not self.kv.allocate_slots(seq, num_new):
                 victims = self._preempt_group(self.running[-1].request_id, out)
@@ -145,8 +160,15 @@ class Scheduler:
         if not self.waiting:
             return budget  # the common decode step: no pass over the running sequences' slots
         slots = len(self.running) + len(forked) + sum(self._reserved(s) - 1 for s in self.running)
+        compiling: list[Sequence] = []  # grammars still compiling: they keep their place in the queue
         while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if seq.grammar is not None and not seq.grammar.ready():
+                compiling.append(self.waiting.popleft())
+                continue
+            if seq.grammar is not None and seq.grammar.error is not None:
+                self._grammar_failed(seq)
+                continue
             if slots + self._reserved(seq) > self.max_num_seqs:
                 break
             computed = self.kv.get_computed_blocks(seq)
@@ -159,7 +181,18 @@ class Scheduler:
             slots += self._reserved(seq)
             self._scheduled(out, ScheduledSequence(seq, num_new), forked)
             budget -= num_new
+        self.waiting.extendleft(reversed(compiling))
         return budget
+
+    def _grammar_failed(self, seq: Sequence) -> None:
+        """The edge checked the grammar (grammar.check_structured_outputs), so this is rare (a
+        grammar that compiles alone but not over the tokenizer): the request ends, aborted."""
+        assert seq.grammar is not None
+        logger.error("request %s: its grammar failed to compile: %s", seq.request_id, seq.grammar.error)
+        group = [*seq.forks, seq]
+        for s in group:
+            self.finish(s, SequenceStatus.FINISHED_ABORTED)
+        self.grammar_failed += group
 
     @staticmethod
     def _reserved(seq: Sequence) -> int:
@@ -176,6 +209,8 @@ class Scheduler:
         if seq.forks and sched.samples:
             for child in seq.forks:
                 self.kv.fork(seq, child)
+                if seq.grammar is not None:
+                    child.grammar = seq.grammar.fork()
                 child.fork_parent = None
                 child.status = SequenceStatus.RUNNING
             sched.forks, seq.forks = seq.forks, []
@@ -262,7 +297,9 @@ class Scheduler:
                     registered = self.kv.cache_full_blocks(seq, seq.num_computed_tokens)
                     if inflight is not None:
                         inflight.new_cached += registered
-                status = self.check_stop(seq, token, idx + 1)
+                status = self._grammar_stop(seq, token) if seq.grammar is not None else None
+                if status is None:
+                    status = self.check_stop(seq, token, idx + 1)
                 if status is not None:
                     self.finish(seq, status, now)
                 touched.append((seq, None if logprobs is None else logprobs[row]))
@@ -330,6 +367,19 @@ class Scheduler:
             if 0 <= skip < len(chunk.entries):
                 seq.prompt_logprobs += chunk.entries[skip:]
 
+    @staticmethod
+    def _grammar_stop(seq: Sequence, token: int) -> SequenceStatus | None:
+        """Advance the sequence's matcher by its new token. A complete grammar ends the sequence
+        ("stop", also with ignore_eos and before min_tokens: nothing else could follow). A token
+        the grammar refuses means the mask was not applied: the sequence ends, aborted (logged)."""
+        assert seq.grammar is not None
+        if not seq.grammar.accept(token):
+            return SequenceStatus.FINISHED_ABORTED
+        if seq.grammar.is_stopped:
+            seq.stop_reason = None
+            return SequenceStatus.FINISHED_STOPPED
+        return None
+
     def check_stop(self, seq: Sequence, token: int, num_tokens: int) -> SequenceStatus | None:
         """Stop after `token`, the sequence's num_tokens-th token? EOS and stop token ids first
         (once min_tokens are out), then max_tokens and max_model_len."""
@@ -362,6 +412,7 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         self.kv.free(seq)
+        seq.grammar = None
         if seq.num_pending:  # tokens of a step launched meanwhile: never sampled
             del seq.token_ids[-seq.num_pending :]
             seq.num_pending = 0

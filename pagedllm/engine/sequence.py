@@ -12,6 +12,7 @@ from pagedllm.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pagedllm.engine.beam_search import BeamSearch
+    from pagedllm.engine.structured_output import SequenceGrammar
 
 
 class SequenceStatus(enum.Enum):
@@ -81,6 +82,8 @@ class Sequence:
         self.beam: BeamSearch | None = None
         self.beam_result: TokenLogprobs | None = None
         self.num_pending = 0  # trailing PLACEHOLDER tokens (async scheduling)
+        # structured output: the grammar its output must match (structured_output.py); None: free
+        self.grammar: SequenceGrammar | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
         self.finish_time: float | None = None

@@ -39,6 +39,7 @@ class SamplingTensors:
     need_min_p: bool
     seeds: torch.Tensor | None = None  # [B] int64 Philox row seeds (CUDA); None: torch generators
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None  # ([M] rows, [M] ids) int64: -inf
+    token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None  # structured output: ([R] rows, [R, W] bits)
 
 
 def seeded_rows(inp: StepInputs) -> tuple[np.ndarray, np.ndarray]:
@@ -97,6 +98,7 @@ def sampling_tensors(
         need_min_p=bool((inp.min_p > 0).any()),
         seeds=seeds,
         min_tokens_mask=None if mask is None else (to_device(mask[0]), to_device(mask[1])),
+        token_bitmask=None if inp.token_bitmask is None else tuple(to_device(a) for a in inp.token_bitmask),  # type: ignore[arg-type]
     )
 
 
@@ -124,6 +126,10 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """logits: [B, V] -> token ids [B] (int64, on the logits' device).
 
     With a min_tokens mask the logits are written in place (the runner's own buffer)."""
+    if t.token_bitmask is not None:  # structured output: only the grammar's allowed tokens stay
+        from pagedllm.ops.token_bitmask import apply_token_bitmask
+
+        apply_token_bitmask(logits, *t.token_bitmask)
     if t.min_tokens_mask is not None:
         rows, ids = t.min_tokens_mask
         logits[rows, ids] = float("-inf")  # a host scalar: no copy, no sync

@@ -15,6 +15,7 @@ import numpy as np
 from pagedllm.engine.kv_cache_groups import KVCacheGroup
 from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.engine.sequence import Sequence
+from pagedllm.engine.structured_output import grammar_bitmask
 
 
 @dataclass
@@ -204,6 +205,7 @@ def build_step_inputs(
         num_logprobs=num_logprobs if any(k is not None for k in num_logprobs) else None,
         prompt_logprobs=prompt_logprobs_rows(sched, cu, start, end),
         group_tables=group_tables,
+        token_bitmask=grammar_bitmask(sampled, vocab_size),
     )
 
 

@@ -1,0 +1,218 @@
+"""Structured output through the real engine on the bundled model: every sampled output matches its
+JSON schema / regex / choices / grammar, also with n > 1, async scheduling, preemption and
+streaming; grammars that cannot compile are refused naming the field; compiled grammars are cached."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from pagedllm import LLM, SamplingParams, default_model_path
+from pagedllm.engine import LLMEngine, SchedulerConfig
+from pagedllm.engine.errors import InvalidRequestError
+from pagedllm.engine.sampling_params import StructuredOutputsParams as SO
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "kind": {"enum": ["cat", "dog", "bird"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2},
+        "pos": {
+            "type": "object",
+            "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 99}},
+            "required": ["x"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "kind", "tags", "pos"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-z]{2,5}@[a-z]{3}\.(com|org)"
+CHOICES = ["yes", "no", "maybe so"]
+LARK = 'start: "(" num (OP num)* ")"\nnum: /[0-9]{1,2}/\nOP: "+" | "*"'
+LARK_RE = r"\([0-9]{1,2}([+*][0-9]{1,2})*\)"
+GBNF = 'root ::= "<" [a-c] [a-c]? [a-c]? ">"'  # llama.cpp's syntax: converted to Lark
+MAX_TOKENS = 80
+PROMPT = "def main():"
+
+
+def valid(text: str, so: SO) -> bool:
+    if so.json is not None:
+        jsonschema.validate(json.loads(text), so.json if isinstance(so.json, dict) else json.loads(so.json))
+        return True
+    if so.json_object:
+        return isinstance(json.loads(text), dict)
+    if so.regex is not None:
+        return re.fullmatch(so.regex, text) is not None
+    if so.choice is not None:
+        return text in so.choice
+    return re.fullmatch(LARK_RE if so.grammar == LARK else r"<[a-c]{1,3}>", text) is not None
+
+
+CASES = {
+    "json_schema": SO(json=SCHEMA),
+    "json_text": SO(json=json.dumps(SCHEMA["properties"]["pos"])),  # the schema as JSON text
+    "json_object": SO(json_object=True),
+    "regex": SO(regex=REGEX),
+    "choice": SO(choice=CHOICES),
+    "lark": SO(grammar=LARK),
+    "gbnf": SO(grammar=GBNF),
+}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM(default_model_path(), device="cpu", num_kv_blocks=96, block_size=8, max_model_len=256) as llm:
+        yield llm
+
+
+def engine_over(llm: LLM, *, async_scheduling: bool, num_kv_blocks: int, tokenizer: bool = True) -> LLMEngine:
+    """Another engine over the fixture's runner (a smaller share of its KV pool)."""
+    cfg = SchedulerConfig(num_kv_blocks=num_kv_blocks, block_size=8, max_num_seqs=16, max_model_len=256)
+    return LLMEngine(
+        cfg,
+        llm.runner,
+        llm.tokenizer if tokenizer else None,
+        llm.engine.scheduler.eos_token_ids,
+        vocab_size=llm.engine.vocab_size,
+        async_scheduling=async_scheduling,
+    )
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_sample_matches_its_constraint(llm, case):
+    so = CASES[case]
+    params = [
+        SamplingParams(temperature=t, seed=i, max_tokens=MAX_TOKENS, structured_outputs=so)
+        for i, t in enumerate((0.7, 0.85, 1.0, 1.0))
+    ]
+    outs = [o.outputs[0] for o in llm.generate([PROMPT] * len(params), params, use_tqdm=False)]
+    if case == "json_object":  # any object: its strings are unbounded, a sample may run out of tokens
+        assert all(c.text.startswith("{") for c in outs) and sum(c.finish_reason == "stop" for c in outs) >= 2
+        outs = [c for c in outs if c.finish_reason == "stop"]
+    for c in outs:
+        assert c.finish_reason == "stop" and valid(c.text, so), (case, c.text, c.finish_reason)
+
+
+def outside_strings(text: str) -> str:
+    return re.sub(r'"(\\.|[^"\\])*"', '""', text)
+
+
+def test_json_whitespace(llm):
+    """disable_any_whitespace (the default) writes JSON with no whitespace between its tokens;
+    False lets the model write llguidance's flexible whitespace (here: it does, and stays valid)."""
+    outs = llm.generate(
+        [PROMPT] * 3,
+        [
+            SamplingParams(temperature=1.0, seed=s, max_tokens=MAX_TOKENS, structured_outputs=SO(json=SCHEMA, disable_any_whitespace=d))
+            for s in (1, 2)
+            for d in (True, False)
+            if s != 2 or not d
+        ],
+        use_tqdm=False,
+    )  # fmt: skip
+    compact, free = [outs[0].outputs[0].text], [outs[1].outputs[0], outs[2].outputs[0]]
+    assert all(valid(t, SO(json=SCHEMA)) and not re.search(r"\s", outside_strings(t)) for t in compact), compact
+    assert all(c.finish_reason == "length" or valid(c.text, SO(json=SCHEMA)) for c in free)
+    assert any(re.search(r"\s", outside_strings(c.text)) for c in free), [c.text for c in free]
+
+
+def test_grammar_completion_ends_the_sequence_with_ignore_eos_and_min_tokens(llm):
+    """A complete grammar ends the sequence ("stop") even with ignore_eos or a min_tokens it has
+    not reached: nothing else could follow."""
+    so = SO(choice=CHOICES)
+    params = [
+        SamplingParams(temperature=1.0, seed=1, max_tokens=20, ignore_eos=True, structured_outputs=so),
+        SamplingParams(temperature=1.0, seed=2, max_tokens=20, min_tokens=10, structured_outputs=so),
+    ]
+    for out in llm.generate([PROMPT] * 2, params, use_tqdm=False):
+        assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text in CHOICES
+
+
+def test_n3_async_preemption_and_streaming(llm):
+    """n=3 forks copy the matcher; async scheduling holds a constrained sequence back while its
+    token is in flight; a pool small enough to preempt keeps the matchers across recompute;
+    streamed deltas add up to valid outputs."""
+    engine = engine_over(llm, async_scheduling=True, num_kv_blocks=24)
+    so = {"a": SO(json=SCHEMA), "b": SO(regex=REGEX), "c": SO(grammar=LARK)}
+    for rid, s in so.items():
+        engine.add_request(rid, PROMPT, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=MAX_TOKENS, structured_outputs=s))  # fmt: skip
+    for k in range(2):  # unconstrained long ones compete for the blocks
+        engine.add_request(f"free{k}", PROMPT, SamplingParams(temperature=1.0, seed=k, max_tokens=100, ignore_eos=True))  # fmt: skip
+    streamed: dict[tuple[str, int], str] = {}
+    final = {}
+    constrained_preempted = 0
+    while engine.has_unfinished_requests():
+        seqs = [q for rid in so for q in engine.core.requests.get(rid, [])]
+        constrained_preempted = max(constrained_preempted, sum(q.num_preemptions for q in seqs))
+        for out in engine.step():
+            for c in out.outputs:
+                streamed[out.request_id, c.index] = streamed.get((out.request_id, c.index), "") + c.delta_text
+            if out.finished:
+                final[out.request_id] = out
+    assert constrained_preempted > 0  # constrained sequences themselves were recomputed
+    for rid, s in so.items():
+        outs = final[rid].outputs
+        assert len(outs) == 3
+        for c in outs:
+            assert c.finish_reason == "stop" and valid(c.text, s), (rid, c.text)
+            assert streamed[rid, c.index] == c.text
+        assert len({c.text for c in outs}) > 1  # three samples, not one copied
+
+
+def test_async_constrained_sequence_waits_for_its_token(llm):
+    """Under async scheduling, a sequence whose next logits need its last token (a grammar, a
+    penalty) is not launched again until that token is resolved; a free one is launched every step."""
+    engine = engine_over(llm, async_scheduling=True, num_kv_blocks=40)
+    engine.add_request("g", PROMPT, SamplingParams(temperature=1.0, seed=1, max_tokens=12, structured_outputs=SO(regex="[a-z]{12}")))  # fmt: skip
+    engine.add_request("p", PROMPT, SamplingParams(temperature=1.0, seed=1, max_tokens=12, presence_penalty=1.0))
+    engine.add_request("f", PROMPT, SamplingParams(temperature=1.0, seed=1, max_tokens=12, ignore_eos=True))
+    launches: list[set[str]] = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        inflight = engine.core._inflight
+        launches.append(set() if inflight is None else {s.seq.request_id for s in inflight[0].scheduled})
+    for a, b in zip(launches, launches[1:], strict=False):
+        assert not ({"g", "p"} & a & b), launches  # never in two launches in a row
+    assert any("f" in a and "f" in b for a, b in zip(launches, launches[1:], strict=False))
+
+
+@pytest.mark.parametrize(
+    ("so", "needle"),
+    [
+        (SO(json={"type": "object", "properties": {"a": {"type": "frob"}}}), "frob"),
+        (SO(json="{not json"), "json"),
+        (SO(regex="a(b"), "unclosed group"),
+        (SO(grammar="start: undefined_rule"), "undefined_rule"),
+    ],
+)
+def test_grammar_that_cannot_compile_is_refused(llm, so, needle):
+    with pytest.raises(InvalidRequestError) as e:
+        llm.generate([PROMPT], SamplingParams(max_tokens=4, structured_outputs=so), use_tqdm=False)
+    assert e.value.param == "structured_outputs" and needle in str(e.value), str(e.value)
+
+
+def test_core_without_tokenizer_refuses(llm):
+    engine = engine_over(llm, async_scheduling=False, num_kv_blocks=16, tokenizer=False)
+    with pytest.raises(InvalidRequestError) as e:
+        engine.add_request("x", [5, 6, 7], SamplingParams(max_tokens=4, structured_outputs=SO(choice=["a"])))
+    assert e.value.param == "structured_outputs"
+    assert not engine.has_unfinished_requests()
+
+
+def test_compiled_grammar_is_cached(llm):
+    def run(so: SO) -> None:
+        llm.generate([PROMPT], SamplingParams(temperature=1.0, seed=0, max_tokens=20, structured_outputs=so), use_tqdm=False)  # fmt: skip
+
+    run(SO(regex="[0-9]{3}"))
+    manager = llm.engine.core.structured_output
+    assert manager is not None
+    before = manager.num_compiled
+    run(SO(regex="[0-9]{3}"))  # the same grammar: not compiled again
+    assert manager.num_compiled == before
+    run(SO(regex="[0-9]{4}"))
+    assert manager.num_compiled == before + 1
