@@ -6,9 +6,9 @@ into views. `apply_logits_controls` then works in float32 on the rows that use a
 
 1. allowed_token_ids: the other ids of those rows get -inf;
 2. additions: logit_bias values, -inf for the banned last token of a bad word;
-3. penalties: counts of the output tokens by one scatter-add over a [P, V] buffer; a token seen in
+3. penalties, by gathers and scatters over the history ids (no [P, V] buffer): a token seen in
    the prompt or the output is divided (logit > 0) or multiplied by repetition_penalty, then
-   logit -= frequency * count + presence * (count > 0).
+   logit -= frequency * count + presence * (count > 0), count over the output.
 
 vLLM's order; -inf stays -inf through every later step, so a forbidden token is never drawn.
 """
@@ -58,32 +58,44 @@ class ControlTensors:
 
 
 def apply_penalties(
-    logits: torch.Tensor, penalties: torch.Tensor, prompt_index: torch.Tensor, output_index: torch.Tensor,
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    penalties: torch.Tensor,
+    prompt_index: torch.Tensor,
+    output_index: torch.Tensor,
     flags: tuple[bool, bool],
-) -> torch.Tensor:
-    """logits [P, V] float32 of the penalized rows -> penalized (a new tensor). flags:
-    (any_repetition, any_presence_frequency), known on the host."""
-    any_repetition, any_presence_frequency = flags
-    p, v = logits.shape
-    counts = torch.zeros(p * v, dtype=torch.float32, device=logits.device)
-    counts.index_add_(0, output_index, torch.ones_like(output_index, dtype=torch.float32))
-    counts = counts.view(p, v)
-    in_output = counts > 0
-    if any_repetition:
-        seen = in_output.clone()
-        seen.view(-1).index_fill_(0, prompt_index, True)
-        rep = torch.where(seen, penalties[:, 2:3], 1.0)
-        logits = torch.where(logits > 0, logits / rep, logits * rep)
-    if any_presence_frequency:
-        logits = logits - penalties[:, 1:2] * counts - penalties[:, 0:1] * in_output
-    return logits
+) -> None:
+    """logits [B, V] float32 contiguous, in place: the penalized sample rows `rows` [P], their
+    (presence, frequency, repetition) [P, 3]. flags: (any_repetition, any_presence_frequency),
+    known on the host.
+
+    Work in proportion to the tokens of the histories, not to P * V: every step gathers the
+    logits of the history ids, transforms them and scatters them back. An id occurring several
+    times is written several times with the same value (each computed from the same gathered
+    logit), so plain scatters are exact; only frequency accumulates, once per occurrence."""
+    v = logits.shape[-1]
+    flat = logits.view(-1)
+
+    def target(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        p = torch.div(index, v, rounding_mode="floor")  # the penalized row of each index
+        return rows[p] * v + (index - p * v), p
+
+    out_at, out_row = target(output_index)
+    if flags[0]:
+        prompt_at, prompt_row = target(prompt_index)
+        at, row = torch.cat([prompt_at, out_at]), torch.cat([prompt_row, out_row])
+        x, r = flat[at], penalties[row, 2]
+        flat[at] = torch.where(x > 0, x / r, x * r)
+    if flags[1]:
+        flat[out_at] = flat[out_at] - penalties[out_row, 0]  # presence: once per distinct id
+        flat.index_add_(0, out_at, -penalties[out_row, 1])  # frequency: once per occurrence
 
 
 def apply_logits_controls(logits: torch.Tensor, c: ControlTensors) -> torch.Tensor:
     """logits [B, V] -> the controlled logits, float32: written in place when they already are,
     else in a float32 copy (the controls compute in float32, as vLLM's sampler)."""
-    if logits.dtype != torch.float32:
-        logits = logits.float()
+    if logits.dtype != torch.float32 or not logits.is_contiguous():
+        logits = logits.float().contiguous()
     v = logits.shape[-1]
     assert v == c.vocab_size, (v, c.vocab_size)
     if len(c.allowed_rows):
@@ -94,7 +106,6 @@ def apply_logits_controls(logits: torch.Tensor, c: ControlTensors) -> torch.Tens
     if len(c.add_rows):
         logits.index_put_((c.add_rows, c.add_ids), c.add_values, accumulate=True)
     if len(c.penalty_rows):
-        sub = logits.index_select(0, c.penalty_rows)
         flags = (c.any_repetition, c.any_presence_frequency)
-        logits.index_copy_(0, c.penalty_rows, apply_penalties(sub, c.penalties, c.prompt_index, c.output_index, flags))
+        apply_penalties(logits, c.penalty_rows, c.penalties, c.prompt_index, c.output_index, flags)
     return logits

@@ -61,7 +61,15 @@ class LogitsControls:
     allowed_rows: np.ndarray  # [A] int64 sample rows
     allowed_index: np.ndarray  # [M] int64 flat index
 
-    INT_FIELDS: ClassVar[tuple[str, ...]] = ("penalty_rows", "prompt_index", "output_index", "add_rows", "add_ids", "allowed_rows", "allowed_index")
+    INT_FIELDS: ClassVar[tuple[str, ...]] = (
+        "penalty_rows",
+        "prompt_index",
+        "output_index",
+        "add_rows",
+        "add_ids",
+        "allowed_rows",
+        "allowed_index",
+    )
 
     def int_sizes(self) -> list[int]:
         return [len(getattr(self, f)) for f in self.INT_FIELDS]
@@ -117,9 +125,12 @@ def _flat(parts: list[np.ndarray], vocab_size: int) -> np.ndarray:
     if not parts:
         return _NO_IDS
     ids = np.concatenate(parts)
-    rows = np.repeat(np.arange(len(parts), dtype=np.int64), [len(p) for p in parts])
-    keep = (ids >= 0) & (ids < vocab_size)
-    return (rows * vocab_size + ids)[keep]
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):  # rare: a boolean index is slow
+        parts = [p[(p >= 0) & (p < vocab_size)] for p in parts]
+        ids = np.concatenate(parts)
+    flat = np.repeat(np.arange(len(parts), dtype=np.int64) * vocab_size, [len(p) for p in parts])
+    flat += ids
+    return flat
 
 
 def _bad_word_bans(seq: Sequence, history: TokenHistory) -> list[int]:

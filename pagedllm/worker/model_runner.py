@@ -34,10 +34,10 @@ from pagedllm.worker.device import resolve_device as resolve_device  # re-export
 from pagedllm.worker.device import resolve_dtype as resolve_dtype
 from pagedllm.worker.kv_cache import allocate_kv_cache, block_bytes, groups_of, log_kv_cache
 from pagedllm.worker.kv_scales import CALIBRATION_SEQ_LEN, CALIBRATION_TOKENS, choose_kv_scales
+from pagedllm.worker.logits_controls import TokenHistory
 from pagedllm.worker.logprobs import PendingSampleLogprobs, prompt_logprobs
 from pagedllm.worker.sampler import sample, sampling_tensors
 from pagedllm.worker.step_handle import LaunchedStep, StepHandle
-from pagedllm.worker.logits_controls import TokenHistory
 from pagedllm.worker.step_inputs import BlockTableRows, StepInputs, build_step_inputs
 
 if TYPE_CHECKING:

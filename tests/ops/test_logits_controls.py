@@ -62,7 +62,9 @@ def test_presence_and_frequency_count_output_tokens_only():
 def test_logit_bias_equals_hf_sequence_bias_and_runs_before_the_penalty():
     bias = {3: 5.0, 10: -2.5, V + 100: 1.0}  # an id past the logits has nothing to bias
     logits = random_logits(2)
-    got = controlled(logits, [seq([1], [], logit_bias=bias), seq([1], [3], logit_bias={3: 2.0}, repetition_penalty=2.0)])
+    got = controlled(
+        logits, [seq([1], [], logit_bias=bias), seq([1], [3], logit_bias={3: 2.0}, repetition_penalty=2.0)]
+    )
     hf = SequenceBiasLogitsProcessor({(3,): 5.0, (10,): -2.5})(torch.tensor([[1]]), logits[:1].clone())[0]
     torch.testing.assert_close(got[0], hf)
     biased = logits[1, 3] + 2.0  # vLLM's order: bias, then the penalty
@@ -131,3 +133,36 @@ def test_packed_arrays_are_two():
     ints, floats = c.packed()
     assert ints.dtype == np.int64 and floats.dtype == np.float32
     assert len(ints) == sum(c.int_sizes()) and len(floats) == 3 + 1
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_sample_never_draws_what_the_bitmask_or_controls_forbid(top_p):
+    from pagedllm.worker.sampler import SamplingTensors, sample
+
+    b = 64
+    allowed = [3, 17, 40, 63]
+    bits = np.zeros((b // 2, (V + 31) // 32), dtype=np.int64)
+    for t in allowed:
+        bits[:, t // 32] |= 1 << (t % 32)
+    bits = bits.astype(np.uint32).view(np.int32)  # bit 31 set is a negative int32 word
+    seqs = [seq([1], [], allowed_token_ids=[5, 6]) if i % 2 else seq([1], []) for i in range(b)]
+    c = build_logits_controls(seqs, V, TokenHistory())
+    temperature = torch.tensor([0.0] + [1.0] * (b - 1))
+    t = SamplingTensors(
+        temperature=temperature,
+        top_k=torch.full((b,), V),
+        top_p=torch.full((b,), top_p),
+        min_p=torch.zeros(b),
+        generators=[None] * b,
+        all_greedy=False,
+        any_greedy=True,
+        need_top_k_p=top_p < 1,
+        need_min_p=False,
+        controls=ControlTensors.to_device(c, torch.from_numpy),
+        token_bitmask=(torch.arange(0, b, 2), torch.from_numpy(bits)),  # the even rows
+    )
+    for s in range(5):
+        torch.manual_seed(s)
+        got = sample(random_logits(b, seed=s) * 3, t).tolist()
+        assert all(got[i] in allowed for i in range(0, b, 2)), got
+        assert all(got[i] in (5, 6) for i in range(1, b, 2)), got
