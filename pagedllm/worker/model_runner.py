@@ -34,6 +34,7 @@ from pagedllm.worker.device import resolve_device as resolve_device  # re-export
 from pagedllm.worker.device import resolve_dtype as resolve_dtype
 from pagedllm.worker.kv_cache import allocate_kv_cache, block_bytes, groups_of, log_kv_cache
 from pagedllm.worker.kv_scales import CALIBRATION_SEQ_LEN, CALIBRATION_TOKENS, choose_kv_scales
+from pagedllm.worker.logits_controls import TokenHistory
 from pagedllm.worker.logprobs import PendingSampleLogprobs, prompt_logprobs
 from pagedllm.worker.sampler import sample, sampling_tensors
 from pagedllm.worker.step_handle import LaunchedStep, StepHandle
@@ -123,6 +124,7 @@ class ModelRunner:
             self._warm_up_kernels()
         self._seed_rng = np.random.default_rng(seed)
         self._block_table_rows = BlockTableRows()  # the scheduled sequences' tables as arrays, across steps
+        self._token_history = TokenHistory()  # penalized sequences' token ids as arrays, across steps
         self._last_sampled: torch.Tensor | None = None  # async scheduling: the previous step's ids
         self._last_sample_seq_ids: list[int] = []  # ... and whose they are, row by row
         self._host_ids = [
@@ -285,7 +287,13 @@ class ModelRunner:
 
     def step_inputs(self, out: SchedulerOutput) -> StepInputs:
         return build_step_inputs(
-            out, self.block_size, self.vocab_size, self.eos_token_ids, self.kv_cache_groups, self._block_table_rows
+            out,
+            self.block_size,
+            self.vocab_size,
+            self.eos_token_ids,
+            self.kv_cache_groups,
+            self._block_table_rows,
+            self._token_history,
         )
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Batched sampling on the device: greedy, temperature, top-k, top-p, min-p, min_tokens.
+"""Batched sampling on the device: greedy, temperature, top-k, top-p, min-p, min_tokens, the token
+controls (penalties, logit_bias, allowed_token_ids, bad words) and the structured-output bitmask.
 
 Sampling uses the exponential-race trick, argmax(p / E) with E ~ Exp(1), which draws from p.
 
@@ -11,8 +12,13 @@ same tokens whatever else is in the batch:
 - elsewhere (CPU), torch's generators: a seeded row draws from a generator the runner seeded
   with its row seed for this token (`SamplingTensors.generators`).
 
-min_tokens: the (row, id) pairs of `SamplingTensors.min_tokens_mask` are set to -inf in the
-logits first, on every path (greedy rows too); a batch without it pays nothing.
+Before any of that, on every path (greedy rows too), in vLLM's order:
+1. min_tokens: the (row, id) pairs of `SamplingTensors.min_tokens_mask` are set to -inf;
+2. the token controls (`pagedllm.ops.logits_controls`; the rows that use one, in float32);
+3. the structured-output bitmask (`pagedllm.ops.token_bitmask`): a token the grammar forbids is -inf.
+A -inf logit is never drawn whatever the temperature, top-k, top-p or min-p (its probability is 0;
+the fused kernel's score stays -inf). A batch with none of these pays nothing: each is None and
+the step samples exactly as without them (the fused kernel included).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedllm.ops.logits_controls import ControlTensors, apply_logits_controls
 from pagedllm.worker.step_inputs import StepInputs
 
 
@@ -39,7 +46,8 @@ class SamplingTensors:
     need_min_p: bool
     seeds: torch.Tensor | None = None  # [B] int64 Philox row seeds (CUDA); None: torch generators
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None  # ([M] rows, [M] ids) int64: -inf
-    token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None  # structured output: ([R] rows, [R, W] bits)
+    controls: ControlTensors | None = None  # penalties, logit_bias, allowed_token_ids, bad words
+    token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None  # ([R] rows int64, [R, W] int32 bits)
 
 
 def seeded_rows(inp: StepInputs) -> tuple[np.ndarray, np.ndarray]:
@@ -86,6 +94,7 @@ def sampling_tensors(
         base[rows] = own
         seeds = to_device(base)
     mask = inp.min_tokens_mask
+    bits = inp.token_bitmask
     return SamplingTensors(
         temperature=to_device(temperature),
         top_k=to_device(inp.top_k),
@@ -98,7 +107,8 @@ def sampling_tensors(
         need_min_p=bool((inp.min_p > 0).any()),
         seeds=seeds,
         min_tokens_mask=None if mask is None else (to_device(mask[0]), to_device(mask[1])),
-        token_bitmask=None if inp.token_bitmask is None else tuple(to_device(a) for a in inp.token_bitmask),  # type: ignore[arg-type]
+        controls=None if inp.logits_controls is None else ControlTensors.to_device(inp.logits_controls, to_device),
+        token_bitmask=None if bits is None else (to_device(bits[0]), to_device(bits[1])),
     )
 
 
@@ -125,14 +135,17 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
 def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """logits: [B, V] -> token ids [B] (int64, on the logits' device).
 
-    With a min_tokens mask the logits are written in place (the runner's own buffer)."""
-    if t.token_bitmask is not None:  # structured output: only the grammar's allowed tokens stay
-        from pagedllm.ops.token_bitmask import apply_token_bitmask
-
-        apply_token_bitmask(logits, *t.token_bitmask)
+    With a min_tokens mask, controls or a bitmask the logits are written in place (the runner's
+    own buffer; with controls, a float32 copy of it unless it is float32 already)."""
     if t.min_tokens_mask is not None:
         rows, ids = t.min_tokens_mask
         logits[rows, ids] = float("-inf")  # a host scalar: no copy, no sync
+    if t.controls is not None:
+        logits = apply_logits_controls(logits, t.controls)
+    if t.token_bitmask is not None:
+        from pagedllm.ops.token_bitmask import apply_token_bitmask
+
+        apply_token_bitmask(logits, *t.token_bitmask)
     if t.all_greedy:
         return logits.argmax(dim=-1)  # exact in any float dtype: no fp32 copy
     if t.seeds is not None and not (t.need_top_k_p or t.need_min_p):

@@ -16,6 +16,7 @@ from pagedllm.engine.kv_cache_groups import KVCacheGroup
 from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.engine.sequence import Sequence
 from pagedllm.engine.structured_output import grammar_bitmask
+from pagedllm.worker.logits_controls import LogitsControls, TokenHistory, build_logits_controls, uses_logits_controls
 
 
 @dataclass
@@ -65,6 +66,9 @@ class StepInputs:
     # structured output: (sample rows [R] int64, allowed-token bits [R, ceil(V / 32)] int32, bit j % 32
     # of word j // 32 set when token j may be drawn; ops/token_bitmask.py); None: no row is constrained
     token_bitmask: tuple[np.ndarray, np.ndarray] | None = None
+    # penalties, logit_bias, allowed_token_ids, bad words of the sample rows that use one
+    # (worker/logits_controls.py); None when no row does (the common case costs nothing)
+    logits_controls: LogitsControls | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -141,10 +145,12 @@ def build_step_inputs(
     eos_token_ids: frozenset[int],
     groups: tuple[KVCacheGroup, ...] = (),
     table_rows: BlockTableRows | None = None,
+    history: TokenHistory | None = None,
 ) -> StepInputs:
     """eos_token_ids: the scheduler's own set (what ends a sequence), masked for min_tokens.
     groups: the model's KV-cache groups (one full-attention group when empty); table_rows: the caller's
-    BlockTableRows, kept across its steps (None: built afresh)."""
+    BlockTableRows, kept across its steps (None: built afresh); history: the caller's TokenHistory for
+    the penalties and bad words, kept across its steps alike."""
     sched = out.scheduled
     n_new = np.fromiter((s.num_new_tokens for s in sched), dtype=np.int64, count=len(sched))
     start = np.fromiter((s.seq.num_computed_tokens for s in sched), dtype=np.int64, count=len(sched))
@@ -180,6 +186,9 @@ def build_step_inputs(
     params = [q.sampling_params for q in sampled]
     any_min_tokens = any(p.min_tokens for p in params)
     num_logprobs = [q.num_logprobs for q in sampled]
+    controls = None
+    if any(uses_logits_controls(p) for p in params):
+        controls = build_logits_controls(sampled, vocab_size, history or TokenHistory())
     return StepInputs(
         input_ids=input_ids,
         positions=positions,
@@ -206,6 +215,7 @@ def build_step_inputs(
         prompt_logprobs=prompt_logprobs_rows(sched, cu, start, end),
         group_tables=group_tables,
         token_bitmask=grammar_bitmask(sampled, vocab_size),
+        logits_controls=controls,
     )
 
 
