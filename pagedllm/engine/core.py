@@ -245,6 +245,7 @@ class EngineCore:
                     seq.stop_reason,
                     seq.finish_time,
                 )
+                out.stop_token = seq.stopped_on_token
                 done.append(seq.request_id)
             outputs.append(out)
         for rid in done:

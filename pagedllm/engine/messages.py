@@ -70,6 +70,9 @@ class EngineCoreOutput:
     # new_token_ids = all its output tokens) with its cumulative logprob and score
     cumulative_logprob: float | None = None
     score: float | None = None
+    # finished by an EOS or stop token id: the output processor leaves that token's text out
+    # (unless include_stop_str_in_output); a grammar that completes on a token of its own shows it
+    stop_token: bool = False
 
     def __reduce__(self) -> tuple[type[EngineCoreOutput], tuple[Any, ...]]:
         return (EngineCoreOutput, _row(self))
@@ -90,6 +93,7 @@ def _row(o: EngineCoreOutput) -> tuple[Any, ...]:
         o.prompt_logprobs,
         o.cumulative_logprob,
         o.score,
+        o.stop_token,
     )
 
 

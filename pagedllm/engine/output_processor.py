@@ -20,8 +20,7 @@ Invariants:
   (longest stop string - 1) characters are held back from `delta_text`.
 - output switches (SamplingParams): `detokenize` False: no text at all (""); skip_special_tokens
   and spaces_between_special_tokens choose the request's decoder (detokenizer.py).
-- a sequence that stops on a stop token or EOS (finish_reason "stop", stop_reason not a
-  string) keeps that token's id but not its text, unless include_stop_str_in_output (vLLM's
+- a sequence that stops on a stop token or EOS (`EngineCoreOutput.stop_token`) keeps that token's id but not its text, unless include_stop_str_in_output (vLLM's
   rule): the token is never fed to the detokenizer (`SequenceState.hide_last`).
 - stop strings: not before min_tokens output tokens, not on the token that finished the sequence
   anyway (EOS, stop token, length), searched only where the newest token's text can complete one;
@@ -217,12 +216,7 @@ class OutputProcessor:
 
     def _append(self, state: RequestState, seq: SequenceState, out: EngineCoreOutput) -> bool:
         """Apply one core output; True when a stop string ended the sequence."""
-        seq.hide_last = (
-            out.finish_reason == "stop"
-            and not isinstance(out.stop_reason, str)
-            and not state.params.include_stop_str_in_output
-            and bool(out.new_token_ids)
-        )
+        seq.hide_last = out.stop_token and not state.params.include_stop_str_in_output and bool(out.new_token_ids)
         if out.new_token_ids:
             start = len(seq.token_ids)
             seq.token_ids.extend(out.new_token_ids)

@@ -367,16 +367,15 @@ class Scheduler:
             if 0 <= skip < len(chunk.entries):
                 seq.prompt_logprobs += chunk.entries[skip:]
 
-    @staticmethod
-    def _grammar_stop(seq: Sequence, token: int) -> SequenceStatus | None:
+    def _grammar_stop(self, seq: Sequence, token: int) -> SequenceStatus | None:
         """Advance the sequence's matcher by its new token. A complete grammar ends the sequence
         ("stop", also with ignore_eos and before min_tokens: nothing else could follow). A token
         the grammar refuses means the mask was not applied: the sequence ends, aborted (logged)."""
         assert seq.grammar is not None
         if not seq.grammar.accept(token):
             return SequenceStatus.FINISHED_ABORTED
-        if seq.grammar.is_stopped:
-            seq.stop_reason = None
+        if seq.grammar.is_stopped:  # the last token is the grammar's (its text is shown), or EOS
+            seq.stop_reason, seq.stopped_on_token = None, token in self.eos_token_ids
             return SequenceStatus.FINISHED_STOPPED
         return None
 
@@ -387,10 +386,10 @@ class Scheduler:
         num_output = num_tokens - seq.num_prompt_tokens
         if num_output >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
-                seq.stop_reason = None
+                seq.stop_reason, seq.stopped_on_token = None, True
                 return SequenceStatus.FINISHED_STOPPED
             if p.stop_token_ids and token in p.stop_token_ids:
-                seq.stop_reason = token
+                seq.stop_reason, seq.stopped_on_token = token, True
                 return SequenceStatus.FINISHED_STOPPED
         if num_output >= p.max_tokens or num_tokens >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH

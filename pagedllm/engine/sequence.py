@@ -88,6 +88,7 @@ class Sequence:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.stop_reason: int | str | None = None
+        self.stopped_on_token = False  # finished by an EOS or stop token id (its text is not shown)
 
     @property
     def block_table(self) -> list[int]:

@@ -27,25 +27,7 @@ TIME = 438  # the bundled tokenizer's "time": greedy on PROMPT writes " time tim
 # Fields whose effect lives in work that lands separately (the sampler's penalties and token
 # controls, structured output, tool calls and chat-template options): their cases below check the
 # effect and fail until that work is in; strict, so that the mark must go once it passes.
-LANDS_SEPARATELY = {
-    "presence_penalty": "sampler",
-    "frequency_penalty": "sampler",
-    "repetition_penalty": "sampler",
-    "logit_bias": "sampler",
-    "allowed_token_ids": "sampler",
-    "bad_words": "sampler",
-    "ignore_eos": "sampler (logit_bias forces EOS)",
-    "skip_special_tokens": "sampler (logit_bias forces a special token)",
-    "spaces_between_special_tokens": "sampler (logit_bias forces a special token)",
-    "response_format": "structured output",
-    "structured_outputs": "structured output",
-    "guided_json": "structured output",
-    "guided_regex": "structured output",
-    "guided_choice": "structured output",
-    "guided_grammar": "structured output",
-    "tools": "structured output",  # tool_choice "required" is enforced with it
-    "parallel_tool_calls": "structured output",
-}
+LANDS_SEPARATELY: dict[str, str] = {}  # honoured fields whose effect lands with later work (none now)
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +235,10 @@ def _(ask):
 
 @case("bad_words")
 def _(ask):
-    assert "time" in ask.base_text(max_tokens=12) and "time" not in ask.text(bad_words=["time"], max_tokens=12)
+    # the greedy answer's first word, banned: it is gone as a word (vLLM bans the word's tokens,
+    # so it may still occur inside a longer word, "time" in "timeout")
+    word = re.search(r"[A-Za-z]+", ask.base_text(max_tokens=12)).group()
+    assert not re.search(rf"\b{word}\b", ask.text(bad_words=[word], max_tokens=12))
 
 
 @case("use_beam_search")
@@ -352,7 +337,8 @@ def _(ask):
 def _(ask):
     spaced = ask.text(skip_special_tokens=False, **IM_END)
     tight = ask.text(skip_special_tokens=False, spaces_between_special_tokens=False, **IM_END)
-    assert (spaced, tight) == ("<|im_end|> <|im_end|>", "<|im_end|><|im_end|>")
+    # spaced: a space around each special token's text, also between the prompt's text and the first
+    assert (spaced.strip(), tight) == ("<|im_end|> <|im_end|>", "<|im_end|><|im_end|>")
 
 
 @case("echo", "completions")
@@ -490,12 +476,17 @@ def _(ask):
 
 
 # ---- tools ------------------------------------------------------------------------------------------
-TOOL = {"type": "function", "function": {"name": "get", "parameters": {"type": "object", "properties": {}}}}
+# closed parameters (no free keys): a small model given an open object writes keys until max_tokens
+TOOL = {
+    "type": "function",
+    "function": {"name": "get", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}},
+}
 
 
 @case("tools", "chat")
 def _(ask):
-    assert ask.ok(tools=[TOOL], tool_choice="required", max_tokens=40)["choices"][0]["message"]["tool_calls"]
+    msg = ask.ok(tools=[TOOL], tool_choice="required", parallel_tool_calls=False, max_tokens=40)["choices"][0]
+    assert msg["finish_reason"] == "tool_calls" and msg["message"]["tool_calls"][0]["function"]["name"] == "get"
 
 
 @case("tool_choice", "chat")

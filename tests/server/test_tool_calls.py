@@ -39,7 +39,10 @@ WEATHER = {
         },
     },
 }
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+TIME = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}},
+}
 HI = [{"role": "user", "content": "weather in Paris?"}]
 
 
