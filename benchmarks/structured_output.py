@@ -179,6 +179,14 @@ def bench_llm(requests: int, max_tokens: int) -> dict[str, Any]:
     return rows
 
 
+def has_xgrammar() -> bool:
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeat", type=int, default=20, help="compilations / batch fills timed (default: 20)")
@@ -199,7 +207,7 @@ def main() -> None:
         "model": "pagedllm/default_model",
         "doc_tokens": len(doc_ids),
         "llguidance": guidance,
-        "xgrammar": bench_xgrammar(tok, vocab, doc_ids, args.repeat),
+        "xgrammar": bench_xgrammar(tok, vocab, doc_ids, args.repeat) if has_xgrammar() else "not installed",
         "batch_mask": bench_batch(ll, spec, vocab, doc_ids, args.batch, args.repeat),
         "llm": bench_llm(args.requests, args.max_tokens),
     }

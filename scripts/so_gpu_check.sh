@@ -20,6 +20,10 @@ qwen() { [ -d $MODEL ] || python3 tools/make_random_model.py --shape qwen3-0.6b 
 case "$MODE" in
   tests)
     timeout ${T_TESTS:-540} python3 -m pytest -q -m gpu tests/ops tests/gpu -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+    # the token controls and structured output on CUDA (bf16 logits, the fused sampler, graphs, async scheduling)
+    timeout 240 python3 -m pytest -q tests/ops/test_logits_controls.py tests/worker/test_token_controls_llm.py \
+        tests/gpu/test_structured_output_gpu.py -p no:cacheprovider > "$OUT/gpu_controls_tests.log" 2>&1
+    tail -3 "$OUT/gpu_controls_tests.log"
     grep -E "Error|error:|FAILED|passed|failed" "$OUT/gpu_tests.log" | head -30
     ;;
   throughput)
@@ -30,8 +34,9 @@ case "$MODE" in
     done
     ;;
   micro)
-    timeout 200 python3 benchmarks/logits_controls.py --device cuda --out "$OUT/logits-controls.json" 2>&1 | tail -20
-    timeout 200 python3 benchmarks/structured_output.py --mask-only --out "$OUT/structured-output-mask.json" 2>&1 | tail -20
+    timeout 200 python3 benchmarks/logits_controls.py --device cuda --no-save --out "$OUT/logits-controls.json" 2>&1 | tail -20
+    # the mask fill runs on the host's CPUs (16 cores here): batch 256, and the bundled model's LLM run on CPU
+    timeout 200 python3 benchmarks/structured_output.py --out "$OUT/structured-output-host.json" 2>&1 | tail -30
     ;;
 esac
 ls "$OUT"
