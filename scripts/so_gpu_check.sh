@@ -10,8 +10,9 @@ set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 MODE=${1:-tests}
 MODEL=${MODEL:-/tmp/qwen3-0.6b}
-if ! python3 -c 'import llguidance' 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/llguidance-*.whl \
+# llguidance (the engine's) and jsonschema (the tests') travel as wheels: .whl/*.whl
+if ! python3 -c 'import llguidance, jsonschema' 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-} PAGEDLLM_COMMIT=${PAGEDLLM_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}

@@ -189,6 +189,29 @@ class EngineCore:
         return self._grammar_failures() + outputs
 
     def _step_async(self) -> list[EngineCoreOutput]:
+        drained: list[EngineCoreOutput] = []
+        if self._inflight is not None and _history_bound(self._inflight[0]):
+            drained = self._resolve_inflight()
+        return drained + self._launch_and_resolve()
+
+    def _resolve_inflight(self) -> list[EngineCoreOutput]:
+        """Wait for the step in flight and apply it before scheduling the next: a synchronous step,
+        taken when most of its rows need their new token before they can run again (_history_bound);
+        otherwise they would sit out the next step and the batch would alternate between halves."""
+        assert self._inflight is not None
+        prev, handle = self._inflight
+        try:
+            result = handle.result()
+            touched = self.scheduler.resolve(prev, result)
+            outputs = self._outputs(touched, len(result.sampled), prev.finished_searches)
+        except BaseException:
+            self.kv.uncache(prev.new_cached)
+            self._inflight = None
+            raise
+        self._inflight = None
+        return outputs
+
+    def _launch_and_resolve(self) -> list[EngineCoreOutput]:
         sched = self.scheduler.schedule()
         launched = None
         try:
@@ -349,3 +372,10 @@ class EngineCore:
                 for g, (group, held) in enumerate(zip(kv.groups, kv.num_blocks_by_group(), strict=True))
             ],
         }
+
+
+def _history_bound(step: SchedulerOutput) -> bool:
+    """At least half of the step's sampling rows need their token before their next step (they
+    use penalties, a grammar or a multi-token bad word: Sequence.needs_history)."""
+    n = sum(1 for s in step.scheduled if s.sampled and s.seq.needs_history)
+    return n > 0 and 2 * n >= len(step.scheduled)

@@ -125,7 +125,7 @@ class Scheduler:
             # async, a token in flight: a sequence at its length finishes when the token arrives; one
             # whose next logits depend on its past tokens (penalties, a bad word of several tokens, a
             # grammar's mask: SamplingParams.needs_output_history) waits for it, it must see the token
-            if (seq.num_pending and (self.reached_length(seq) or seq.sampling_params.needs_output_history)) or (
+            if (seq.num_pending and (seq.needs_history or self.reached_length(seq))) or (
                 num_new == 0  # a beam waiting for its search
             ):
                 i += 1

@@ -62,6 +62,9 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)  # prompt + output
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params
+        # its next logits depend on its past tokens' ids (penalties, a grammar, a bad word of several
+        # tokens): under async scheduling it waits for a token in flight (scheduler.py)
+        self.needs_history = sampling_params.needs_output_history
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # nano-vllm calls it num_cached_tokens
         self.num_cached_tokens = 0  # prefix-cache hit at the first admission (vLLM's name), never reset

@@ -30,7 +30,11 @@ PROMPTS = ["def main(", "import os\n", "class A:", "# a list of"]
 @pytest.mark.parametrize("mode", ["graphs", "eager", "graphs+async"])
 def test_constrained_samples_always_valid_on_cuda(mode):
     llm = LLM(
-        default_model_path(), device="cuda", enforce_eager=mode == "eager", async_scheduling=mode.endswith("async")
+        default_model_path(),
+        device="cuda",
+        num_kv_blocks=512,  # a fixed pool: the earlier tests' engines may still hold GPU memory
+        enforce_eager=mode == "eager",
+        async_scheduling=mode.endswith("async"),
     )
     json_p = [
         SamplingParams(temperature=1.0, seed=i, max_tokens=96, structured_outputs=StructuredOutputsParams(json=SCHEMA))
@@ -57,7 +61,7 @@ def test_constrained_samples_always_valid_on_cuda(mode):
 
 
 def test_controls_on_the_fused_sampler_path():
-    llm = LLM(default_model_path(), device="cuda")
+    llm = LLM(default_model_path(), device="cuda", num_kv_blocks=512)
     allowed = [5, 17, 99, 1000]
     outs = llm.generate(
         PROMPTS,
@@ -97,7 +101,9 @@ def test_greedy_penalties_fp32_cuda_equal_cpu(async_scheduling):
         SamplingParams(temperature=0, max_tokens=40, logit_bias={10: 5.0}),
     ]
     cpu = LLM(default_model_path(), device="cpu")
-    gpu = LLM(default_model_path(), device="cuda", dtype="float32", async_scheduling=async_scheduling)
+    gpu = LLM(
+        default_model_path(), device="cuda", dtype="float32", num_kv_blocks=512, async_scheduling=async_scheduling
+    )
     want = [o.outputs[0].token_ids for o in cpu.generate(PROMPTS, params, use_tqdm=False)]
     got = [o.outputs[0].token_ids for o in gpu.generate(PROMPTS, params, use_tqdm=False)]
     assert got == want

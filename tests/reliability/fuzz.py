@@ -195,9 +195,9 @@ def sampling_mutations(max_name: str) -> list[Mutation]:
     m += _table("n", "n", [1], [0, -1, "1", 1.5, True, 2**64], [2, 3])
     m += _table("n", "best_of", [1], [0, "x", True], [2, 3])
     for name in ("presence_penalty", "frequency_penalty"):
-        m += _table(name, name, [0, 0.0], [0.5, -2, "0", INF, 10**400])
-    m += _table("repetition_penalty", "repetition_penalty", [1], [1.2, "1", INF])
-    m += _table("logit_bias", "logit_bias", [{}], [{"1": 5}, "x", []])
+        m += _table(name, name, [0, 0.0, 0.5, -2], [2.5, "0", INF, 10**400])
+    m += _table("repetition_penalty", "repetition_penalty", [1, 1.2], ["1", INF, 0, -1])
+    m += _table("logit_bias", "logit_bias", [{}, {"1": 5}], ["x", [], {"x": 1}, {"1": "a"}, {"-1": 1}])
     m += beam_mutations()
     m += _table("cache_salt", "cache_salt", ["tenant-a"], ["", 5, True, [], {}])
     m += _table("unknown", "x_unknown_field", [], [], [1, {"a": [1]}, nested(5000), nested_objects(5000)])
@@ -326,9 +326,16 @@ def chat_mutations() -> list[Mutation]:
         Mutation("logprobs", {"logprobs": True, "top_logprobs": 2}, OK),
         Mutation("logprobs", {"logprobs": True, "top_logprobs": 21}, ERR),
     ]
-    m += _table("tools", "tools", [], [[{"type": "function", "function": {"name": "f"}}], "x"])
-    m += _table("functions", "functions", [], [[{"name": "f"}]])
-    m += _table("response_format", "response_format", [{"type": "text"}, {}], [{"type": "json_object"}, "x", 5, []])
+    tool = {"type": "function", "function": {"name": "f"}}
+    m += _table("tools", "tools", [], ["x", [{"type": "function"}], [5]])
+    m += [
+        Mutation("tools", {"tools": [tool], "tool_choice": "none"}, OK),
+        Mutation("tools", {"tools": [tool], "tool_choice": "auto"}, ERR),  # "auto" needs a tool-call parser
+        Mutation("tools", {"tools": [tool], "tool_choice": "sometimes"}, ERR),
+        Mutation("tools", {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "g"}}}, ERR),
+    ]
+    m += _table("response_format", "response_format", [{"type": "text"}, {"type": "json_object"}], ["x", 5, [], {}])
+    m += _table("response_format", "response_format", [], [{"type": "json_schema", "json_schema": {"schema": 5}}])
     return m + sampling_mutations("max_completion_tokens")
 
 
