@@ -15,6 +15,7 @@ from pagedllm import envs
 from pagedllm.engine.executor import StepResult
 from pagedllm.engine.kv_cache_groups import blocks_per_sequence
 from pagedllm.engine.scheduler import PLACEHOLDER, SchedulerOutput
+from pagedllm.engine.structured_output import grammar_bitmask
 from pagedllm.model.attention_metadata import AttentionMetadata
 from pagedllm.model.loader import load_weights
 from pagedllm.model.parallel import agree_min, tp_rank
@@ -355,6 +356,8 @@ class ModelRunner:
                 )
         if logits is None or not self.is_driver:  # nothing to sample, or not rank 0 of a TP group
             return LaunchedStep(None, None, prompt)
+        if inp.grammar_seqs is not None:  # the forward is queued: the host fills the grammar mask meanwhile
+            inp.token_bitmask = grammar_bitmask(inp.grammar_seqs, self.vocab_size)
         pending = None  # the raw logits of the rows that ask, before the sampler masks in place
         if inp.num_logprobs is not None:
             pending = PendingSampleLogprobs(logits, inp.num_logprobs, self._to_device)

@@ -15,7 +15,6 @@ import numpy as np
 from pagedllm.engine.kv_cache_groups import KVCacheGroup
 from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.engine.sequence import Sequence
-from pagedllm.engine.structured_output import grammar_bitmask
 from pagedllm.worker.logits_controls import LogitsControls, TokenHistory, build_logits_controls, uses_logits_controls
 
 
@@ -66,6 +65,14 @@ class StepInputs:
     # structured output: (sample rows [R] int64, allowed-token bits [R, ceil(V / 32)] int32, bit j % 32
     # of word j // 32 set when token j may be drawn; ops/token_bitmask.py); None: no row is constrained
     token_bitmask: tuple[np.ndarray, np.ndarray] | None = None
+    # the sample rows' sequences when any has a grammar (else None): rank 0 fills token_bitmask from
+    # them once the step's forward is queued, so the host's mask fill overlaps the device's forward
+    # (ModelRunner.launch). Local to rank 0: never pickled (the other ranks do not sample).
+    grammar_seqs: list[Sequence] | None = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "grammar_seqs": None}
+
     # penalties, logit_bias, allowed_token_ids, bad words of the sample rows that use one
     # (worker/logits_controls.py); None when no row does (the common case costs nothing)
     logits_controls: LogitsControls | None = None
@@ -214,7 +221,7 @@ def build_step_inputs(
         num_logprobs=num_logprobs if any(k is not None for k in num_logprobs) else None,
         prompt_logprobs=prompt_logprobs_rows(sched, cu, start, end),
         group_tables=group_tables,
-        token_bitmask=grammar_bitmask(sampled, vocab_size),
+        grammar_seqs=sampled if any(q.grammar is not None for q in sampled) else None,
         logits_controls=controls,
     )
 
