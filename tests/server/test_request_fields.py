@@ -623,7 +623,6 @@ def test_unknown_field_is_logged_once_and_ignored(asks, caplog):
     assert sum("no_such_field_1" in r.getMessage() for r in caplog.records) == 1
 
 
-@pytest.mark.xfail(strict=True, reason="the integrator pastes markdown_table() into README.md")
 def test_readme_table_is_the_registry():
     text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
     m = re.search(r"<!-- fields:start -->\n(.*?)\n<!-- fields:end -->", text, re.S)
