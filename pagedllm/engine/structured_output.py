@@ -13,7 +13,8 @@ it with each token it resolves, copies it when a sequence forks (n > 1), keeps i
 preemption (the outputs are kept) and drops it when the sequence finishes.
 
 `grammar_bitmask` builds a step's allowed-token mask for the constrained sample rows (the runner
-calls it from build_step_inputs): numpy only, the engine stays free of torch.
+calls it from ModelRunner.launch, while the step's forward runs): numpy only, the engine stays
+free of torch.
 """
 
 from __future__ import annotations
