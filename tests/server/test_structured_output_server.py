@@ -1,0 +1,109 @@
+"""Structured output through the openai client against a live thread-mode server on the bundled
+model: 50 seeded samples per mode (one request with n=50: sample i draws with seed + i), each of
+which must parse and validate; streamed with n=3; and under a KV pool small enough to preempt."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from tests.server.helpers import API_KEY, MODEL_NAME, LiveServer
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "kind": {"enum": ["module", "class", "function"]},
+        "size": {
+            "type": "object",
+            "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+            "required": ["n"],
+            "additionalProperties": False,
+        },
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+    },
+    "required": ["name", "kind", "size", "tags"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-z]{2,6}_[0-9]{1,3}"
+CHOICES = ["import", "def", "class"]
+GRAMMAR = 'start: "x" NUM | "x" NUM "+" NUM | "x" NUM "+" NUM "+" NUM\nNUM: /[0-9]{1,2}/'  # Lark (llguidance's)
+CALL = re.compile(r"x[0-9]{1,2}(\+[0-9]{1,2}){0,2}")
+
+
+def _valid_json_object(text: str) -> bool:
+    return isinstance(json.loads(text), dict)
+
+
+MODES = {
+    "json_schema": (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}}},
+        lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None,
+    ),  # fmt: skip
+    "regex": ({"guided_regex": REGEX}, lambda t: re.fullmatch(REGEX, t) is not None),
+    "choice": ({"guided_choice": CHOICES}, lambda t: t in CHOICES),
+    "grammar": ({"guided_grammar": GRAMMAR}, lambda t: CALL.fullmatch(t) is not None),
+}
+
+
+@pytest.fixture(scope="module")
+def client(server_model):
+    import openai
+
+    from pagedllm.entrypoints.async_llm import AsyncLLM
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.entrypoints.openai.api_server import build_app
+
+    # 40 blocks of 16 tokens for up to 150 sequences: the n=50 requests preempt each other
+    async_llm = AsyncLLM(llm=LLM(server_model, device="cpu", num_kv_blocks=40, max_num_seqs=150, max_model_len=512))
+    live = LiveServer(build_app(async_llm, MODEL_NAME, API_KEY)).start()
+    with openai.OpenAI(base_url=live.base_url, api_key=API_KEY, max_retries=0, timeout=120) as c:
+        yield c, async_llm
+    live.stop()
+    async_llm.shutdown()
+
+
+def test_50_seeded_samples_per_mode_all_valid(client):
+    c, async_llm = client
+    for name, (fields, valid) in MODES.items():
+        r = c.completions.create(
+            model=MODEL_NAME, prompt="x = ", n=50, seed=7, temperature=1.0, max_tokens=48, extra_body=fields
+        )
+        bad = [ch.text for ch in r.choices if ch.finish_reason != "stop" or not valid(ch.text)]
+        assert not bad, (name, bad[:3])
+    r = c.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "a JSON object"}],
+        n=50,
+        seed=3,
+        temperature=1.0,
+        max_tokens=80,
+        response_format={"type": "json_object"},
+    )
+    # any JSON object: its strings are unbounded, so some samples may run out of tokens
+    done = [ch.message.content for ch in r.choices if ch.finish_reason == "stop"]
+    assert len(done) >= 10 and all(_valid_json_object(t) for t in done)
+
+
+def test_streamed_n3_and_preempted(client):
+    c, async_llm = client
+    before = async_llm.llm.get_metrics()["num_preemptions"]
+    fields, valid = MODES["json_schema"]
+    texts = ["", "", ""]
+    for chunk in c.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "describe a module"}],
+        n=3,
+        seed=11,
+        temperature=1.0,
+        max_tokens=80,
+        stream=True,
+        extra_body=fields,
+    ):
+        for ch in chunk.choices:
+            texts[ch.index] += ch.delta.content or ""
+    assert all(valid(t) for t in texts), texts
+    assert async_llm.llm.get_metrics()["num_preemptions"] > before or before > 0  # the n=50 runs preempted
