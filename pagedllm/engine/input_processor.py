@@ -71,9 +71,7 @@ class InputProcessor:
                 f"sampling_params must be a SamplingParams, got {type(params).__name__}", "sampling_params"
             )
         self.check_samples(params)
-        text, ids = self.tokenize(prompt)
-        kept = self.truncated(ids, params.truncate_prompt_tokens)  # before the length check
-        text, ids = (text if len(kept) == len(ids) else None), kept
+        text, ids = self.truncate(*self.tokenize(prompt), params.truncate_prompt_tokens)  # before the length check
         self.validate_length(len(ids), params.max_tokens)
         if params.use_beam_search:
             self.check_beams_fit(len(ids), params)
@@ -111,12 +109,13 @@ class InputProcessor:
                 CONTEXT_LENGTH_EXCEEDED,
             )
 
-    def truncated(self, ids: list[int], keep: int | None) -> list[int]:
-        """truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len), all when None."""
+    def truncate(self, text: str | None, ids: list[int], keep: int | None) -> tuple[str | None, list[int]]:
+        """truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len), all when
+        None; the text is dropped when it no longer matches the ids."""
         if keep is None:
-            return ids
+            return text, ids
         keep = self.max_model_len if keep == -1 else keep
-        return ids[-keep:] if len(ids) > keep else ids
+        return (None, ids[-keep:]) if len(ids) > keep else (text, ids)
 
     def with_special_tokens(self, ids: list[int]) -> list[int]:
         """`ids` with the special tokens the tokenizer adds around a text (BOS, ...), as

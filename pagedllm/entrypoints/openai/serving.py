@@ -261,10 +261,9 @@ class OpenAIServing:
                     ids = ip.with_special_tokens(ids)
             else:
                 text, ids = ip.tokenize(prompt, add_special_tokens=parsed.add_special_tokens)
-            kept = ip.truncated(ids, parsed.fields.get("truncate_prompt_tokens"))
+            return ip.truncate(text, ids, parsed.fields.get("truncate_prompt_tokens"))
         except InvalidRequestError as e:
             raise self._invalid(parsed, e) from None
-        return (text if len(kept) == len(ids) else None), kept
 
     @staticmethod
     def _invalid(parsed: ParsedRequest, e: InvalidRequestError) -> APIError:
