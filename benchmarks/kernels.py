@@ -204,6 +204,12 @@ def bench_prefill(n_seqs, new, hist, sweep, kv_dtype, window=None):
             (128, 128, 8, 3),
             (128, 64, 4, 3),
             (256, 64, 8, 3),
+            (128, 128, 8, 2),
+            (128, 64, 8, 4),
+            (256, 64, 8, 2),
+            (256, 128, 8, 2),
+            (128, 32, 4, 3),
+            (64, 64, 4, 4),
         ]:
             cfg = dict(BLOCK_Q=bm // 2, BLOCK_N=bn, num_warps=nw, num_stages=st)
             try:
@@ -225,6 +231,50 @@ def copy_bandwidth():
     moved = 2 * x.numel()
     ms, ms_graph = time_ms(lambda: y.copy_(x)), time_ms(lambda: y.copy_(x), graph=True)
     return dict(bytes=moved, ms=ms, ms_graph=ms_graph, TBps=moved / ms / 1e9, TBps_graph=moved / ms_graph / 1e9)
+
+
+def matrix_rate():
+    """The bf16 matrix rate: torch.mm of 8192^3 (and of a prefill's projection, 4096 x 1024 x 4096)."""
+    rows = {}
+    for m, k, n in ((8192, 8192, 8192), (4096, 1024, 4096)):
+        a = torch.randn(m, k, device=DEVICE, dtype=DTYPE)
+        b = torch.randn(k, n, device=DEVICE, dtype=DTYPE)
+        ms = time_ms(lambda a=a, b=b: a @ b)
+        rows[f"mm_{m}x{k}x{n}"] = dict(ms=ms, TFLOPs=2 * m * k * n / ms / 1e9)
+    return rows
+
+
+def torch_flash_prefill(new):
+    """PyTorch's own flash attention on one causal sequence of `new` tokens (no cache): SDPA's flash
+    backend (dense, GQA) and varlen flash (torch.nn.attention.varlen) where this torch has it."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    flops = 4 * D * HQ * visible_pairs(new, 0)
+    q = torch.randn(1, HQ, new, D, device=DEVICE, dtype=DTYPE)
+    k = torch.randn(1, HKV, new, D, device=DEVICE, dtype=DTYPE)
+    v = torch.randn_like(k)
+    res = {}
+    for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            with sdpa_kernel([backend]):
+                ms = time_ms(
+                    lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                )
+            res[name] = dict(ms=ms, TFLOPs=flops / ms / 1e9)
+        except Exception as e:  # noqa: BLE001
+            res[name] = dict(error=f"{type(e).__name__}: {str(e)[:120]}")
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+
+        qv, kv_, vv = q[0].transpose(0, 1).contiguous(), k[0].transpose(0, 1), v[0].transpose(0, 1)
+        kv_ = kv_.repeat_interleave(HQ // HKV, 1).contiguous()
+        vv = vv.repeat_interleave(HQ // HKV, 1).contiguous()
+        cu = torch.tensor([0, new], dtype=torch.int32, device=DEVICE)
+        ms = time_ms(lambda: varlen_attn(qv, kv_, vv, cu, cu, new, new, is_causal=True))
+        res["varlen_attn"] = dict(ms=ms, TFLOPs=flops / ms / 1e9)
+    except Exception as e:  # noqa: BLE001
+        res["varlen_attn"] = dict(error=f"{type(e).__name__}: {str(e)[:120]}")
+    return res
 
 
 def window_cases(window, kv, copy_TBps):
@@ -266,6 +316,10 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also time tile/split variants")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="the KV cache's format")
     ap.add_argument("--sliding-window", type=int, help="time decode/prefill with this window against full attention")
+    ap.add_argument(
+        "--prefill", action="store_true", help="instead: prefill at 4k tokens (with a cached prefix and without) "
+        "against the matrix rate and PyTorch's flash attention"
+    )  # fmt: skip
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs CUDA")
@@ -295,6 +349,15 @@ def main():
         cases.insert(1, ("decode_256x1024_fp8", lambda: bench_decode(256, 1024, False, fp8, copy_TBps)))
     if args.sliding_window:
         cases = window_cases(args.sliding_window, kv, copy_TBps)
+    if args.prefill:
+        cases = [
+            ("matrix_rate", matrix_rate),
+            ("prefill_1x4096", lambda: bench_prefill(1, 4096, 0, args.sweep, kv)),
+            ("prefill_1x2048_hist2048", lambda: bench_prefill(1, 2048, 2048, args.sweep, kv)),
+            ("prefill_1x4096_hist4096", lambda: bench_prefill(1, 4096, 4096, args.sweep, kv)),
+            ("prefill_4x1024_hist1024", lambda: bench_prefill(4, 1024, 1024, False, kv)),
+            ("torch_flash_1x4096", lambda: torch_flash_prefill(4096)),
+        ]
     for name, fn in cases:
         res[name] = fn()
         print(json.dumps({name: res[name]}), file=sys.stderr, flush=True)  # progress

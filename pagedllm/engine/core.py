@@ -30,6 +30,7 @@ from pagedllm.engine.messages import EngineCoreOutput, EngineCoreRequest, Metric
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import Sequence, SequenceStatus
+from pagedllm.engine.timeline import Timeline
 from pagedllm.engine.trace import Tracer
 
 if TYPE_CHECKING:
@@ -74,6 +75,8 @@ class EngineCore:
         self.num_generation_tokens = 0
         self._grammar_tokenizer = grammar_tokenizer
         self.structured_output: StructuredOutputManager | None = None  # made on the first such request
+        self.timeline: Timeline | None = None  # PAGEDLLM_TIMELINE: each step's schedule, launch and resolve times
+        self._step_id = 0
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -177,6 +180,7 @@ class EngineCore:
         async, the step launched after it) was scheduled are uncached before the error goes on."""
         if self.async_scheduling:
             return self._step_async()
+        t0 = time.monotonic()
         sched = self.scheduler.schedule()
         if not sched:
             return self._grammar_failures()
@@ -185,6 +189,9 @@ class EngineCore:
         except BaseException:
             self.kv.uncache(sched.new_cached)
             raise
+        if self.timeline is not None:
+            step = self._note_launch(sched, t0)
+            self.timeline.event("resolve", step=step)
         outputs = self._outputs(self.scheduler.update(sched, result), len(result.sampled), sched.finished_searches)
         return self._grammar_failures() + outputs
 
@@ -209,19 +216,34 @@ class EngineCore:
             self._inflight = None
             raise
         self._inflight = None
+        if self.timeline is not None:
+            self.timeline.event("resolve", step=prev.step_id)
         return outputs
 
+    def _note_launch(self, sched: SchedulerOutput, t0: float) -> int:
+        """Timeline: this step's rows (request, new tokens) with its schedule start and launch times."""
+        assert self.timeline is not None
+        self._step_id += 1
+        rows = [[s.seq.request_id, s.num_new_tokens] for s in sched.scheduled]
+        self.timeline.event("launch", step=self._step_id, t_sched=t0, rows=rows)
+        return self._step_id
+
     def _launch_and_resolve(self) -> list[EngineCoreOutput]:
+        t0 = time.monotonic()
         sched = self.scheduler.schedule()
         launched = None
         try:
             if sched:
                 launched = (sched, self.executor.execute_async(sched))
                 self.scheduler.advance(sched)
+                if self.timeline is not None:
+                    sched.step_id = self._note_launch(sched, t0)
             outputs: list[EngineCoreOutput] = []
             if self._inflight is not None:
                 prev, handle = self._inflight
                 result = handle.result()
+                if self.timeline is not None:
+                    self.timeline.event("resolve", step=prev.step_id)
                 touched = self.scheduler.resolve(prev, result, sched)
                 outputs = self._outputs(touched, len(result.sampled), prev.finished_searches)
             outputs = self._grammar_failures() + outputs

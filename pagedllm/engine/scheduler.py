@@ -75,6 +75,7 @@ class SchedulerOutput:
     num_preempted: int = 0
     new_cached: list[Block] = field(default_factory=list)  # registered at scheduling: uncached if it never runs
     finished_searches: list[BeamSearch] = field(default_factory=list)  # set by resolve: beam searches that ended
+    step_id: int = 0  # the core's step number, when a timeline records it (timeline.py)
 
     @property
     def num_batched_tokens(self) -> int:

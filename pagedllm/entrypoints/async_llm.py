@@ -40,6 +40,7 @@ from pagedllm.engine.messages import Abort, EngineCoreRequest, Metrics, Shutdown
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.sampling_params import SamplingParams, sampling_params_with_defaults
+from pagedllm.engine.timeline import timeline_from_env
 from pagedllm.entrypoints.core_client import EngineCoreClient
 from pagedllm.entrypoints.output_handler import OutputHandler
 from pagedllm.entrypoints.streams import RequestStream, StreamRegistry
@@ -178,7 +179,10 @@ class AsyncLLM:
         self.state = EngineState.RUNNING
         self._dead_reason: str | None = None
         self._lock = threading.Lock()  # state changes
-        self.output_handler = OutputHandler(self.core, self.registry, self._set_stats, self._core_gone, EngineStepError)
+        self.timeline = timeline_from_env("api")  # PAGEDLLM_TIMELINE: the latency breakdown's API half
+        self.output_handler = OutputHandler(
+            self.core, self.registry, self._set_stats, self._core_gone, EngineStepError, self.timeline
+        )
         self._ids = itertools.count()
         self._core_ids = itertools.count()
         self._last_log = time.monotonic()
@@ -247,6 +251,8 @@ class AsyncLLM:
         except (OSError, ValueError):
             self.registry.unregister(handle)
             raise EngineShutdownError(self._dead_reason or "the engine core is gone") from None
+        if self.timeline is not None:
+            self.timeline.event("submit", rid=core_id, user=request.request_id)
         return handle
 
     async def generate(
@@ -291,6 +297,8 @@ class AsyncLLM:
         if on_loop or not self.output_handler.owner_running():
             self.output_handler.drain(timeout)  # nobody else reads: until Bye or EOF
         self.core.close(timeout)
+        if self.timeline is not None:
+            self.timeline.close()
         if self._owns_llm and not self.core.is_alive():
             self.llm.close()
             self._owns_llm = False

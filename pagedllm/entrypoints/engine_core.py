@@ -40,6 +40,7 @@ from pagedllm.engine.messages import (
     Step,
     StopSequences,
 )
+from pagedllm.engine.timeline import timeline_from_env
 
 logger = logging.getLogger("pagedllm")
 
@@ -58,6 +59,8 @@ class EngineCoreProc:
         self.conn_out = conn_out
         self.parent_pid = parent_pid
         self.last_stats = 0.0
+        self.timeline = timeline_from_env("core")  # PAGEDLLM_TIMELINE: the latency breakdown's core half
+        self.core.timeline = self.timeline
 
     def info(self) -> EngineCoreInfo:
         core = self.core
@@ -93,6 +96,9 @@ class EngineCoreProc:
             return  # the API process is gone
         finally:
             self._abort_all()  # leave no blocks behind (thread mode reuses the LLM)
+            if self.timeline is not None:
+                self.timeline.close()
+                self.core.timeline = None
 
     def _abort_all(self) -> list[str]:
         ids = self.core.request_ids()
@@ -106,6 +112,8 @@ class EngineCoreProc:
     # ---- inputs --------------------------------------------------------------------------
     def _handle(self, msg: CoreInput) -> bool:
         if isinstance(msg, EngineCoreRequest):
+            if self.timeline is not None:
+                self.timeline.event("core_recv", rid=msg.request_id)
             try:
                 self.core.add_request(msg)
             except InvalidRequestError as e:  # checked by the API process: only a reused id lands here
@@ -141,6 +149,8 @@ class EngineCoreProc:
         now = time.monotonic()
         stats = self._stats(now) if now - self.last_stats >= STATS_INTERVAL_S else None
         if outputs or stats is not None:
+            if self.timeline is not None and outputs:
+                self.timeline.event("sent", rids=[o.request_id for o in outputs])
             self._send(Step(outputs, stats))
 
     def _stats(self, now: float | None = None) -> Metrics:

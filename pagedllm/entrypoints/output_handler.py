@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pagedllm.engine.messages import Bye, CoreEvent, Failed, Metrics, Rejected, Stats, Step
+from pagedllm.engine.timeline import Timeline
 from pagedllm.entrypoints.core_client import EngineCoreClient
 from pagedllm.entrypoints.streams import StreamRegistry
 
@@ -32,8 +33,10 @@ class OutputHandler:
         on_stats: Callable[[Metrics], None],
         on_gone: Callable[[], None],
         step_error: Callable[[str], BaseException],
+        timeline: Timeline | None = None,
     ):
         self.core = core
+        self.timeline = timeline
         self.registry = registry
         self._on_stats, self._on_gone, self._step_error = on_stats, on_gone, step_error
         self.loop: asyncio.AbstractEventLoop | None = None  # the owner
@@ -116,6 +119,8 @@ class OutputHandler:
         if isinstance(msg, Step):
             if msg.stats is not None:
                 self._on_stats(msg.stats)
+            if self.timeline is not None and msg.outputs:
+                self.timeline.event("recv", rids=[o.request_id for o in msg.outputs])
             self.registry.apply(msg.outputs)
         elif isinstance(msg, Stats):
             self._on_stats(msg.stats)

@@ -50,6 +50,7 @@ from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.sampling_params import SamplingParams, sampling_params_with_defaults
+from pagedllm.engine.timeline import Timeline
 from pagedllm.entrypoints.async_llm import EngineShutdownError, EngineStepError, QueueFullError
 from pagedllm.entrypoints.openai.chat import parse_chat
 from pagedllm.entrypoints.openai.errors import APIError, error_body, internal_error, invalid_request
@@ -90,6 +91,7 @@ class EngineClient(Protocol):
     max_model_len: int
     num_kv_blocks: int
     block_size: int
+    timeline: Timeline | None  # PAGEDLLM_TIMELINE: the API process's request timeline (engine/timeline.py)
 
     @property
     def model_path(self) -> Any: ...
@@ -177,7 +179,9 @@ class OpenAIServing:
     async def create_completion(
         self, body: dict[str, Any] | bytes, disconnected: Disconnected | None = None
     ) -> dict[str, Any] | SSEStream:
+        t_http = time.monotonic()
         parsed, requests, rid = await asyncio.to_thread(self._prepare_completion, body)
+        self._note_arrival(rid, t_http)
         sub = self._submit(parsed, requests)
         builder = CompletionResponses(
             rid,
@@ -194,7 +198,9 @@ class OpenAIServing:
     async def create_chat_completion(
         self, body: dict[str, Any] | bytes, disconnected: Disconnected | None = None
     ) -> dict[str, Any] | SSEStream:
+        t_http = time.monotonic()
         parsed, requests, rid, reader = await asyncio.to_thread(self._prepare_chat, body)
+        self._note_arrival(rid, t_http)
         sub = self._submit(parsed, requests)
         builder = ChatResponses(
             rid,
@@ -208,6 +214,13 @@ class OpenAIServing:
             tool_reader=reader,
         )
         return await self._answer(parsed, sub, builder, rid, disconnected)
+
+    def _note_arrival(self, rid: str, t_http: float) -> None:
+        """Timeline: the body reached the handler at t_http; parsed and tokenized now."""
+        timeline = self.engine.timeline
+        if timeline is not None:
+            timeline.event("http", t_http, user=rid)
+            timeline.event("prepared", user=rid)
 
     # ---- on a worker thread: JSON, the chat template, tokenizing, every check ----------------
     def _prepare_completion(self, body: dict[str, Any] | bytes) -> tuple[ParsedRequest, list[EngineCoreRequest], str]:
@@ -383,6 +396,7 @@ class OpenAIServing:
     ) -> AsyncIterator[str]:
         """The SSE events of a stream, ending with [DONE] whatever happens to the engine."""
         completion_tokens = [0] * len(sub.streams)
+        timeline = self.engine.timeline
         try:
             for event in builder.opening():
                 yield event
@@ -390,6 +404,8 @@ class OpenAIServing:
                 completion_tokens[i] = sum(len(o.token_ids) for o in out.outputs)
                 for event in builder.events(i, out):
                     yield event
+                if timeline is not None:  # written: the transport has the events of these tokens
+                    timeline.event("sse", user=out.request_id, n=completion_tokens[i])
             if include_usage:
                 yield builder.usage_event(sum(sub.prompt_lens), sum(completion_tokens))
             yield SSE_DONE

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Latency on one GPU, in one call (issue 18; README, Benchmarks: Latency): the decode step's floor
+# (benchmarks/decode_step.py), the prefill kernel against the matrix rate (benchmarks/kernels.py
+# --prefill --sweep), one request's time stage by stage at 16 req/s (benchmarks/request_timeline.py),
+# the serving benchmark (all at once and 16 req/s, scripts/serving_gpu_check.sh) and the offline
+# throughput workload (nothing may get slower). Everything lands in $OUT/latency.tar.gz plus
+# $OUT/summary.txt (the device tool brings back few files).
+#
+#   bash scripts/latency_gpu_check.sh [all|decode|prefill|timeline|serving|throughput ...]
+#
+# Server wheels (fastapi, uvicorn, ...) come from .whl/server/ when this Python lacks them.
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu_out}; W=$OUT/latency; mkdir -p "$W"
+PY=${PY:-python3}
+MODES=${*:-all}
+has() { [[ " $MODES " == *" all "* || " $MODES " == *" $1 "* ]]; }
+if ! $PY -c "import fastapi, uvicorn" 2>/dev/null && ls .whl/server/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/server/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
+export PAGEDLLM_COMMIT=${PAGEDLLM_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
+$PY -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__,
+"transformers", transformers.__version__, torch.cuda.get_device_name())' | tee "$W/env.txt"
+MODEL=${MODEL:-/tmp/qwen3-0.6b}
+[ -f $MODEL/config.json ] || $PY tools/make_random_model.py --shape qwen3-0.6b --out $MODEL 2>&1 | tail -1
+S=$OUT/summary.txt; echo "commit $PAGEDLLM_COMMIT" > "$S"
+if has decode; then
+  timeout 180 $PY benchmarks/decode_step.py --model $MODEL --context 1024 --out "$W/decode.json" 2>&1 \
+      | grep -v -i warn | tee -a "$S" | tail -12
+fi
+if has prefill; then
+  timeout 240 $PY benchmarks/kernels.py --prefill --sweep --out "$W/prefill.json" > "$W/prefill.log" 2>&1
+  $PY - "$W/prefill.json" <<'PYEOF' | tee -a "$S"
+import json, sys
+r = json.load(open(sys.argv[1]))
+print("matrix rate:", {k: round(v["TFLOPs"], 1) for k, v in r["matrix_rate"].items()})
+for k, v in r.items():
+    if k.startswith("prefill"):
+        best = v.get("sweep_best", [{}])[0]
+        print(k, round(v["TFLOPs"], 1), "TFLOP/s; best of sweep", {a: best.get(a) for a in ("BLOCK_Q", "BLOCK_N", "num_warps", "num_stages", "TFLOPs")})
+print("torch flash:", r.get("torch_flash_1x4096"))
+PYEOF
+fi
+if has timeline; then
+  timeout 200 $PY benchmarks/request_timeline.py --model $MODEL --server-args "--device cuda ${SARGS:-}" \
+      --num-prompts ${TL_NUM:-300} --request-rate 16 --out "$W/timeline.json" --label "${LABEL:-}" 2>&1 \
+      | grep -v -E "INFO|WARN" | tee -a "$S" | tail -20
+  timeout 200 $PY benchmarks/request_timeline.py --model $MODEL --server-args "--device cuda ${SARGS:-}" --text-prompts \
+      --num-prompts ${TL_NUM:-300} --request-rate 16 --out "$W/timeline_text.json" --label "${LABEL:-} text prompts" 2>&1 \
+      | grep -v -E "INFO|WARN" | tee -a "$S" | tail -20
+fi
+if has serving; then
+  OUT="$W/serving" MODEL=$MODEL T_ENGINE=1 T_BENCH=150 timeout 420 bash scripts/serving_gpu_check.sh 2>&1 \
+      | tail -4 | tee -a "$S"
+fi
+if has throughput; then
+  timeout 150 $PY benchmarks/throughput.py --model $MODEL --label "async scheduling (the default) ${LABEL:-}" \
+      --results-dir "$W" 2>&1 | grep -v -i warn | tail -6 | tee -a "$S"
+fi
+if has tests; then
+  timeout ${T_TESTS:-240} $PY -m pytest -q -m gpu -x tests/ops tests/gpu -p no:cacheprovider > "$W/gpu_tests.log" 2>&1
+  tail -3 "$W/gpu_tests.log" | tee -a "$S"
+fi
+tar -C "$OUT" -czf "$OUT/latency.tar.gz" latency && rm -rf "$W"
+ls -la "$OUT"
