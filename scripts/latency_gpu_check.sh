@@ -14,9 +14,9 @@ OUT=${OUT:-$PWD/gpu_out}; W=$OUT/latency; mkdir -p "$W"
 PY=${PY:-python3}
 MODES=${*:-all}
 has() { [[ " $MODES " == *" all "* || " $MODES " == *" $1 "* ]]; }
-if ! $PY -c "import fastapi, uvicorn" 2>/dev/null && ls .whl/server/*.whl >/dev/null 2>&1; then
+if ! $PY -c "import fastapi, uvicorn, llguidance" 2>/dev/null && ls .whl/server/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      .whl/server/*.whl || exit 1
+      .whl/server/*.whl .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
