@@ -52,7 +52,9 @@ def main() -> int:
     k = 0
     while added < args.prompts:
         if k % args.every == 0:
-            e.add_request(f"p-{added}", [(31 * added + 11 * j) % (vocab - 10) + 5 for j in range(args.input_len)], short)
+            e.add_request(
+                f"p-{added}", [(31 * added + 11 * j) % (vocab - 10) + 5 for j in range(args.input_len)], short
+            )
             added += 1
             profiled = added > 3  # the first ones may compile kernels
             if profiled:
@@ -77,7 +79,10 @@ def main() -> int:
     res = {
         "benchmark": "step_profile",
         "config": vars(args),
-        "prefill_step_ms": {"median": round(statistics.median(prefill_ms), 3), "all": [round(x, 3) for x in prefill_ms]},
+        "prefill_step_ms": {
+            "median": round(statistics.median(prefill_ms), 3),
+            "all": [round(x, 3) for x in prefill_ms],
+        },
         "decode_step_ms": {"median": round(statistics.median(decode_ms), 3)},
         "profile": text[:60000],
         **environment(),

@@ -9,6 +9,7 @@
 | `PAGEDLLM_TP_TIMEOUT_S` | tensor parallelism | seconds a collective may take before a rank is declared stuck (300) |
 | `PAGEDLLM_SAMPLER` | the model runner | `torch`: sample with the torch path instead of the fused kernel |
 | `PAGEDLLM_TIMELINE` | the server's API and engine-core processes | a path prefix: write each request's stage times there (engine/timeline.py; `benchmarks/request_timeline.py` reads them) |
+| `PAGEDLLM_NO_PIECEWISE_GRAPHS` | the model runner | `1`: run prefill and mixed steps eagerly, without piecewise CUDA graphs (worker/piecewise_graphs.py) |
 | `PAGEDLLM_COMMIT` | benchmarks | the commit recorded with a result row (else `git rev-parse`) |
 | `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `LOCAL_RANK` | tensor parallelism | set by `torchrun` |
 | `TRITON_INTERPRET` | `pagedllm.ops` | set to 1 when there is no GPU, so kernels run on CPU |
@@ -54,6 +55,10 @@ def tp_timeout_s() -> float:
 def sampler() -> str:
     """ "" (the fused kernel where there is one) or "torch"."""
     return os.environ.get("PAGEDLLM_SAMPLER", "")
+
+
+def no_piecewise_graphs() -> bool:
+    return _flag("PAGEDLLM_NO_PIECEWISE_GRAPHS")
 
 
 def timeline_prefix() -> str | None:

@@ -26,9 +26,19 @@ $PY -c 'import torch, triton, transformers; print("torch", torch.__version__, "t
 MODEL=${MODEL:-/tmp/qwen3-0.6b}
 [ -f $MODEL/config.json ] || $PY tools/make_random_model.py --shape qwen3-0.6b --out $MODEL 2>&1 | tail -1
 S=$OUT/summary.txt; echo "commit $PAGEDLLM_COMMIT" > "$S"
+if has tests; then   # first: the exactness tests (greedy identical, kernels against references)
+  timeout ${T_TESTS:-240} $PY -m pytest -q -m gpu -x tests/ops tests/gpu -p no:cacheprovider > "$W/gpu_tests.log" 2>&1
+  grep -E "FAILED|Error|passed|failed" "$W/gpu_tests.log" | tail -6 | tee -a "$S"
+fi
 if has decode; then
   timeout 180 $PY benchmarks/decode_step.py --model $MODEL --context 1024 --out "$W/decode.json" 2>&1 \
       | grep -v -i warn | tee -a "$S" | tail -12
+fi
+if has steps; then   # host time of steps that admit a prompt: eager, then in piecewise graphs
+  PAGEDLLM_NO_PIECEWISE_GRAPHS=1 timeout 120 $PY benchmarks/step_profile.py --model $MODEL --out "$W/step_profile_eager.json" 2>&1 \
+      | grep -E "^prefill steps" | sed 's/^/eager: /' | tee -a "$S"
+  timeout 120 $PY benchmarks/step_profile.py --model $MODEL --out "$W/step_profile.json" 2>&1 \
+      | grep -E "^prefill steps" | sed 's/^/piecewise graphs: /' | tee -a "$S"
 fi
 if has prefill; then
   timeout 240 $PY benchmarks/kernels.py --prefill --sweep --out "$W/prefill.json" > "$W/prefill.log" 2>&1
@@ -58,10 +68,6 @@ fi
 if has throughput; then
   timeout 150 $PY benchmarks/throughput.py --model $MODEL --label "async scheduling (the default) ${LABEL:-}" \
       --results-dir "$W" 2>&1 | grep -v -i warn | tail -6 | tee -a "$S"
-fi
-if has tests; then
-  timeout ${T_TESTS:-240} $PY -m pytest -q -m gpu -x tests/ops tests/gpu -p no:cacheprovider > "$W/gpu_tests.log" 2>&1
-  tail -3 "$W/gpu_tests.log" | tee -a "$S"
 fi
 tar -C "$OUT" -czf "$OUT/latency.tar.gz" latency && rm -rf "$W"
 ls -la "$OUT"

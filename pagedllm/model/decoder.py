@@ -100,6 +100,12 @@ class DecoderAttention(nn.Module):
         )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv(positions, x)
+        return self.out(self.attend(positions, q, k, v, meta))
+
+    # The three parts of forward, apart: a step in piecewise CUDA graphs (worker/piecewise_graphs.py)
+    # replays qkv and out in graphs and runs attend, whose shapes change with every step, eagerly.
+    def qkv(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -108,7 +114,15 @@ class DecoderAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        o = self.attn(q, k, v, meta)
+        return q, k, v
+
+    def attend(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Store the new K/V and attend: [T, Hq, D]."""
+        return self.attn(q, k, v, meta)
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -157,11 +171,23 @@ class DecoderLayer(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (this layer's output, not yet added, and the residual stream it is to be added to)."""
+        q, k, v, residual = self.before_attention(positions, x, residual)
+        return self.after_attention(self.self_attn.attend(positions, q, k, v, meta), residual)
+
+    def before_attention(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The input norm (adding the previous layer's output to the residual stream) and q, k, v."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta)
+        q, k, v = self.self_attn.qkv(positions, x)
+        return q, k, v, residual
+
+    def after_attention(self, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention output projected, the MLP: (its output, not yet added; the residual stream)."""
+        x = self.self_attn.out(o)
         if not self.sandwich:  # Llama: post_attention_layernorm is the MLP's input norm
             x, residual = self.post_attention_layernorm(x, residual)
             return self.mlp(x), residual
@@ -191,11 +217,20 @@ class DecoderModel(nn.Module):
         self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size**0.5, dtype=torch.float32), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
-        if self.scaled_embedding:
-            x = x * self.embed_scale.to(x.dtype)
+        x, residual = self.embed(input_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
+        return self.final_norm(x, residual)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if self.scaled_embedding:
+            x = x * self.embed_scale.to(x.dtype)
+        return x
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        if residual is None:
+            return self.norm(x)
         x, _ = self.norm(x, residual)
         return x
 

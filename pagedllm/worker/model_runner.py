@@ -37,14 +37,21 @@ from pagedllm.worker.kv_cache import allocate_kv_cache, block_bytes, groups_of, 
 from pagedllm.worker.kv_scales import CALIBRATION_SEQ_LEN, CALIBRATION_TOKENS, choose_kv_scales
 from pagedllm.worker.logits_controls import TokenHistory
 from pagedllm.worker.logprobs import PendingSampleLogprobs, prompt_logprobs
+from pagedllm.worker.piecewise_graphs import pad_slots
 from pagedllm.worker.sampler import sample, sampling_tensors
+from pagedllm.worker.staging import Staging
 from pagedllm.worker.step_handle import LaunchedStep, StepHandle
 from pagedllm.worker.step_inputs import BlockTableRows, StepInputs, build_step_inputs
 
 if TYPE_CHECKING:
     from pagedllm.worker.cuda_graphs import DecodeGraphs
+    from pagedllm.worker.piecewise_graphs import PiecewiseGraphs
 
 logger = logging.getLogger("pagedllm")
+
+# steps of more tokens run eagerly: their launch cost is small beside their device time, and
+# each bucket is L + 1 graphs captured at start-up
+PIECEWISE_MAX_TOKENS = 8192
 
 
 def _is_arange(a: np.ndarray, n: int) -> bool:
@@ -81,6 +88,7 @@ class ModelRunner:
         self.device, self.dtype = device, dtype
         self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype, device)
         self.seed = seed
+        self._staging = Staging(device) if device.type == "cuda" else None  # a step's arrays in one copy
         self.block_size = block_size
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -132,10 +140,14 @@ class ModelRunner:
             torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=device.type == "cuda") for _ in range(2)
         ]
         self.graphs: DecodeGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None
         if not self.enforce_eager:
             from pagedllm.worker.cuda_graphs import DecodeGraphs
+            from pagedllm.worker.piecewise_graphs import PiecewiseGraphs
 
             self.graphs = DecodeGraphs(self)
+            if not envs.no_piecewise_graphs():
+                self.piecewise = PiecewiseGraphs(self, min(self.max_num_batched_tokens, PIECEWISE_MAX_TOKENS))
 
     # ---- KV cache ----------------------------------------------------------------------
     @property
@@ -196,7 +208,7 @@ class ModelRunner:
         np.cumsum(lens, out=cu[1:])
         positions = np.concatenate([np.arange(k) for k in lens])
         ids = rng.integers(0, self.vocab_size, size=n)
-        meta = self._metadata_from(
+        meta, _ = self._metadata_from(
             slot_mapping=np.full(n, PAD_SLOT_ID),
             block_tables=np.zeros((num_seqs, 1), np.int32),  # unused: no KV is bound yet
             cu=cu,
@@ -257,7 +269,7 @@ class ModelRunner:
         positions = np.concatenate([np.arange(hist, n) for n in seq_lens]).astype(np.int64)
         nb = -(-int(seq_lens.max()) // self.block_size)
         table = (np.arange(nb) % self.num_kv_blocks).astype(np.int32)
-        meta = self._metadata_from(
+        meta, _ = self._metadata_from(
             slot_mapping=np.full(len(positions), PAD_SLOT_ID),
             cu=cu,
             seq_lens=seq_lens,
@@ -304,19 +316,28 @@ class ModelRunner:
         return t
 
     def _metadata_from(
-        self, *, slot_mapping, block_tables, cu, seq_lens, max_q, max_k, decode_only, no_history, groups=()
-    ) -> AttentionMetadata:
-        """groups: (slot_mapping, block_tables) of the KV-cache groups after the first."""
-        return AttentionMetadata(
-            slot_mapping=self._to_device(slot_mapping),
-            block_tables=self._to_device(block_tables),
-            cu_seqlens_q=self._to_device(cu),
-            seq_lens=self._to_device(seq_lens),
+        self, *, slot_mapping, block_tables, cu, seq_lens, max_q, max_k, decode_only, no_history, groups=(), extra=()
+    ) -> tuple[AttentionMetadata, list[torch.Tensor]]:
+        """groups: (slot_mapping, block_tables) of the KV-cache groups after the first; extra:
+        more arrays to upload with them (ids, positions), returned on the device. On CUDA all of
+        them go up in one copy (worker/staging.py)."""
+        arrays = [slot_mapping, block_tables, cu, seq_lens, *(a for pair in groups for a in pair), *extra]
+        if self._staging is not None and self._staging.fits(arrays):
+            dev = self._staging.upload(arrays)
+        else:
+            dev = [self._to_device(a) for a in arrays]
+        n = 4 + 2 * len(groups)
+        meta = AttentionMetadata(
+            slot_mapping=dev[0],
+            block_tables=dev[1],
+            cu_seqlens_q=dev[2],
+            seq_lens=dev[3],
             max_seqlen_q=max_q,
             max_seqlen_k=max_k,
             decode_only=decode_only,
             no_history=no_history,
-        ).add_groups((self._to_device(s), self._to_device(b)) for s, b in groups)
+        ).add_groups((dev[i], dev[i + 1]) for i in range(4, n, 2))
+        return meta, dev[n:]
 
     @torch.inference_mode()
     def run(self, inp: StepInputs) -> StepResult:
@@ -383,9 +404,13 @@ class ModelRunner:
             input_ids[rows] = self._last_sampled[src]
 
     def forward(self, inp: StepInputs, fix=None) -> torch.Tensor:
-        """The step's hidden states [T, hidden] (eager)."""
-        meta = self._metadata_from(
-            slot_mapping=inp.slot_mapping,
+        """The step's hidden states [T, hidden]: in piecewise CUDA graphs where a bucket holds
+        the step's tokens (worker/piecewise_graphs.py), else eager."""
+        pw = self.piecewise if self.piecewise is not None and self.piecewise.can_run(inp) else None
+        t = pw.bucket(inp.num_tokens) if pw is not None else inp.num_tokens
+        pad = (lambda a: pad_slots(a, t)) if pw is not None else (lambda a: a)
+        meta, dev = self._metadata_from(
+            slot_mapping=pad(inp.slot_mapping),
             block_tables=inp.block_tables,
             cu=inp.cu_seqlens_q,
             seq_lens=inp.seq_lens,
@@ -393,11 +418,14 @@ class ModelRunner:
             max_k=inp.max_seqlen_k,
             decode_only=inp.decode_only,
             no_history=inp.no_history,
-            groups=inp.group_tables,
+            groups=[(pad(sm), bt) for sm, bt in inp.group_tables],
+            extra=() if pw is not None else (inp.input_ids, inp.positions),
         )
-        input_ids = self._to_device(inp.input_ids)
+        if pw is not None:
+            return pw.run(inp, meta, fix)
+        input_ids, positions = dev
         self.fill_placeholders(input_ids, fix)
-        return self.model(input_ids, self._to_device(inp.positions), meta)
+        return self.model(input_ids, positions, meta)
 
     def sample(self, logits: torch.Tensor, inp: StepInputs) -> torch.Tensor:
         rng = self._seed_rng if self.philox_sampling else None

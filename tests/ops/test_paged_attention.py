@@ -244,7 +244,8 @@ def test_default_num_splits():
     assert default_num_splits(256, 8, 1024, cpu) == 1
     assert default_num_splits(1, 1, 100, cpu) == 1  # short context: no split
     assert default_num_splits(1, 1, 8192, cpu) == 4  # 1 "SM" on CPU: 4 programs
-    assert default_num_splits(1, 1, 1536, cpu) == 2  # 3 splits of 512 keys, rounded down to 2
+    assert default_num_splits(1, 1, 384, cpu) == 2  # 3 splits of 128 keys, rounded down to 2
+    assert default_num_splits(1, 1, 255, cpu) == 1  # not two splits of 128 keys
 
 
 # ----------------------------------------------------------------------------- GPU sizes

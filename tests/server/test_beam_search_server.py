@@ -79,6 +79,7 @@ class ScriptedEngine:
 
     def __init__(self, hold: asyncio.Event | None = None):
         self.generation_defaults = dict(MODEL_DEFAULTS)
+        self.timeline = None  # no PAGEDLLM_TIMELINE
         self.tokenizer = CharTokenizer()
         self.input_processor = InputProcessor(self.tokenizer, 128, 64, 8, 64, max_num_seqs=MAX_NUM_SEQS)
         self.model_path = "/models/fake"

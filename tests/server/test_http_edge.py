@@ -67,6 +67,7 @@ class FakeEngine:
     def __init__(self, tokenizer):
         self.tokenizer = _Tokenizer(tokenizer)
         self.generation_defaults: dict = {}
+        self.timeline = None  # no PAGEDLLM_TIMELINE
         self.max_model_len, self.num_kv_blocks, self.block_size = 64, 8, 16
         self.input_processor = InputProcessor(self.tokenizer, len(tokenizer), 64, 16, 8)
         self.model_path = SECRET

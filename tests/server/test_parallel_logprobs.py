@@ -58,6 +58,7 @@ class ScriptedEngine:
 
     def __init__(self):
         self.generation_defaults: dict = {}
+        self.timeline = None  # no PAGEDLLM_TIMELINE
         self.tokenizer = CharTokenizer()
         self.input_processor = InputProcessor(self.tokenizer, 128, 64, 8, 64)
         self.model_path = "/models/fake"

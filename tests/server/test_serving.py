@@ -176,6 +176,7 @@ class FakeEngine:
 
     def __init__(self, error: InvalidRequestError):
         self.generation_defaults: dict = {}
+        self.timeline = None  # no PAGEDLLM_TIMELINE
         self.input_processor = _Processor(error)
         self.tokenizer = self.input_processor.tokenizer
         self.model_path = "/models/fake"

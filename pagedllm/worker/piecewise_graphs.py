@@ -1,0 +1,158 @@
+"""Piecewise CUDA graphs for the steps decode graphs cannot take: prefills and mixed steps.
+
+A step that admits a prompt runs its chunk beside the decodes, so its shape changes every time:
+captured whole it would need a graph per (tokens, sequences, longest chunk). But only attention
+depends on how the tokens split into sequences; everything else (embedding, norms, projections,
+the MLP, rotary) depends on the number of tokens alone. So the forward is cut at each layer's
+attention (DecoderLayer.before_attention / self_attn.attend / after_attention) and the pieces
+between two attentions are captured once per token bucket T (16, 32, ..., up to
+max_num_batched_tokens): L + 1 graphs per bucket. A step of n <= T tokens copies its ids and
+positions into the static buffers (padding rows: token 0 at position 0, whose K/V go nowhere:
+their slots are PAD_SLOT_ID), replays piece 0, and for each layer runs attention eagerly on the
+piece's q, k, v (real rows only are read: the metadata's cu_seqlens_q ends at n), copies its
+output into the one buffer the next piece reads, and replays that piece. Eager, the same step
+launches ~14 kernels a layer from Python (most of a prefill step's host time at low load);
+here it launches two or three (attention, the copy) and L + 1 replays.
+
+Memory: the pieces of all buckets share one graph pool; a piece's outputs are kept only until
+the next piece of its bucket is captured (replays run in capture order, so later pieces may
+reuse what earlier ones no longer need), and the last piece's output (the hidden states) per bucket.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from pagedllm.model.attention_metadata import AttentionMetadata
+from pagedllm.ops import PAD_SLOT_ID
+from pagedllm.worker.step_inputs import StepInputs
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
+
+    from pagedllm.model.decoder import DecoderLayer, DecoderModel
+    from pagedllm.worker.model_runner import ModelRunner
+
+MIN_BUCKET = 16
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """16, 32, 64, ... doubling to 2048, then every 2048, and max_tokens itself."""
+    sizes, b = [], MIN_BUCKET
+    while b < min(max_tokens, 2048):
+        sizes.append(b)
+        b *= 2
+    sizes += list(range(2048, max_tokens, 2048))
+    return sorted(set(sizes + [max_tokens]))
+
+
+@dataclass
+class _Bucket:
+    graphs: list[torch.cuda.CUDAGraph]  # L + 1 pieces
+    qkv: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # piece i's q, k, v (layer i's attention input)
+    hidden: torch.Tensor  # the last piece's output [T, hidden]
+
+
+class PiecewiseGraphs:
+    def __init__(self, runner: ModelRunner, max_tokens: int):
+        self.runner = runner
+        dev = runner.device
+        self.model: DecoderModel = runner.model.model  # embed, layers, final_norm
+        self.layers: list[DecoderLayer] = list(self.model.layers)  # type: ignore[arg-type]
+        self.sizes = token_buckets(max_tokens)
+        top = self.sizes[-1]
+        self.input_ids = torch.zeros(top, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(top, dtype=torch.int64, device=dev)
+        attn = self.layers[0].self_attn
+        self.attn_out = torch.zeros(top, attn.num_heads * attn.head_dim, dtype=runner.dtype, device=dev)
+        self.host_ids = [torch.zeros(top, dtype=torch.int64).pin_memory() for _ in range(2)]
+        self.host_pos = [torch.zeros(top, dtype=torch.int64).pin_memory() for _ in range(2)]
+        self.copied = [torch.cuda.Event(), torch.cuda.Event()]
+        self.turn = 0
+        self.buckets: dict[int, _Bucket] = {}
+        self.pool: _POOL_HANDLE | None = None
+        self._capture_all()
+
+    def can_run(self, inp: StepInputs) -> bool:
+        return inp.num_tokens <= self.sizes[-1]
+
+    def bucket(self, n: int) -> int:
+        """The captured token count a step of n tokens runs at."""
+        return self.sizes[bisect.bisect_left(self.sizes, n)]
+
+    # ---- capture ---------------------------------------------------------------------------
+    def _piece(self, i: int, t: int, carried):
+        """Piece i of a bucket of t tokens: layer i-1's after_attention (i > 0) then layer i's
+        before_attention (i < L) or the final norm (i = L). carried: the residual stream from piece i-1."""
+        layers = self.layers
+        positions = self.positions[:t]
+        if i == 0:
+            x, residual = self.model.embed(self.input_ids[:t]), None
+        else:
+            x, residual = layers[i - 1].after_attention(self.attn_out[:t], carried)
+        if i == len(layers):
+            return self.model.final_norm(x, residual)
+        return layers[i].before_attention(positions, x, residual)
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        n = len(self.layers)
+        for t in reversed(self.sizes):  # largest first: the pool then fits the others
+            graphs, qkv = [], []
+            carried = None
+            for i in range(n + 1):
+                self._piece(i, t, carried)  # warm-up: Triton compiles, the allocator settles
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool):
+                    out = self._piece(i, t, carried)
+                if self.pool is None:
+                    self.pool = g.pool()
+                graphs.append(g)
+                if i < n:
+                    q, k, v, carried = out
+                    qkv.append((q, k, v))
+                else:
+                    hidden = out
+            self.buckets[t] = _Bucket(graphs, qkv, hidden)
+        torch.cuda.synchronize()
+
+    # ---- a step ----------------------------------------------------------------------------
+    def run(self, inp: StepInputs, meta: AttentionMetadata, fix=None) -> torch.Tensor:
+        """The step's hidden states [n, hidden]. meta: the step's metadata with its slot
+        mappings padded to the bucket (pad_slots)."""
+        n = inp.num_tokens
+        t = self.bucket(n)
+        b = self.buckets[t]
+        self.turn ^= 1  # two staging sets in turn, as DecodeGraphs: the other may still be queued
+        ids, pos = self.host_ids[self.turn], self.host_pos[self.turn]
+        self.copied[self.turn].synchronize()
+        ids[:n].numpy()[:] = inp.input_ids
+        ids[n:t].fill_(0)
+        pos[:n].numpy()[:] = inp.positions
+        pos[n:t].fill_(0)
+        self.input_ids[:t].copy_(ids[:t], non_blocking=True)
+        self.positions[:t].copy_(pos[:t], non_blocking=True)
+        self.copied[self.turn].record()
+        self.runner.fill_placeholders(self.input_ids, fix)  # async scheduling: ids from the device
+        positions = self.positions[:t]
+        layers = self.layers
+        b.graphs[0].replay()
+        for i, layer in enumerate(layers):
+            q, k, v = b.qkv[i]
+            o = layer.self_attn.attend(positions, q, k, v, meta)
+            self.attn_out[:t].copy_(o.view(t, -1))
+            b.graphs[i + 1].replay()
+        return b.hidden[:n]
+
+
+def pad_slots(slots: np.ndarray, t: int) -> np.ndarray:
+    """A slot mapping of n tokens padded to t with PAD_SLOT_ID (the padding rows store nothing)."""
+    out = np.full(t, PAD_SLOT_ID, dtype=np.int64)
+    out[: len(slots)] = slots
+    return out

@@ -1,0 +1,54 @@
+"""One host-to-device copy for a step's small input arrays.
+
+A step's metadata is half a dozen small arrays (slot mapping, block tables, sequence lengths,
+ids, positions); copied one by one, each costs a pinned allocation and a copy launch. Here they
+are packed into one pinned buffer at aligned offsets, copied in one go into a device buffer, and
+handed back as typed views of it. The buffers are used in turn (`SETS` of them): with async
+scheduling a step is staged while the one before may still wait in the stream, and its event
+says when a set's copy is done, before the host writes it again. A device set is rewritten only
+by a copy queued after the kernels of the step that read it (one stream), so it needs no guard.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+ALIGN = 16  # bytes: every view starts aligned for any dtype
+SETS = 3
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class Staging:
+    def __init__(self, device: torch.device, nbytes: int = 4 << 20):
+        self.nbytes = nbytes
+        self.host = [torch.empty(nbytes, dtype=torch.uint8).pin_memory() for _ in range(SETS)]
+        self.dev = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(SETS)]
+        self.done = [torch.cuda.Event() for _ in range(SETS)]
+        self.turn = 0
+
+    def fits(self, arrays: list[np.ndarray]) -> bool:
+        return sum(_aligned(a.nbytes) for a in arrays) <= self.nbytes
+
+    def upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """Device tensors equal to `arrays` (same dtypes and shapes), valid for this step."""
+        assert self.fits(arrays)
+        self.turn = (self.turn + 1) % SETS
+        self.done[self.turn].synchronize()  # normally long done: SETS steps old
+        host = self.host[self.turn].numpy()
+        spans = []
+        off = 0
+        for a in arrays:
+            a = np.ascontiguousarray(a)
+            raw = a.reshape(-1).view(np.uint8)
+            host[off : off + raw.size] = raw
+            spans.append((off, a))
+            off += _aligned(raw.size)
+        dev = self.dev[self.turn]
+        if off:
+            dev[:off].copy_(self.host[self.turn][:off], non_blocking=True)
+        self.done[self.turn].record()
+        return [dev[o : o + a.nbytes].view(torch.from_numpy(a[:0].reshape(-1)).dtype).view(a.shape) for o, a in spans]
