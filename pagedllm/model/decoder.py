@@ -85,7 +85,7 @@ class DecoderAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             cfg.num_attention_heads * self.head_dim, cfg.hidden_size, bias=getattr(cfg, "attention_bias", False)
         )
-        self.qk_norm = traits.qk_norm
+        self.qk_norm, self.unit_offset = traits.qk_norm, traits.gemma
         if traits.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, kernels, unit_offset=traits.gemma)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, kernels, unit_offset=traits.gemma)
@@ -105,10 +105,9 @@ class DecoderAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        o = self.attn(q, k, v, meta)
+        # q/k norm, rotary and the KV store: one call (Kernels.prepare_qkv), inside the attention layer
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
+        o = self.attn(q, k, v, meta, positions, self.rotary.cos_sin_cache, *norms, unit_offset=self.unit_offset)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
