@@ -151,3 +151,23 @@ def test_a_failed_forward_leaves_nothing_behind():
         assert not any(isinstance(v, AttentionMetadata) for v in vars(module).values()), module
     # ... and the next forward (with its own) computes what a model that never failed does
     assert torch.equal(model(ids, pos, prefill_meta(6)), want)
+
+
+def test_kv_ranges_are_those_of_the_keys_and_values_attention_reads():
+    """fp8 calibration (worker/kv_scales.py) measures K after the q/k norm and rotary, as attend gets it."""
+    from pagedllm.worker.kv_scales import measure_kv_ranges
+
+    seen: list[tuple[float, float]] = []
+
+    class Recording(TorchKernels):
+        def attend(self, q, k, v, *args, **kw):
+            seen.append((float(k.abs().amax()), float(v.abs().amax())))
+            return super().attend(q, k, v, *args, **kw)
+
+    model, _ = tiny_model(Recording())
+    layers = list(model.attention_layers())
+    for layer in layers:  # unbound, as in the calibration forward
+        layer.bind_kv_cache(torch.tensor([]), torch.tensor([]))
+    ids, pos = torch.tensor([3, 1, 4, 1, 5, 9]), torch.arange(6)
+    ranges = measure_kv_ranges(layers, lambda: model(ids, pos, prefill_meta(6)))
+    assert ranges == seen and all(layer.kv_amax is None for layer in layers)
