@@ -1,4 +1,5 @@
-"""Paged attention layer: store the new K/V through slot_mapping, then attend over the
+"""Paged attention layer: prepare the new q/k (per-head q/k norm, rotary) and store the new K/V
+through slot_mapping (one `Kernels.prepare_qkv` call: one launch on GPU), then attend over the
 block tables, with the kernels the model was built with (ops/kernels.py).
 
 An fp8 KV cache (ops/kv_quant.py) is read and written with this layer's K and V scales, set
@@ -35,6 +36,9 @@ class Attention(nn.Module):
         # unbound (empty) until bind_kv_cache: the new tokens attend to each other only
         self.k_cache = self.v_cache = torch.tensor([])
         self.k_scale = self.v_scale = 1.0  # dequantized = stored * scale (fp8 caches only)
+        # set by worker/kv_scales.py for its calibration forward only: [max |K|, max |V|] of the
+        # prepared K and V as they enter attention, raised by every forward while it is a list
+        self.kv_amax: list[float] | None = None
 
     def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_group: int = 0) -> None:
         """This layer's views of the KV tensor, [num_blocks, Hkv, block_size, D] each, and the
@@ -49,11 +53,42 @@ class Attention(nn.Module):
             raise ValueError(f"KV scales must be finite and > 0, got k_scale={k_scale}, v_scale={v_scale}")
         self.k_scale, self.v_scale = float(k_scale), float(v_scale)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]."""
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        q_norm_weight: torch.Tensor | None = None,
+        k_norm_weight: torch.Tensor | None = None,
+        eps: float = 0.0,
+        unit_offset: bool = False,
+    ) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D], as projected (not yet normed or rotated) -> [T, Hq, D].
+        The q/k norm weights (Qwen3, Gemma 3; None: no q/k norm), eps and unit_offset are
+        RMSNorm's; cos_sin_cache is the layer's rotary table (model/rotary.py)."""
         meta = meta.group(self.kv_group)
-        if self.k_cache.numel():
-            self.kernels.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        q, k = self.kernels.prepare_qkv(
+            q,
+            k,
+            v,
+            positions,
+            cos_sin_cache,
+            q_norm_weight,
+            k_norm_weight,
+            eps,
+            unit_offset,
+            self.k_cache,
+            self.v_cache,
+            meta.slot_mapping,
+            self.k_scale,
+            self.v_scale,
+        )
+        if self.kv_amax is not None and k.numel():
+            self.kv_amax[0] = max(self.kv_amax[0], float(k.detach().abs().amax()))
+            self.kv_amax[1] = max(self.kv_amax[1], float(v.detach().abs().amax()))
         return self.kernels.attend(
             q,
             k,

@@ -85,7 +85,7 @@ class DecoderAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             cfg.num_attention_heads * self.head_dim, cfg.hidden_size, bias=getattr(cfg, "attention_bias", False)
         )
-        self.qk_norm = traits.qk_norm
+        self.qk_norm, self.unit_offset = traits.qk_norm, traits.gemma
         if traits.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, kernels, unit_offset=traits.gemma)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, kernels, unit_offset=traits.gemma)
@@ -100,27 +100,26 @@ class DecoderAttention(nn.Module):
         )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv(positions, x)
+        q, k, v = self.qkv(x)
         return self.out(self.attend(positions, q, k, v, meta))
 
     # The three parts of forward, apart: a step in piecewise CUDA graphs (worker/piecewise_graphs.py)
     # replays qkv and out in graphs and runs attend, whose shapes change with every step, eagerly.
-    def qkv(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
         return q, k, v
 
     def attend(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """Store the new K/V and attend: [T, Hq, D]."""
-        return self.attn(q, k, v, meta)
+        """q/k norm, rotary and the KV store in one call (Kernels.prepare_qkv, inside the attention
+        layer), then attention: [T, Hq, D]."""
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
+        return self.attn(q, k, v, meta, positions, self.rotary.cos_sin_cache, *norms, unit_offset=self.unit_offset)
 
     def out(self, o: torch.Tensor) -> torch.Tensor:
         return self.o_proj(o.reshape(-1, self.q_size))
@@ -171,18 +170,18 @@ class DecoderLayer(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (this layer's output, not yet added, and the residual stream it is to be added to)."""
-        q, k, v, residual = self.before_attention(positions, x, residual)
+        q, k, v, residual = self.before_attention(x, residual)
         return self.after_attention(self.self_attn.attend(positions, q, k, v, meta), residual)
 
     def before_attention(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+        self, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The input norm (adding the previous layer's output to the residual stream) and q, k, v."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        q, k, v = self.self_attn.qkv(positions, x)
+        q, k, v = self.self_attn.qkv(x)
         return q, k, v, residual
 
     def after_attention(self, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

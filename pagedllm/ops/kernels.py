@@ -6,10 +6,11 @@ Every layer that computes (RMSNorm, rotary, SiLU/GELU-and-mul, paged attention) 
   the oracle of the kernel tests (tests/ops), which therefore test what the CPU path runs;
   its paged attention is the references' grouped form (decode rows batched by length), tested
   equal to the looped `paged_attention_ref` in tests/ops/test_attention_ref.py.
-- `TritonKernels`: the Triton kernels (fused.py, store_kv.py, paged_attention.py), on CUDA.
+- `TritonKernels`: the Triton kernels (fused.py, store_kv.py, prepare_qkv.py, paged_attention.py), on CUDA.
 
 The KV caches are in the model's dtype or in fp8 (ops/kv_quant.py); `store_kv` and `attend` take
-the layer's K and V scales, which only an fp8 cache uses.
+the layer's K and V scales, which only an fp8 cache uses. `prepare_qkv` is what a layer calls
+between its QKV projection and attention: q/k norm, rotary and the KV store, one launch on GPU.
 """
 
 from __future__ import annotations
@@ -71,6 +72,29 @@ class Kernels(Protocol):
         """Write k/v at slot_mapping; an fp8 cache stores saturate(k / k_scale), saturate(v / v_scale)."""
         ...
 
+    def prepare_qkv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        q_norm_weight: torch.Tensor | None,
+        k_norm_weight: torch.Tensor | None,
+        eps: float,
+        unit_offset: bool,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention block after the QKV projection, before attention: rms_norm of every q
+        and k head (weights given, both or neither; unit_offset as rms_norm's), apply_rotary,
+        then store_kv of that k and v (not when k_cache is empty: no KV bound). Returns the
+        prepared (q, k); an implementation may rewrite q and k in place."""
+        ...
+
     def attend(
         self,
         q: torch.Tensor,
@@ -130,6 +154,34 @@ class TorchKernels:
     ) -> None:
         store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
+    def prepare_qkv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        q_norm_weight: torch.Tensor | None,
+        k_norm_weight: torch.Tensor | None,
+        eps: float,
+        unit_offset: bool,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # the composition of this class's own methods, call for call as the layers made them before
+        if (q_norm_weight is None) != (k_norm_weight is None):
+            raise ValueError("prepare_qkv: q_norm_weight and k_norm_weight must be given both or neither")
+        if q_norm_weight is not None and k_norm_weight is not None:
+            form: dict[str, bool] = {"unit_offset": True} if unit_offset else {}
+            q, k = self.rms_norm(q, q_norm_weight, eps, **form), self.rms_norm(k, k_norm_weight, eps, **form)
+        q, k = self.apply_rotary(q, k, cos_sin_cache, positions)
+        if k_cache.numel():
+            self.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        return q, k
+
     def attend(
         self,
         q: torch.Tensor,
@@ -185,13 +237,14 @@ class TritonKernels:
     """The Triton kernels; imported when constructed (CUDA only), so CPU never imports triton."""
 
     def __init__(self) -> None:
-        from pagedllm.ops import fused, paged_attention, store_kv
+        from pagedllm.ops import fused, paged_attention, prepare_qkv, store_kv
 
         self._rms_norm = fused.rms_norm
         self._silu_and_mul = fused.silu_and_mul
         self._gelu_tanh_and_mul = fused.gelu_tanh_and_mul
         self._apply_rotary = fused.apply_rotary
         self._store_kvcache = store_kv.store_kvcache
+        self._prepare_qkv = prepare_qkv.prepare_qkv
         self._paged_attention = paged_attention.paged_attention
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
@@ -224,6 +277,41 @@ class TritonKernels:
         v_scale: float = 1.0,
     ) -> None:
         self._store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+    def prepare_qkv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        q_norm_weight: torch.Tensor | None,
+        k_norm_weight: torch.Tensor | None,
+        eps: float,
+        unit_offset: bool,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # one launch (ops/prepare_qkv.py); q and k in place
+        return self._prepare_qkv(
+            q,
+            k,
+            v,
+            positions,
+            cos_sin_cache,
+            q_norm_weight,
+            k_norm_weight,
+            eps,
+            unit_offset,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            k_scale,
+            v_scale,
+        )
 
     def attend(
         self,

@@ -33,22 +33,13 @@ _TINY = 1e-12  # a layer whose K (or V) is all zeros still gets a finite, positi
 def measure_kv_ranges(layers: Sequence[Attention], forward: Callable[[], None]) -> list[tuple[float, float]]:
     """(max |K|, max |V|) per layer over one call of `forward`, agreed over TP ranks."""
     amax = [[0.0, 0.0] for _ in layers]
-
-    def hook(i: int):
-        def record(_module, args) -> None:
-            _q, k, v = args[0], args[1], args[2]
-            if k.numel():
-                amax[i][0] = max(amax[i][0], float(k.detach().abs().amax()))
-                amax[i][1] = max(amax[i][1], float(v.detach().abs().amax()))
-
-        return record
-
-    handles = [layer.register_forward_pre_hook(hook(i)) for i, layer in enumerate(layers)]
+    for layer, pair in zip(layers, amax, strict=True):
+        layer.kv_amax = pair  # raised by Attention.forward, on the K/V it prepared (normed, rotated)
     try:
         forward()
     finally:
-        for h in handles:
-            h.remove()
+        for layer in layers:
+            layer.kv_amax = None
     flat = agree_max([x for pair in amax for x in pair])
     return [(flat[2 * i], flat[2 * i + 1]) for i in range(len(layers))]
 

@@ -90,14 +90,13 @@ class PiecewiseGraphs:
         """Piece i of a bucket of t tokens: layer i-1's after_attention (i > 0) then layer i's
         before_attention (i < L) or the final norm (i = L). carried: the residual stream from piece i-1."""
         layers = self.layers
-        positions = self.positions[:t]
         if i == 0:
             x, residual = self.model.embed(self.input_ids[:t]), None
         else:
             x, residual = layers[i - 1].after_attention(self.attn_out[:t], carried)
         if i == len(layers):
             return self.model.final_norm(x, residual)
-        return layers[i].before_attention(positions, x, residual)
+        return layers[i].before_attention(x, residual)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:

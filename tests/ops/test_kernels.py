@@ -43,6 +43,10 @@ class CountingKernels(TorchKernels):
         self._count("apply_rotary")
         return super().apply_rotary(q, k, cos_sin_cache, positions)
 
+    def prepare_qkv(self, *args):
+        self._count("prepare_qkv")
+        return super().prepare_qkv(*args)
+
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
         self._count("store_kv")
         super().store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
@@ -111,11 +115,13 @@ def test_every_layer_runs_the_kernels_it_was_built_with():
     hidden = model(ids, pos, prefill_meta(6))
     assert hidden.shape == (6, 32)
     # per layer: input norm, q and k norms (Qwen3), post-attention norm; then the final norm.
-    # Only the first layer's input norm has no residual to add.
+    # Only the first layer's input norm has no residual to add. The q/k norms, rotary and the
+    # store are one prepare_qkv call (one launch on GPU), made of the three on CPU.
     assert kernels.calls == {
         "rms_norm": 1 + 2 * LAYERS,
         "fused_add_rms_norm": (LAYERS - 1) + LAYERS + 1,
         "silu_and_mul": LAYERS,
+        "prepare_qkv": LAYERS,
         "apply_rotary": LAYERS,
         "store_kv": LAYERS,
         "attend": LAYERS,
@@ -145,3 +151,23 @@ def test_a_failed_forward_leaves_nothing_behind():
         assert not any(isinstance(v, AttentionMetadata) for v in vars(module).values()), module
     # ... and the next forward (with its own) computes what a model that never failed does
     assert torch.equal(model(ids, pos, prefill_meta(6)), want)
+
+
+def test_kv_ranges_are_those_of_the_keys_and_values_attention_reads():
+    """fp8 calibration (worker/kv_scales.py) measures K after the q/k norm and rotary, as attend gets it."""
+    from pagedllm.worker.kv_scales import measure_kv_ranges
+
+    seen: list[tuple[float, float]] = []
+
+    class Recording(TorchKernels):
+        def attend(self, q, k, v, *args, **kw):
+            seen.append((float(k.abs().amax()), float(v.abs().amax())))
+            return super().attend(q, k, v, *args, **kw)
+
+    model, _ = tiny_model(Recording())
+    layers = list(model.attention_layers())
+    for layer in layers:  # unbound, as in the calibration forward
+        layer.bind_kv_cache(torch.tensor([]), torch.tensor([]))
+    ids, pos = torch.tensor([3, 1, 4, 1, 5, 9]), torch.arange(6)
+    ranges = measure_kv_ranges(layers, lambda: model(ids, pos, prefill_meta(6)))
+    assert ranges == seen and all(layer.kv_amax is None for layer in layers)
