@@ -1,12 +1,12 @@
 """The kernels a model runs, chosen once from the device: `kernels_for(device)`.
 
-Every layer that computes (RMSNorm, rotary, SiLU/GELU-and-mul, paged attention) is given one
-`Kernels` object when the model is built and calls it; no layer looks at a tensor's device.
-- `TorchKernels`: the torch references (fused_ref.py, attention_ref.py). The CPU path, and
+Every layer that computes (RMSNorm, rotary, SiLU/GELU-and-mul, paged attention, MoE experts) is
+given one `Kernels` object when the model is built and calls it; no layer looks at a tensor's device.
+- `TorchKernels`: the torch references (fused_ref.py, attention_ref.py, moe_ref.py). The CPU path, and
   the oracle of the kernel tests (tests/ops), which therefore test what the CPU path runs;
   its paged attention is the references' grouped form (decode rows batched by length), tested
   equal to the looped `paged_attention_ref` in tests/ops/test_attention_ref.py.
-- `TritonKernels`: the Triton kernels (fused.py, store_kv.py, paged_attention.py), on CUDA.
+- `TritonKernels`: the Triton kernels (fused.py, store_kv.py, paged_attention.py, fused_moe.py), on CUDA.
 
 The KV caches are in the model's dtype or in fp8 (ops/kv_quant.py); `store_kv` and `attend` take
 the layer's K and V scales, which only an fp8 cache uses.
@@ -26,6 +26,7 @@ from pagedllm.ops.attention_ref import (
     store_kvcache_ref,
 )
 from pagedllm.ops.fused_ref import apply_rotary_ref, gelu_tanh_and_mul_ref, rms_norm_ref, silu_and_mul_ref
+from pagedllm.ops.moe_ref import fused_moe_ref
 
 if TYPE_CHECKING:
     from pagedllm.model.attention_metadata import AttentionMetadata
@@ -56,6 +57,14 @@ class Kernels(Protocol):
         self, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotated (q, k); an implementation may rotate q and k in place."""
+        ...
+
+    def fused_moe(
+        self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Mixture of experts, x [T, H] -> [T, H]: sum over each token's k experts (topk_ids [T, k]
+        int32, topk_weights [T, k] float32) of weight * down(silu(gate(x)) * up(x)); w13 [E, 2I, H]
+        (gate rows then up rows), w2 [E, H, I] (ops/moe_ref.py)."""
         ...
 
     def store_kv(
@@ -117,6 +126,11 @@ class TorchKernels:
         self, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return apply_rotary_ref(q, k, cos_sin_cache, positions)
+
+    def fused_moe(
+        self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
 
     def store_kv(
         self,
@@ -185,7 +199,7 @@ class TritonKernels:
     """The Triton kernels; imported when constructed (CUDA only), so CPU never imports triton."""
 
     def __init__(self) -> None:
-        from pagedllm.ops import fused, paged_attention, store_kv
+        from pagedllm.ops import fused, fused_moe, paged_attention, store_kv
 
         self._rms_norm = fused.rms_norm
         self._silu_and_mul = fused.silu_and_mul
@@ -193,6 +207,7 @@ class TritonKernels:
         self._apply_rotary = fused.apply_rotary
         self._store_kvcache = store_kv.store_kvcache
         self._paged_attention = paged_attention.paged_attention
+        self._fused_moe = fused_moe.fused_moe
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
         return self._rms_norm(x, weight, eps, unit_offset=unit_offset)
@@ -212,6 +227,11 @@ class TritonKernels:
         self, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self._apply_rotary(q, k, cos_sin_cache, positions)  # in place
+
+    def fused_moe(
+        self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        return self._fused_moe(x, w13, w2, topk_weights, topk_ids)
 
     def store_kv(
         self,

@@ -1,0 +1,224 @@
+"""Fused mixture-of-experts (Triton): the experts of every token in two grouped GEMM launches.
+
+1. `moe_align_block_size`: the T * k (token, expert) pairs sorted by expert, each expert's run
+   padded to a multiple of BLOCK_M, so that every BLOCK_M rows of the sorted list belong to one
+   expert. Computed with torch ops on the device (no host synchronisation): the sorted buffer
+   has its worst-case length for T * k pairs, and the padded length stays a device tensor that
+   the kernels read to skip the blocks past it. So every shape depends on T alone and the call
+   can be captured in a CUDA graph.
+2. `_gate_up_kernel`: per block of BLOCK_M sorted rows and BLOCK_N intermediate columns, x's rows
+   times that expert's gate and up matrices, SiLU(gate) * up in the epilogue -> [T * k, I].
+3. `_down_kernel`: those rows times the expert's down matrix, scaled by the routing weight in the
+   epilogue -> [T * k, H]; the k rows of each token are then summed (one torch reduction).
+
+Block sizes come from MOE_CONFIGS by the number of tokens: decode (few tokens per expert, so
+small BLOCK_M wastes less padding) and prefill (many). benchmarks/moe.py --sweep finds the best
+per M on a GPU. The reference is ops/moe_ref.py (fused_moe_ref)."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.ops._triton import HAS_TRITON, is_interpreted, require_triton, tl, triton
+
+# (largest number of tokens M, block config): the first entry with M <= its bound applies (None: any)
+MOE_CONFIGS: tuple[tuple[int | None, dict[str, int]], ...] = (
+    (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)),
+    (64, dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)),
+    (256, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3)),
+    (1024, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)),
+    (None, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)),
+)
+
+
+def config_for(m: int) -> dict[str, int]:
+    for bound, cfg in MOE_CONFIGS:
+        if bound is None or m <= bound:
+            return cfg
+    raise AssertionError("MOE_CONFIGS ends with a catch-all entry")
+
+
+def padded_size(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Worst-case length of the sorted, padded pair list: every non-empty expert (at most
+    min(E, pairs) of them) adds up to BLOCK_M - 1 rows of padding; rounded up to BLOCK_M."""
+    bound = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return -(-bound // block_m) * block_m
+
+
+def moe_align_block_size(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """topk_ids [T, k] -> (sorted_ids [P] int32: pair indices (token * k + slot) grouped by expert,
+    each group padded with the sentinel T * k to a multiple of block_m; expert_ids [P / block_m]
+    int32: each block's expert; num_padded [1] int32: the used length of sorted_ids). P is
+    padded_size(T * k, ...); blocks past num_padded are never read."""
+    flat = topk_ids.reshape(-1).long()
+    n, dev = flat.numel(), flat.device
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)  # the pairs by expert, in token order within one
+    expert_of = flat[order]
+    rank = torch.arange(n, device=dev) - (torch.cumsum(counts, 0) - counts)[expert_of]
+    size = padded_size(n, num_experts, block_m)
+    sorted_ids = torch.full((size,), n, dtype=torch.int32, device=dev)
+    sorted_ids.scatter_(0, (ends - padded)[expert_of] + rank, order.to(torch.int32))
+    block_starts = torch.arange(0, size, block_m, device=dev)
+    expert_ids = torch.searchsorted(ends, block_starts, right=True).clamp_(max=num_experts - 1).to(torch.int32)
+    return sorted_ids, expert_ids, ends[-1:].to(torch.int32)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _block_of(pid, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
+        """Grouped program order: GROUP_M row blocks share their weight columns in L2."""
+        per_group = GROUP_M * num_n_blocks
+        first_m = (pid // per_group) * GROUP_M
+        group_m = tl.minimum(num_m_blocks - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % group_m
+        pid_n = (pid % per_group) // group_m
+        return pid_m, pid_n
+
+    @triton.jit
+    def _gate_up_kernel(
+        x_ptr,
+        w_ptr,
+        out_ptr,
+        sorted_ptr,
+        expert_ptr,
+        num_padded_ptr,
+        num_pairs,
+        num_m_blocks,
+        hidden,
+        inter,
+        top_k,
+        stride_xm,
+        stride_we,
+        stride_wn,
+        stride_om,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
+        pid_m, pid_n = _block_of(tl.program_id(0), num_m_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
+        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+            return
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_ptr + rows).to(tl.int64)
+        row_ok = pair < num_pairs
+        expert = tl.load(expert_ptr + pid_m).to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < inter
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = x_ptr + (pair // top_k)[:, None] * stride_xm + ks[None, :]
+        g_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]  # [K, N]
+        u_ptrs = g_ptrs + inter * stride_wn
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            k_ok = ks < hidden - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if UPCAST:
+                a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+            acc_g = tl.dot(a, g, acc_g, input_precision=DOT_PREC)
+            acc_u = tl.dot(a, u, acc_u, input_precision=DOT_PREC)
+            a_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
+        y = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # SiLU(gate) * up
+        out = out_ptr + pair[:, None] * stride_om + cols[None, :]
+        tl.store(out, y.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _down_kernel(
+        a_ptr,
+        w_ptr,
+        out_ptr,
+        weights_ptr,
+        sorted_ptr,
+        expert_ptr,
+        num_padded_ptr,
+        num_pairs,
+        num_m_blocks,
+        inter,
+        hidden,
+        stride_am,
+        stride_we,
+        stride_wn,
+        stride_om,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
+        pid_m, pid_n = _block_of(tl.program_id(0), num_m_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+            return
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_ptr + rows).to(tl.int64)
+        row_ok = pair < num_pairs
+        expert = tl.load(expert_ptr + pid_m).to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < hidden
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + pair[:, None] * stride_am + ks[None, :]
+        w_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]  # [K, N]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            k_ok = ks < inter - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if UPCAST:
+                a, w = a.to(tl.float32), w.to(tl.float32)
+            acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        acc *= tl.load(weights_ptr + pair, mask=row_ok, other=0.0)[:, None]  # the routing weight
+        out = out_ptr + pair[:, None] * stride_om + cols[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] float32, topk_ids [T, k] ->
+    [T, H] in x's dtype (fused_moe_ref's contract). config: block sizes (default config_for(T))."""
+    require_triton()
+    t, hidden = x.shape
+    num_experts, two_i, _ = w13.shape
+    inter, top_k = two_i // 2, topk_ids.shape[1]
+    cfg = config or config_for(t)
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    sorted_ids, expert_ids, num_padded = moe_align_block_size(topk_ids, num_experts, bm)
+    num_pairs, num_m_blocks = t * top_k, expert_ids.numel()
+    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    prec = "ieee" if x.dtype == torch.float32 else None
+    upcast = is_interpreted(_gate_up_kernel) and x.dtype != torch.float32
+    launch = dict(GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    _gate_up_kernel[(num_m_blocks * triton.cdiv(inter, bn),)](
+        x, w13, act, sorted_ids, expert_ids, num_padded, num_pairs, num_m_blocks, hidden, inter, top_k,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec, UPCAST=upcast, **launch,
+    )  # fmt: skip
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    _down_kernel[(num_m_blocks * triton.cdiv(hidden, bn),)](
+        act, w2, out, weights, sorted_ids, expert_ids, num_padded, num_pairs, num_m_blocks, inter, hidden,
+        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec, UPCAST=upcast, **launch,
+    )  # fmt: skip
+    return out.view(t, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
