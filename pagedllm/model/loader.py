@@ -20,6 +20,7 @@ from safetensors import safe_open
 
 from pagedllm.model.attention import Attention
 from pagedllm.model.moe import FusedExperts, expert_target
+from pagedllm.model.norm import RMSNorm
 from pagedllm.model.parallel import ShardedModule
 
 if TYPE_CHECKING:
@@ -110,3 +111,23 @@ def load_weights(model: DecoderForCausalLM, model_dir: str) -> dict[int, dict[st
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks weights for {sorted(missing)[:5]}")
     return kv_scales
+
+
+def init_dummy_weights(model: DecoderForCausalLM, seed: int, std: float = 0.02) -> dict[int, dict[str, float]]:
+    """load_format="dummy": every weight matrix normal(0, std), norms as built (scale 1), biases 0, drawn on
+    the parameters' device from one seeded generator in model order (so every TP rank draws the
+    same replicated weights: the router and norms agree across ranks). No checkpoint is read;
+    returns no KV scales. For benchmarks of shapes too large to write to disk."""
+    norms = {id(p) for m in model.modules() if isinstance(m, RMSNorm) for p in m.parameters(recurse=False)}
+    generator: torch.Generator | None = None
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if generator is None:
+                generator = torch.Generator(device=param.device).manual_seed(seed)
+            if id(param) in norms:
+                continue
+            if name.endswith("bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, std, generator=generator)
+    return {}

@@ -182,3 +182,22 @@ def test_router_jitter_noise_is_accepted(moe_models, tmp_path):
     with torch.inference_mode():
         want = hf_model(path)(ids[None]).logits[0]
     torch.testing.assert_close(prefill_logits(ours(path), ids), want, rtol=1e-4, atol=1e-4)
+
+
+def test_dummy_load_format_needs_no_weights(moe_models, tmp_path):
+    """load_format="dummy": a directory with config.json and the tokenizer only; the random weights
+    come from the seed (same seed, same tokens), the norms keep their unit scale."""
+    out = tmp_path / "no_weights"
+    shutil.copytree(moe_models["qwen3moe_top2"], out)
+    os.remove(out / "model.safetensors")
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        LLM(str(out), num_kv_blocks=8, max_model_len=64)
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    runs = []
+    for seed in (0, 0, 1):
+        llm = LLM(str(out), load_format="dummy", seed=seed, num_kv_blocks=8, max_model_len=64)
+        runs.append(llm.generate([[5, 6, 7, 8]], params, use_tqdm=False)[0].outputs[0].token_ids)
+        norm = llm.runner.model.model.norm.weight
+        assert bool((norm == 1).all())
+    assert runs[0] == runs[1] and len(runs[0]) == 6
+    assert llm.runner.model.model.layers[0].mlp.experts.w13_weight.std() > 0.01
