@@ -10,8 +10,9 @@ reference in every case.
 
     python benchmarks/moe.py [--shape qwen3-30b-a3b|mixtral-8x7b|all] [--out FILE] [--sweep]
 
---sweep times a grid of block configurations at M = 1, 4, 16, 64, 256, 1024, 8192 tokens and writes
-the best per M (and the MOE_CONFIGS table it suggests for ops/fused_moe.py) under "sweep".
+--sweep times a grid of block configurations at M = 1, 4, 16, 64, 256, 1024, 8192 tokens within
+--sweep-seconds and writes the best per M (and the MOE_CONFIGS table it suggests for
+ops/fused_moe.py) under "sweep".
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import itertools
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -98,42 +100,52 @@ def case(shape: str, m: int, w13, w2, copy_tbps: float, with_ref: bool = True) -
     return row
 
 
-def sweep_grid(m: int):
-    """Block configurations worth trying at M tokens: small BLOCK_M where each expert sees few."""
-    block_m, block_n = ((16, 32), (32, 64, 128)) if m <= 64 else ((32, 64, 128), (64, 128))
-    for bm, bn, bk, group, warps, stages in itertools.product(block_m, block_n, (64, 128), (1, 8), (4, 8), (3, 4)):
-        if m <= 64 and group != 1:
-            continue
+def sweep_grid(decode: bool):
+    """Block configurations worth trying: for decode (few tokens per expert) small BLOCK_M and narrow
+    tiles for more programs; for prefill large tiles, grouped for L2 reuse."""
+    if decode:
+        grid = itertools.product((16, 32), (32, 64, 128), (64, 128), (1,), (4,), (3, 4))
+    else:
+        grid = itertools.product((64, 128), (64, 128), (64, 128), (8,), (4, 8), (3, 4))
+    for bm, bn, bk, group, warps, stages in grid:
         yield dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, num_warps=warps, num_stages=stages)
 
 
-def sweep(shape: str, w13, w2, save) -> dict:
-    """Best configuration per M; save(partial result) after each M (a run cut short keeps them)."""
+def sweep(shape: str, w13, w2, save, seconds: float) -> dict:
+    """The best configuration per M among those tried within `seconds` (compiling dominates: each
+    configuration is tried at every M of its regime before the next one); save(partial result)
+    after each configuration, so a run cut short keeps what it measured."""
     e, h, i, k = SHAPES[shape]
+    cases = {m: inputs(m, e, h, k) for m in SWEEP_M}
+    refs = {m: fused_moe_ref(x, w13, w2, wt, ids).float() for m, (x, wt, ids) in cases.items()}
     best: dict = {}
-    res = dict(best_per_M=best)
-    for m in SWEEP_M:
-        x, weights, ids = inputs(m, e, h, k)
-        ref = fused_moe_ref(x, w13, w2, weights, ids).float()
-        rows = []
-        for cfg in sweep_grid(m):
-            try:
-                out = fused_moe(x, w13, w2, weights, ids, config=cfg).float()
-                if (out - ref).abs().max() / ref.abs().max() > 2e-2:
-                    continue
-                ms = graph_ms(x, w13, w2, weights, ids, cfg, rep=20)
-            except Exception as exc:  # out of shared memory / registers: not a candidate
-                print(f"  skip {cfg}: {type(exc).__name__}", file=sys.stderr)
-                continue
-            rows.append((ms, cfg))
-        rows.sort(key=lambda r: r[0])
-        default_ms = graph_ms(x, w13, w2, weights, ids, None, rep=20)
-        best[m] = dict(best_ms=round(rows[0][0], 4), best=rows[0][1], default_ms=round(default_ms, 4),
-                       default=config_for(m), runners_up=[dict(ms=round(t, 4), **c) for t, c in rows[1:4]])  # fmt: skip
-        print(json.dumps({shape: {m: best[m]}}), file=sys.stderr, flush=True)
-        save(res)
+    for m, (x, wt, ids) in cases.items():
+        best[m] = dict(default=config_for(m), default_ms=round(graph_ms(x, w13, w2, wt, ids, None, 20), 4), tried=0)
+    res: dict = dict(best_per_M=best)
+    t0 = time.monotonic()
+    for decode in (True, False):
+        ms_of = [m for m in SWEEP_M if (m <= 64) == decode]
+        for cfg in sweep_grid(decode):
+            if time.monotonic() - t0 > seconds * (0.5 if decode else 1.0):
+                break
+            for m in ms_of:
+                x, weights, ids = cases[m]
+                try:
+                    out = fused_moe(x, w13, w2, weights, ids, config=cfg).float()
+                    if (out - refs[m]).abs().max() / refs[m].abs().max() > 2e-2:
+                        continue
+                    ms = graph_ms(x, w13, w2, weights, ids, cfg, rep=20)
+                except Exception as exc:  # out of shared memory / registers: not a candidate
+                    print(f"  skip {cfg}: {type(exc).__name__}", file=sys.stderr)
+                    break
+                row = best[m]
+                row["tried"] += 1
+                if "best_ms" not in row or ms < row["best_ms"]:
+                    row.update(best_ms=round(ms, 4), best=cfg)
+            save(res)
+    print(json.dumps({shape: best}), file=sys.stderr, flush=True)
     bounds = [*SWEEP_M[:-1], None]  # M <= 1, <= 4, ... (upper bounds at the swept points), then any
-    res["suggested_MOE_CONFIGS"] = [(b, best[m]["best"]) for b, m in zip(bounds, SWEEP_M, strict=True)]
+    res["suggested_MOE_CONFIGS"] = [(b, best[m].get("best")) for b, m in zip(bounds, SWEEP_M, strict=True)]
     return res
 
 
@@ -143,6 +155,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--sweep", action="store_true", help="also sweep block configurations (Qwen3-30B-A3B shape)")
     p.add_argument("--sweep-shape", choices=list(SHAPES), default="qwen3-30b-a3b")
+    p.add_argument("--sweep-seconds", type=float, default=90.0, help="time budget of the sweep (default: 90)")
     args = p.parse_args(argv)
     copy_tbps = copy_bandwidth()
     res: dict = dict(environment(), copy_TBps=round(copy_tbps, 3), cases=[])
@@ -164,7 +177,7 @@ def main(argv=None) -> int:
             print(json.dumps(row), file=sys.stderr, flush=True)
             save()
         if args.sweep and shape == args.sweep_shape:
-            save(sweep(shape, w13, w2, save))
+            save(sweep(shape, w13, w2, save, args.sweep_seconds))
         del w13, w2
         torch.cuda.empty_cache()
     return 0
