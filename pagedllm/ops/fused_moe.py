@@ -1,11 +1,11 @@
 """Fused mixture-of-experts (Triton): the experts of every token in two grouped GEMM launches.
 
-1. `moe_align_block_size`: the T * k (token, expert) pairs sorted by expert, each expert's run
-   padded to a multiple of BLOCK_M, so that every BLOCK_M rows of the sorted list belong to one
-   expert. Computed with torch ops on the device (no host synchronisation): the sorted buffer
-   has its worst-case length for T * k pairs, and the padded length stays a device tensor that
-   the kernels read to skip the blocks past it. So every shape depends on T alone and the call
-   can be captured in a CUDA graph.
+1. `moe_align_block_size` (vLLM's name; two small launches, one program per expert: count, then
+   place): the T * k (token, expert) pairs sorted by expert, each expert's run padded to a
+   multiple of BLOCK_M, so that every BLOCK_M rows of the sorted list belong to one expert. No
+   host synchronisation: the sorted buffer has its worst-case length for T * k pairs, and the
+   padded length stays a device tensor that the GEMMs read to skip the blocks past it. So every
+   shape depends on T alone and the call can be captured in a CUDA graph.
 2. `_gate_up_kernel`: per block of BLOCK_M sorted rows and BLOCK_N intermediate columns, x's rows
    times that expert's gate and up matrices, SiLU(gate) * up in the epilogue -> [T * k, I].
 3. `_down_kernel`: those rows times the expert's down matrix, scaled by the routing weight in the
@@ -13,13 +13,14 @@
 
 Block sizes come from MOE_CONFIGS by the number of tokens: decode (few tokens per expert, so
 small BLOCK_M wastes less padding) and prefill (many). benchmarks/moe.py --sweep finds the best
-per M on a GPU. The reference is ops/moe_ref.py (fused_moe_ref)."""
+per M on a GPU. The references are in ops/moe_ref.py (fused_moe_ref, moe_align_block_size_ref)."""
 
 from __future__ import annotations
 
 import torch
 
-from pagedllm.ops._triton import HAS_TRITON, is_interpreted, require_triton, tl, triton
+from pagedllm.ops._triton import HAS_TRITON, is_interpreted, next_pow2, require_triton, tl, triton
+from pagedllm.ops.moe_ref import padded_size
 
 # (largest number of tokens M, block config): the first entry with M <= its bound applies (None: any)
 MOE_CONFIGS: tuple[tuple[int | None, dict[str, int]], ...] = (
@@ -38,37 +39,59 @@ def config_for(m: int) -> dict[str, int]:
     raise AssertionError("MOE_CONFIGS ends with a catch-all entry")
 
 
-def padded_size(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """Worst-case length of the sorted, padded pair list: every non-empty expert (at most
-    min(E, pairs) of them) adds up to BLOCK_M - 1 rows of padding; rounded up to BLOCK_M."""
-    bound = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
-    return -(-bound // block_m) * block_m
-
-
-def moe_align_block_size(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """topk_ids [T, k] -> (sorted_ids [P] int32: pair indices (token * k + slot) grouped by expert,
-    each group padded with the sentinel T * k to a multiple of block_m; expert_ids [P / block_m]
-    int32: each block's expert; num_padded [1] int32: the used length of sorted_ids). P is
-    padded_size(T * k, ...); blocks past num_padded are never read."""
-    flat = topk_ids.reshape(-1).long()
-    n, dev = flat.numel(), flat.device
-    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = torch.cumsum(padded, 0)
-    order = torch.argsort(flat, stable=True)  # the pairs by expert, in token order within one
-    expert_of = flat[order]
-    rank = torch.arange(n, device=dev) - (torch.cumsum(counts, 0) - counts)[expert_of]
-    size = padded_size(n, num_experts, block_m)
-    sorted_ids = torch.full((size,), n, dtype=torch.int32, device=dev)
-    sorted_ids.scatter_(0, (ends - padded)[expert_of] + rank, order.to(torch.int32))
-    block_starts = torch.arange(0, size, block_m, device=dev)
-    expert_ids = torch.searchsorted(ends, block_starts, right=True).clamp_(max=num_experts - 1).to(torch.int32)
-    return sorted_ids, expert_ids, ends[-1:].to(torch.int32)
-
-
 if HAS_TRITON:
+
+    @triton.jit
+    def _count_kernel(ids_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr):
+        """Program e: how many of the pairs chose expert e."""
+        e = tl.program_id(0)
+        n = tl.zeros((BLOCK,), dtype=tl.int32)
+        for start in range(0, num_pairs, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
+            n += (ids == e).to(tl.int32)
+        tl.store(counts_ptr + e, tl.sum(n, 0))
+
+    @triton.jit
+    def _place_kernel(
+        ids_ptr,
+        counts_ptr,
+        sorted_ptr,
+        expert_ids_ptr,
+        num_padded_ptr,
+        num_pairs,
+        num_experts,
+        BLOCK_M: tl.constexpr,
+        E_PAD: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        """Program e: its padded run's start (an exclusive scan of every expert's padded count),
+        its pairs written there in pair order, the sentinel num_pairs in its padding, and e as the
+        expert of its blocks; program 0 also writes the total padded length."""
+        e = tl.program_id(0)
+        experts = tl.arange(0, E_PAD)
+        counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        ends = tl.cumsum(padded, 0)
+        mine = experts == e
+        start = tl.sum(tl.where(mine, ends - padded, 0), 0)
+        my_padded = tl.sum(tl.where(mine, padded, 0), 0)
+        my_count = tl.sum(tl.where(mine, counts, 0), 0)
+        if e == 0:
+            tl.store(num_padded_ptr, tl.sum(padded, 0))
+        written = start
+        for first in range(0, num_pairs, BLOCK):
+            offs = first + tl.arange(0, BLOCK)
+            ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
+            hit = (ids == e).to(tl.int32)
+            tl.store(sorted_ptr + written + tl.cumsum(hit, 0) - 1, offs, mask=hit == 1)
+            written += tl.sum(hit, 0)
+        pad = start + my_count + tl.arange(0, BLOCK_M)
+        tl.store(sorted_ptr + pad, tl.zeros((BLOCK_M,), dtype=tl.int32) + num_pairs, mask=pad < start + my_padded)
+        for b in range(start // BLOCK_M, (start + my_padded) // BLOCK_M, BLOCK):
+            blocks = b + tl.arange(0, BLOCK)
+            tl.store(expert_ids_ptr + blocks, tl.zeros((BLOCK,), dtype=tl.int32) + e,
+                     mask=blocks < (start + my_padded) // BLOCK_M)  # fmt: skip
 
     @triton.jit
     def _block_of(pid, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
@@ -186,6 +209,27 @@ if HAS_TRITON:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+def moe_align_block_size(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """moe_align_block_size_ref's contract (ops/moe_ref.py) in two launches: count per expert, then
+    place. Entries of sorted_ids and expert_ids past num_padded are left unwritten (never read)."""
+    flat = topk_ids.reshape(-1)
+    n, dev = flat.numel(), flat.device
+    size = padded_size(n, num_experts, block_m)
+    counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    sorted_ids = torch.empty(size, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(size // block_m, dtype=torch.int32, device=dev)
+    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    block = min(1024, next_pow2(max(n, 16)))
+    _count_kernel[(num_experts,)](flat, counts, n, BLOCK=block)
+    _place_kernel[(num_experts,)](
+        flat, counts, sorted_ids, expert_ids, num_padded, n, num_experts,
+        BLOCK_M=block_m, E_PAD=next_pow2(num_experts), BLOCK=block,
+    )  # fmt: skip
+    return sorted_ids, expert_ids, num_padded
+
+
 def fused_moe(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -221,4 +265,4 @@ def fused_moe(
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec, UPCAST=upcast, **launch,
     )  # fmt: skip
-    return out.view(t, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    return out.view(t, top_k, hidden).sum(dim=1)  # accumulated in float32 by torch, rounded once

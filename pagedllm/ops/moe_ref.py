@@ -39,3 +39,34 @@ def fused_moe_ref(
         y = act.to(x.dtype) @ w2[e].t()
         out.index_add_(0, tokens, y.float() * topk_weights.reshape(-1)[rows, None].float())
     return out.to(x.dtype)
+
+
+def padded_size(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Worst-case length of the sorted, padded pair list: every non-empty expert (at most
+    min(E, pairs) of them) adds up to block_m - 1 rows of padding; rounded up to block_m."""
+    bound = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return -(-bound // block_m) * block_m
+
+
+def moe_align_block_size_ref(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """topk_ids [T, k] -> (sorted_ids [P] int32: pair indices (token * k + slot) grouped by expert,
+    each group padded with the sentinel T * k to a multiple of block_m; expert_ids [P / block_m]
+    int32: each block's expert; num_padded [1] int32: the used length of sorted_ids). P is
+    padded_size(T * k, ...); blocks past num_padded are never read. Torch ops on the device, no host
+    synchronisation; the reference of fused_moe.moe_align_block_size (two Triton launches)."""
+    flat = topk_ids.reshape(-1).long()
+    n, dev = flat.numel(), flat.device
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)  # the pairs by expert, in token order within one
+    expert_of = flat[order]
+    rank = torch.arange(n, device=dev) - (torch.cumsum(counts, 0) - counts)[expert_of]
+    size = padded_size(n, num_experts, block_m)
+    sorted_ids = torch.full((size,), n, dtype=torch.int32, device=dev)
+    sorted_ids.scatter_(0, (ends - padded)[expert_of] + rank, order.to(torch.int32))
+    block_starts = torch.arange(0, size, block_m, device=dev)
+    expert_ids = torch.searchsorted(ends, block_starts, right=True).clamp_(max=num_experts - 1).to(torch.int32)
+    return sorted_ids, expert_ids, ends[-1:].to(torch.int32)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.ops.fused_moe import fused_moe, moe_align_block_size, padded_size
-from pagedllm.ops.moe_ref import fused_moe_ref, select_experts
+from pagedllm.ops.fused_moe import fused_moe, moe_align_block_size
+from pagedllm.ops.moe_ref import fused_moe_ref, moe_align_block_size_ref, padded_size, select_experts
 
 SMALL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1)
 
@@ -33,19 +33,33 @@ def routing(kind: str, t: int, e: int, k: int, device, seed=1):
     return w.to(device), ids.to(device)
 
 
-def test_align_groups_pairs_by_expert_padded_to_the_block():
+def test_align_groups_pairs_by_expert_padded_to_the_block(device):
     ids = torch.tensor([[2, 0], [2, 3], [0, 2]], dtype=torch.int32)  # expert 1 empty
-    sorted_ids, expert_ids, num_padded = moe_align_block_size(ids, 4, 4)
+    sorted_ids, expert_ids, num_padded = moe_align_block_size_ref(ids, 4, 4)
     assert sorted_ids.numel() == padded_size(6, 4, 4) == 20  # 6 pairs + 4 experts * 3, rounded up
     n = 6  # the sentinel
     assert int(num_padded) == 12
     assert sorted_ids[:12].tolist() == [1, 4, n, n, 0, 2, 5, n, 3, n, n, n]
     assert expert_ids[:3].tolist() == [0, 2, 3]
+    got = moe_align_block_size(ids.to(device), 4, 4)
+    assert int(got[2]) == 12 and got[0][:12].tolist() == sorted_ids[:12].tolist()
+    assert got[1][:3].tolist() == [0, 2, 3]
 
 
-@pytest.mark.parametrize("kind", ["random", "hot"])
-@pytest.mark.parametrize(("t", "k"), [(1, 2), (5, 3), (37, 2)])
-def test_fused_moe_matches_the_reference(device, kind, t, k):
+@pytest.mark.parametrize(("t", "k", "e", "block_m"), [(1, 8, 32, 16), (600, 2, 8, 16), (64, 4, 16, 64)])
+def test_align_kernel_matches_its_reference(device, t, k, e, block_m):
+    """Two chunks of pairs per program (600 * 2 > 1024), empty experts, a block wider than a run."""
+    _, ids = routing("hot" if t == 64 else "random", t, e, k, device)
+    want = moe_align_block_size_ref(ids.cpu(), e, block_m)
+    got = moe_align_block_size(ids, e, block_m)
+    used = int(want[2])
+    assert int(got[2]) == used
+    assert got[0][:used].tolist() == want[0][:used].tolist()
+    assert got[1][: used // block_m].tolist() == want[1][: used // block_m].tolist()
+
+
+@pytest.mark.parametrize(("t", "k", "kind"), [(1, 2, "random"), (5, 3, "hot"), (37, 2, "random"), (37, 2, "hot")])
+def test_fused_moe_matches_the_reference(device, t, k, kind):
     e, h, i = 8, 32, 48  # i not a multiple of BLOCK_N: the column masks are exercised
     w13, w2 = weights(e, h, i, torch.float32, device)
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(2)).to(device)
