@@ -25,7 +25,8 @@ python3 -c 'import torch, triton, transformers; print("torch", torch.__version__
 run() { [ "$MODE" = all ] || [ "$MODE" = "$1" ]; }
 
 if run tests; then
-  timeout ${T_TESTS:-90} python3 -m pytest -q -m gpu tests/ops/test_fused_moe.py tests/model/test_moe_gpu.py \
+  # every test of the kernel file (on a GPU the small-shape ones run compiled too) and the engine ones
+  timeout ${T_TESTS:-90} python3 -m pytest -q -m "gpu or not gpu" tests/ops/test_fused_moe.py tests/model/test_moe_gpu.py \
       -p no:cacheprovider > "$OUT/moe_tests.log" 2>&1
   grep -E "Error|error:|FAILED|passed|failed" "$OUT/moe_tests.log" | head -20
 fi

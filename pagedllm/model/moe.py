@@ -1,6 +1,7 @@
 """The mixture-of-experts MLP (Qwen3-MoE, Mixtral): a replicated router picks each token's top-k
-experts (softmax, then the k largest, renormalised where the config says), and the experts run as
-one fused kernel (Kernels.fused_moe: ops/fused_moe.py on CUDA, ops/moe_ref.py elsewhere).
+experts (Kernels.select_experts: softmax, the k largest, renormalised where the config says), and
+the experts run as one fused kernel (Kernels.fused_moe: ops/fused_moe.py on CUDA, ops/moe_ref.py
+elsewhere).
 
 Tensor parallelism, as vLLM's default: every rank holds every expert, each a slice of its
 intermediate dimension (gate/up rows, down columns), so the experts' output is a partial sum,
@@ -22,7 +23,6 @@ from torch import nn
 
 from pagedllm.model.parallel import ShardedModule, all_reduce, divide, tp_rank, tp_size
 from pagedllm.ops.kernels import Kernels
-from pagedllm.ops.moe_ref import select_experts
 
 
 def num_experts_of(cfg) -> int:
@@ -104,9 +104,8 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedExperts(e, cfg.hidden_size, inter, intermediate_field(kind))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(F.linear(x, self.gate.weight), self.top_k, self.renormalize)
-        if self.round_weights:
-            weights = weights.to(x.dtype).float()
+        logits = F.linear(x, self.gate.weight)
+        weights, ids = self.kernels.select_experts(logits, self.top_k, self.renormalize, self.round_weights)
         y = self.kernels.fused_moe(x, self.experts.w13_weight, self.experts.w2_weight, weights, ids)
         return all_reduce(y)
 

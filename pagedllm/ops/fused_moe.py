@@ -1,5 +1,6 @@
 """Fused mixture-of-experts (Triton): the experts of every token in two grouped GEMM launches.
 
+0. `select_experts`: the router's softmax, top-k and renormalisation, one program per token.
 1. `moe_align_block_size` (vLLM's name; two small launches, one program per expert: count, then
    place): the T * k (token, expert) pairs sorted by expert, each expert's run padded to a
    multiple of BLOCK_M, so that every BLOCK_M rows of the sorted list belong to one expert. No
@@ -40,6 +41,43 @@ def config_for(m: int) -> dict[str, int]:
 
 
 if HAS_TRITON:
+
+    @triton.jit
+    def _topk_softmax_kernel(
+        logits_ptr,
+        weights_ptr,
+        ids_ptr,
+        num_experts,
+        stride_l,
+        TOP_K: tl.constexpr,
+        K_PAD: tl.constexpr,
+        E_PAD: tl.constexpr,
+        RENORMALIZE: tl.constexpr,
+        ROUND: tl.constexpr,
+    ):
+        """One token's router: softmax in float32, the k largest (lowest index first on a tie),
+        renormalised and rounded to the logits' dtype where asked."""
+        row = tl.program_id(0).to(tl.int64)
+        experts = tl.arange(0, E_PAD)
+        valid = experts < num_experts
+        x = tl.load(logits_ptr + row * stride_l + experts, mask=valid, other=-float("inf")).to(tl.float32)
+        p = tl.where(valid, tl.exp(x - tl.max(x, 0)), 0.0)
+        p = p / tl.sum(p, 0)
+        slots = tl.arange(0, K_PAD)
+        w = tl.zeros((K_PAD,), dtype=tl.float32)
+        ids = tl.zeros((K_PAD,), dtype=tl.int32)
+        for j in tl.static_range(TOP_K):
+            best = tl.max(p, 0)
+            idx = tl.min(tl.where(p == best, experts, E_PAD), 0)
+            w = tl.where(slots == j, best, w)
+            ids = tl.where(slots == j, idx, ids)
+            p = tl.where(experts == idx, -1.0, p)  # below every probability: never taken again
+        if RENORMALIZE:
+            w = w / tl.sum(tl.where(slots < TOP_K, w, 0.0), 0)
+        if ROUND:
+            w = w.to(logits_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(weights_ptr + row * TOP_K + slots, w, mask=slots < TOP_K)
+        tl.store(ids_ptr + row * TOP_K + slots, ids, mask=slots < TOP_K)
 
     @triton.jit
     def _count_kernel(ids_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr):
@@ -207,6 +245,21 @@ if HAS_TRITON:
         acc *= tl.load(weights_ptr + pair, mask=row_ok, other=0.0)[:, None]  # the routing weight
         out = out_ptr + pair[:, None] * stride_om + cols[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def select_experts(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, round_weights: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe_ref.select_experts' contract in one launch (a program per token)."""
+    t, e = router_logits.shape
+    logits = router_logits.contiguous()
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int32, device=logits.device)
+    _topk_softmax_kernel[(t,)](
+        logits, weights, ids, e, logits.stride(0), TOP_K=top_k, K_PAD=next_pow2(top_k), E_PAD=next_pow2(e),
+        RENORMALIZE=renormalize, ROUND=round_weights and logits.dtype != torch.float32,
+    )  # fmt: skip
+    return weights, ids
 
 
 def moe_align_block_size(

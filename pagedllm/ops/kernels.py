@@ -26,7 +26,7 @@ from pagedllm.ops.attention_ref import (
     store_kvcache_ref,
 )
 from pagedllm.ops.fused_ref import apply_rotary_ref, gelu_tanh_and_mul_ref, rms_norm_ref, silu_and_mul_ref
-from pagedllm.ops.moe_ref import fused_moe_ref
+from pagedllm.ops.moe_ref import fused_moe_ref, select_experts
 
 if TYPE_CHECKING:
     from pagedllm.model.attention_metadata import AttentionMetadata
@@ -57,6 +57,14 @@ class Kernels(Protocol):
         self, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotated (q, k); an implementation may rotate q and k in place."""
+        ...
+
+    def select_experts(
+        self, router_logits: torch.Tensor, top_k: int, renormalize: bool, round_weights: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """MoE routing, [T, E] logits -> (weights [T, k] float32, ids [T, k] int32): softmax in
+        float32, the k largest, renormalised to sum 1 if asked, rounded to the logits' dtype if
+        asked (ops/moe_ref.py)."""
         ...
 
     def fused_moe(
@@ -126,6 +134,11 @@ class TorchKernels:
         self, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return apply_rotary_ref(q, k, cos_sin_cache, positions)
+
+    def select_experts(
+        self, router_logits: torch.Tensor, top_k: int, renormalize: bool, round_weights: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return select_experts(router_logits, top_k, renormalize, round_weights)
 
     def fused_moe(
         self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
@@ -208,6 +221,7 @@ class TritonKernels:
         self._store_kvcache = store_kv.store_kvcache
         self._paged_attention = paged_attention.paged_attention
         self._fused_moe = fused_moe.fused_moe
+        self._select_experts = fused_moe.select_experts
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
         return self._rms_norm(x, weight, eps, unit_offset=unit_offset)
@@ -227,6 +241,11 @@ class TritonKernels:
         self, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self._apply_rotary(q, k, cos_sin_cache, positions)  # in place
+
+    def select_experts(
+        self, router_logits: torch.Tensor, top_k: int, renormalize: bool, round_weights: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._select_experts(router_logits, top_k, renormalize, round_weights)
 
     def fused_moe(
         self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor

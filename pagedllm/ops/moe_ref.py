@@ -10,14 +10,19 @@ from __future__ import annotations
 import torch
 
 
-def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def select_experts(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, round_weights: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, E] router logits -> (weights [T, k] float32, expert ids [T, k] int32), as HF computes
     them: softmax in float32 over all experts, the k largest, optionally divided by their sum
-    (Qwen3-MoE's norm_topk_prob; Mixtral always)."""
+    (Qwen3-MoE's norm_topk_prob; Mixtral always); round_weights: rounded to the logits' dtype
+    (HF's Qwen3-MoE; a no-op in float32)."""
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if round_weights:
+        weights = weights.to(router_logits.dtype).float()
     return weights, ids.to(torch.int32)
 
 

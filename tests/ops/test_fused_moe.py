@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedllm.ops import fused_moe as kernels
 from pagedllm.ops.fused_moe import fused_moe, moe_align_block_size
 from pagedllm.ops.moe_ref import fused_moe_ref, moe_align_block_size_ref, padded_size, select_experts
 
@@ -31,6 +32,23 @@ def routing(kind: str, t: int, e: int, k: int, device, seed=1):
         logits[:, 0] += 10.0
     w, ids = select_experts(logits, k, renormalize=True)
     return w.to(device), ids.to(device)
+
+
+@pytest.mark.parametrize(
+    ("e", "k", "renormalize", "dtype"),
+    [(8, 2, True, torch.float32), (128, 8, False, torch.bfloat16), (60, 3, True, torch.bfloat16)],
+)
+def test_router_kernel_matches_the_reference(device, e, k, renormalize, dtype):
+    """Softmax, top-k, renormalisation and the rounding of HF's Qwen3-MoE (bf16), E not a power of 2.
+    Each row's logits are distinct multiples of 1/16 (exact in bf16: no ties for top-k to break)."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.stack([(torch.randperm(e, generator=g) - e / 2) / 16 for _ in range(7)]).to(dtype).to(device)
+    want_w, want_ids = select_experts(logits.cpu(), k, renormalize, round_weights=True)
+    got_w, got_ids = kernels.select_experts(logits, k, renormalize, round_weights=True)
+    assert got_ids.cpu().tolist() == want_ids.tolist()
+    # bf16: within one rounding step (Triton's interpreter truncates to bf16, seen with triton 3.9)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-6)
+    torch.testing.assert_close(got_w.cpu(), want_w, **tol)
 
 
 def test_align_groups_pairs_by_expert_padded_to_the_block(device):
