@@ -23,12 +23,15 @@ import torch
 from pagedllm.ops._triton import HAS_TRITON, is_interpreted, next_pow2, require_triton, tl, triton
 from pagedllm.ops.moe_ref import padded_size
 
-# (largest number of tokens M, block config): the first entry with M <= its bound applies (None: any)
+# (largest number of tokens M, block config): the first entry with M <= its bound applies (None: any).
+# Every regime is compiled at start-up with the default settings: the CUDA graphs capture decode
+# batches up to max_num_seqs (256), the profiling run the largest step; and the token counts are
+# not specialised on (do_not_specialize), so no step compiles a kernel at run time. Shared memory
+# per stage of the gate/up kernel: (BLOCK_M + 2 * BLOCK_N) * BLOCK_K * 2 bytes (H200: 227 KiB in all).
 MOE_CONFIGS: tuple[tuple[int | None, dict[str, int]], ...] = (
     (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)),
-    (64, dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)),
+    (64, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)),
     (256, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3)),
-    (1024, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)),
     (None, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)),
 )
 
@@ -79,7 +82,7 @@ if HAS_TRITON:
         tl.store(weights_ptr + row * TOP_K + slots, w, mask=slots < TOP_K)
         tl.store(ids_ptr + row * TOP_K + slots, ids, mask=slots < TOP_K)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_pairs"])
     def _count_kernel(ids_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr):
         """Program e: how many of the pairs chose expert e."""
         e = tl.program_id(0)
@@ -90,7 +93,7 @@ if HAS_TRITON:
             n += (ids == e).to(tl.int32)
         tl.store(counts_ptr + e, tl.sum(n, 0))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_pairs"])
     def _place_kernel(
         ids_ptr,
         counts_ptr,
@@ -141,7 +144,7 @@ if HAS_TRITON:
         pid_n = (pid % per_group) // group_m
         return pid_m, pid_n
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
     def _gate_up_kernel(
         x_ptr,
         w_ptr,
@@ -196,7 +199,7 @@ if HAS_TRITON:
         out = out_ptr + pair[:, None] * stride_om + cols[None, :]
         tl.store(out, y.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
     def _down_kernel(
         a_ptr,
         w_ptr,
