@@ -82,6 +82,8 @@ class FusedExperts(ShardedModule):
                 param.copy_(loaded.narrow(2, r * n, n))
             return
         expert, part = divmod(int(shard_id), 3)
+        if expert >= self.num_experts:
+            raise ValueError(f"checkpoint has expert {expert}; the config has {self.num_experts} experts")
         if part == 2:
             param[expert].copy_(loaded.narrow(1, r * n, n))
         else:
@@ -111,7 +113,8 @@ class SparseMoeBlock(nn.Module):
 
 
 _PER_EXPERT = re.compile(
-    r"^(?P<prefix>.*)\.(?:mlp|block_sparse_moe)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
+    r"^(?P<prefix>.*)\.(?:mlp|block_sparse_moe)\.experts\.(?P<e>\d+)\."
+    r"(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
 )
 _PACKED = re.compile(
     r"^(?P<prefix>.*)\.(?:mlp|block_sparse_moe)\.experts\.(?P<proj>gate_up_proj|down_proj)(?:\.weight)?$"
