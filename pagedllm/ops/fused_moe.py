@@ -277,7 +277,7 @@ def moe_align_block_size(
     sorted_ids = torch.empty(size, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(size // block_m, dtype=torch.int32, device=dev)
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
-    block = min(1024, next_pow2(max(n, 16)))
+    block = 256  # pairs per chunk: one size for every n, so no variant compiles at run time
     _count_kernel[(num_experts,)](flat, counts, n, BLOCK=block)
     _place_kernel[(num_experts,)](
         flat, counts, sorted_ids, expert_ids, num_padded, n, num_experts,
