@@ -12,7 +12,8 @@
 #                                            # pagedllm and HF transformers continuous batching
 #   bash scripts/moe_gpu_check.sh mixtral    # (not in "all") Mixtral-8x7B shape, 16 of 32 layers, dummy
 # JSON and logs under $OUT: env.txt, moe_tests.log, moe_kernels.json, <gpu>.json (the throughput rows,
-# labelled with what was compared). PAGEDLLM_COMMIT names the tree (the device copy's .git may be stale).
+# labelled with what was compared). Step limits (s): T_TESTS 90, T_KERNELS 120 (SWEEP_S 60 of it),
+# T_BENCH 100, T_HF 160: at most about 8 minutes, less when the steps finish early. PAGEDLLM_COMMIT names the tree (the device copy's .git may be stale).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 MODE=${1:-all}
@@ -32,7 +33,7 @@ if run tests; then
 fi
 if run kernels; then
   # the cases first (saved after each), then the sweep within its own budget (saved after each config)
-  timeout ${T_KERNELS:-150} python3 benchmarks/moe.py --sweep --sweep-seconds ${SWEEP_S:-80} \
+  timeout ${T_KERNELS:-120} python3 benchmarks/moe.py --sweep --sweep-seconds ${SWEEP_S:-60} \
       --out "$OUT/moe_kernels.json" 2>&1 | grep -v "skip" | tail -12
 fi
 if run throughput; then
@@ -44,7 +45,7 @@ fi
 if run compare; then
   [ -d $Q30_HF ] || python3 tools/make_random_model.py --shape qwen3-30b-a3b --layers $HF_LAYERS --out $Q30_HF \
       --device cuda 2>&1 | tail -1
-  timeout ${T_HF:-140} python3 benchmarks/throughput.py --model $Q30_HF --num-seqs 64 --compare-hf \
+  timeout ${T_HF:-160} python3 benchmarks/throughput.py --model $Q30_HF --num-seqs 64 --compare-hf \
       --label "qwen3-30b-a3b shape with $HF_LAYERS of 48 layers: one checkpoint, loaded by both engines; first 64 requests" \
       --results-dir "$OUT" 2>&1 | grep -v -i warn | tail -8
 fi
