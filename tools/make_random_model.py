@@ -1,9 +1,16 @@
-"""Write a random-weight Hugging Face model directory (Qwen3- or Gemma-3-shaped), for benchmarks
-without downloads.
+"""Write a random-weight Hugging Face model directory (Qwen3-, Gemma-3-, Qwen3-MoE- or
+Mixtral-shaped), for benchmarks without downloads.
 
     python tools/make_random_model.py --out /tmp/qwen3-0.6b-random --shape qwen3-0.6b
     python tools/make_random_model.py --out /tmp/qwen3-8b-random --shape qwen3-8b --device cuda
     python tools/make_random_model.py --out /tmp/gemma3-1b-random --shape gemma3-1b
+    python tools/make_random_model.py --out /tmp/qwen3-30b-a3b --shape qwen3-30b-a3b --config-only
+
+--config-only writes config.json, generation_config.json and the tokenizer, no weights: run it
+with LLM(..., load_format="dummy") (random weights made on the device), for shapes whose
+checkpoint would take too long to write (Qwen3-30B-A3B: 57 GiB). MoE checkpoints name every
+expert's matrices, as the hub's do (mlp.experts.E.gate_proj.weight; Mixtral's
+block_sparse_moe.experts.E.w1.weight).
 
 Weights are bf16, normal(0, 0.02) (norm weights 1), generated tensor by tensor on the target
 device and written straight to safetensors shards (no HF model is instantiated, so the 8B
@@ -58,6 +65,56 @@ SHAPES = {
         tie_word_embeddings=True,
         max_position_embeddings=32768,
     ),
+    # Qwen3-30B-A3B: 128 experts of 768, top-8 (renormalised), every layer sparse
+    "qwen3-30b-a3b": dict(
+        family="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        tie_word_embeddings=False,
+        max_position_embeddings=40960,
+    ),
+    # Mixtral-8x7B's shape with 16 of its 32 layers (23.5B parameters, 43.7 GiB bf16): fits one
+    # H200 with room for the KV cache
+    "mixtral-8x7b-16l": dict(
+        family="mixtral",
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=False,
+        max_position_embeddings=32768,
+        rope_theta=1e6,
+    ),
+    "tiny-moe": dict(
+        family="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+        max_position_embeddings=40960,
+    ),
     "tiny": dict(
         vocab_size=151936,
         hidden_size=64,
@@ -82,13 +139,28 @@ TOKENIZER_FILES = (
 )
 
 
+def with_layers(shape: str, layers: int | None) -> dict:
+    """SHAPES[shape], with `layers` decoder layers if given (e.g. a short Qwen3-30B-A3B whose
+    checkpoint is quick to write)."""
+    out = dict(SHAPES[shape])
+    if layers is not None:
+        out["num_hidden_layers"] = layers
+    return out
+
+
 def hf_config(shape: dict, eos_token_id: int | None, bos_token_id: int | None) -> dict:
     shape = dict(shape)
-    if shape.pop("family", "qwen3") == "gemma3":  # the config class fills the layer pattern and ropes
-        from transformers import Gemma3TextConfig
+    family = shape.pop("family", "qwen3")
+    if family in ("gemma3", "qwen3_moe", "mixtral"):  # the config class fills the rest (layer pattern, ropes)
+        from transformers import Gemma3TextConfig, MixtralConfig, Qwen3MoeConfig
 
-        config = Gemma3TextConfig(**shape, eos_token_id=eos_token_id, bos_token_id=bos_token_id).to_dict()
-        return {**config, "architectures": ["Gemma3ForCausalLM"], "torch_dtype": "bfloat16"}
+        cls, arch = {
+            "gemma3": (Gemma3TextConfig, "Gemma3ForCausalLM"),
+            "qwen3_moe": (Qwen3MoeConfig, "Qwen3MoeForCausalLM"),
+            "mixtral": (MixtralConfig, "MixtralForCausalLM"),
+        }[family]
+        config = cls(**shape, eos_token_id=eos_token_id, bos_token_id=bos_token_id).to_dict()
+        return {**config, "architectures": [arch], "torch_dtype": "bfloat16", "dtype": "bfloat16"}
     return {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
@@ -111,10 +183,12 @@ def hf_config(shape: dict, eos_token_id: int | None, bos_token_id: int | None) -
 
 
 def tensor_shapes(c: dict) -> list[tuple[str, tuple[int, ...]]]:
-    """Qwen3ForCausalLM's (or Gemma3ForCausalLM's) checkpoint names and shapes, in HF's order."""
+    """Qwen3ForCausalLM's (Gemma3ForCausalLM's, Qwen3MoeForCausalLM's, MixtralForCausalLM's)
+    checkpoint names and shapes, in HF's order; experts one by one, as hub checkpoints name them."""
     h, i, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
     gemma = c.get("model_type") == "gemma3_text"
+    kind = c.get("model_type")
     out = [("model.embed_tokens.weight", (c["vocab_size"], h))]
     for n in range(c["num_hidden_layers"]):
         p = f"model.layers.{n}."
@@ -126,16 +200,43 @@ def tensor_shapes(c: dict) -> list[tuple[str, tuple[int, ...]]]:
             (p + "self_attn.k_proj.weight", (kv, h)),
             (p + "self_attn.v_proj.weight", (kv, h)),
             (p + "self_attn.o_proj.weight", (h, q)),
-            (p + "self_attn.q_norm.weight", (hd,)),
-            (p + "self_attn.k_norm.weight", (hd,)),
-            (p + "post_attention_layernorm.weight", (h,)),
+        ]
+        if kind != "mixtral":
+            out += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
+        out.append((p + "post_attention_layernorm.weight", (h,)))
+        out += _mlp_shapes(c, n, p, h, i)
+    out.append(("model.norm.weight", (h,)))
+    if not c["tie_word_embeddings"]:
+        out.append(("lm_head.weight", (c["vocab_size"], h)))
+    return out
+
+
+def _mlp_shapes(c: dict, n: int, p: str, h: int, i: int) -> list[tuple[str, tuple[int, ...]]]:
+    kind = c.get("model_type")
+    if kind == "mixtral":
+        e, mi = c["num_local_experts"], i
+        out = [(p + "block_sparse_moe.gate.weight", (e, h))]
+        for x in range(e):
+            q = f"{p}block_sparse_moe.experts.{x}."
+            out += [(q + "w1.weight", (mi, h)), (q + "w2.weight", (h, mi)), (q + "w3.weight", (mi, h))]
+        return out
+    sparse = (
+        kind == "qwen3_moe"
+        and n not in (c.get("mlp_only_layers") or [])
+        and (n + 1) % (c.get("decoder_sparse_step") or 1) == 0
+    )
+    if not sparse:
+        return [
             (p + "mlp.gate_proj.weight", (i, h)),
             (p + "mlp.up_proj.weight", (i, h)),
             (p + "mlp.down_proj.weight", (h, i)),
         ]
-    out.append(("model.norm.weight", (h,)))
-    if not c["tie_word_embeddings"]:
-        out.append(("lm_head.weight", (c["vocab_size"], h)))
+    e = c.get("num_experts") or c["num_local_experts"]
+    mi = c["moe_intermediate_size"]
+    out = [(p + "mlp.gate.weight", (e, h))]
+    for x in range(e):
+        q = f"{p}mlp.experts.{x}."
+        out += [(q + "gate_proj.weight", (mi, h)), (q + "up_proj.weight", (mi, h)), (q + "down_proj.weight", (h, mi))]
     return out
 
 
@@ -212,6 +313,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", default=None, help="copy tokenizer files from here (default: the bundled model)")
     p.add_argument("--max-shard-gib", type=float, default=4.0, help="safetensors shard size")
+    p.add_argument("--layers", type=int, default=None, help="override the shape's number of decoder layers")
+    p.add_argument(
+        "--config-only",
+        action="store_true",
+        help='config and tokenizer, no weights: for LLM(..., load_format="dummy")',
+    )
     args = p.parse_args(argv)
     import torch
 
@@ -223,11 +330,16 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
     eos, bos = copy_tokenizer(args.tokenizer, args.out)
-    config = hf_config(SHAPES[args.shape], eos, bos)
+    config = hf_config(with_layers(args.shape, args.layers), eos, bos)
     with open(os.path.join(args.out, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     with open(os.path.join(args.out, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": bos, "eos_token_id": eos}, f, indent=2)
+    if args.config_only:
+        total = 2 * sum(_numel(s) for _, s in tensor_shapes(config))
+        print(f"wrote {args.shape}'s config and tokenizer ({total / 2**30:.2f} GiB of bf16 weights not written) "
+              f"to {args.out}; load it with load_format='dummy'", file=sys.stderr)  # fmt: skip
+        return 0
     total = write_weights(args.out, config, device, args.seed, int(args.max_shard_gib * 2**30))
     print(
         f"wrote {args.shape} ({total / 2**30:.2f} GiB bf16) to {args.out} in {time.time() - t0:.1f} s "

@@ -152,6 +152,11 @@ FLAG_HELP: dict[str, FlagHelp] = {
         "with per-layer K/V scales from the checkpoint or measured at start-up",
         choices=KV_CACHE_DTYPES,
     ),
+    "load_format": FlagHelp(
+        "auto/safetensors: load the checkpoint; dummy: seeded random weights made on the device "
+        "(config.json and tokenizer from --model, no weights read), for benchmarks",
+        choices=("auto", "safetensors", "dummy"),
+    ),
     "generation_config": FlagHelp(
         "sampling defaults of requests that leave fields unset: auto = the model's generation_config.json, "
         "vllm = none (SamplingParams' own), or a directory holding a generation_config.json",

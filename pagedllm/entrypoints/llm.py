@@ -34,9 +34,9 @@ NOT_SUPPORTED: dict[str, tuple[Any, str]] = {
     "cpu_offload_gb": (0, "pagedllm keeps every weight on the device"),
     "tokenizer_revision": (None, "pass the tokenizer's snapshot directory (tokenizer=DIR) instead"),
     "skip_tokenizer_init": (False, "pagedllm loads the tokenizer when the model has one"),
-    "load_format": ("auto", "pagedllm loads safetensors checkpoints only"),
     "enable_lora": (False, "pagedllm has no LoRA adapters"),
 }
+LOAD_FORMATS = ("auto", "safetensors", "dummy")  # dummy: seeded random weights, nothing read (benchmarks)
 TOKENIZER_MODES = ("auto", "hf")  # both: Hugging Face's AutoTokenizer (the fast tokenizer where there is one)
 
 
@@ -69,6 +69,7 @@ class LLM:
         tokenizer_mode: str = "auto",
         trust_remote_code: bool = False,
         enable_chunked_prefill: bool = True,
+        load_format: str = "auto",
         **kwargs: Any,
     ):
         """vLLM's arguments. `model`: a local Hugging Face directory or a hub id already in the
@@ -101,6 +102,10 @@ class LLM:
         if async_scheduling not in (None, True, False):
             raise InvalidRequestError(
                 f"async_scheduling must be True, False or None (auto), got {async_scheduling!r}", "async_scheduling"
+            )
+        if load_format not in LOAD_FORMATS:
+            raise InvalidRequestError(
+                f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}", "load_format"
             )
         if kv_cache_dtype not in KV_CACHE_DTYPES:  # the config also takes resolved names; a user gives these
             raise InvalidRequestError(
@@ -154,6 +159,7 @@ class LLM:
             seed=seed,
             eos_token_ids=eos,
             kv_cache_dtype=kv_cache_dtype,
+            load_format=load_format,
         )
         self.runner: Executor  # a ModelRunner, or a TPExecutor over tensor_parallel_size processes
         if tensor_parallel_size > 1:

@@ -1,5 +1,5 @@
-"""The decoder-only transformer of Llama 3, Mistral, Qwen2/2.5, Qwen3, Phi-3, Gemma 2 and Gemma 3
-(text), in one plain PyTorch file.
+"""The decoder-only transformer of Llama 3, Mistral, Qwen2/2.5, Qwen3, Phi-3, Gemma 2, Gemma 3
+(text) and the mixture-of-experts Qwen3-MoE and Mixtral, in one plain PyTorch file.
 
 The families differ in a few switches (FamilyTraits), set per architecture by the registry;
 the values behind them (windows, soft caps, rope bases) are read from the HF config here.
@@ -21,6 +21,7 @@ from pagedllm.model.attention import Attention
 from pagedllm.model.attention_metadata import AttentionMetadata
 from pagedllm.model.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.model.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedllm.model.moe import SparseMoeBlock, is_moe_layer
 from pagedllm.model.norm import RMSNorm
 from pagedllm.model.parallel import tp_size
 from pagedllm.model.rotary import RotaryEmbedding
@@ -44,6 +45,8 @@ class FamilyTraits:
     windows: str = "none"
     activation_field: str = "hidden_act"  # the config field naming the MLP activation (Gemma: hidden_activation)
     partial_rotary: bool = False  # Phi-3: rope_parameters' partial_rotary_factor rotates the first dims of each head
+    # mixture of experts: "qwen3_moe" or "mixtral" (model/moe.py); which layers are sparse: moe.is_moe_layer
+    moe: str | None = None
 
 
 def head_dim_of(cfg) -> int:
@@ -154,11 +157,16 @@ class DecoderLayer(nn.Module):
         layer_type: str | None,
         window: int | None,
         max_model_len: int | None,
+        layer_index: int = 0,
     ):
         super().__init__()
         eps, gemma = cfg.rms_norm_eps, traits.gemma
         self.self_attn = DecoderAttention(cfg, traits, kernels, layer_type, window, max_model_len)
-        self.mlp = DecoderMLP(cfg, traits, kernels)
+        self.mlp: nn.Module  # the MLP kind of this layer: dense, or routed experts (MoE families' sparse layers)
+        if is_moe_layer(cfg, traits.moe, layer_index):
+            self.mlp = SparseMoeBlock(cfg, str(traits.moe), kernels)
+        else:
+            self.mlp = DecoderMLP(cfg, traits, kernels)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, kernels, unit_offset=gemma)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, kernels, unit_offset=gemma)
         self.sandwich = gemma
@@ -207,7 +215,7 @@ class DecoderModel(nn.Module):
         types = getattr(cfg, "layer_types", None) or [None] * cfg.num_hidden_layers
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, traits, kernels, types[i], windows[i], max_model_len)
+            DecoderLayer(cfg, traits, kernels, types[i], windows[i], max_model_len, i)
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels, unit_offset=traits.gemma)

@@ -1,7 +1,9 @@
 """Load a Hugging Face safetensors checkpoint (single file or sharded) into a model,
 packing q/k/v and gate/up into their fused parameters and slicing for this TP rank. A
 checkpoint that stores them packed already (Phi-3's qkv_proj, gate_up_proj) is cut into
-q/k/v and gate/up first, so each rank takes its slice of each (linear.py).
+q/k/v and gate/up first, so each rank takes its slice of each (linear.py). Mixture-of-experts
+checkpoints name each expert's matrices; they are stacked into the experts' [E, ...] parameters
+(model/moe.py), each rank taking its slice of every expert.
 
 A checkpoint made for an fp8 KV cache may carry per-layer KV scales (`...self_attn.k_scale`,
 `v_scale`, or one `kv_scale` for both; also under `self_attn.attn.`): they are returned, by
@@ -17,6 +19,8 @@ import torch
 from safetensors import safe_open
 
 from pagedllm.model.attention import Attention
+from pagedllm.model.moe import FusedExperts, expert_target
+from pagedllm.model.norm import RMSNorm
 from pagedllm.model.parallel import ShardedModule
 
 if TYPE_CHECKING:
@@ -60,6 +64,8 @@ def load_weights(model: DecoderForCausalLM, model_dir: str) -> dict[int, dict[st
     loaded: set[str] = set()
     kv_scales: dict[int, dict[str, float]] = {}
     layer_of = {a: i for i, a in enumerate(model.attention_layers())}
+    shard: int | str | None
+    expert_shards: dict[str, set[int | None]] = {}  # stacked experts' parameter -> the shards loaded into it
     for path in checkpoint_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
@@ -73,10 +79,15 @@ def load_weights(model: DecoderForCausalLM, model_dir: str) -> dict[int, dict[st
                 if name == "lm_head.weight" and model.tie_word_embeddings:
                     continue
                 target, shard = name, None
-                for ckpt_part, (packed_part, shard_id) in packed.items():
-                    if f".{ckpt_part}." in name:
-                        target, shard = name.replace(f".{ckpt_part}.", f".{packed_part}."), shard_id
-                        break
+                expert = expert_target(name)  # MoE: one expert's matrix (or all, packed) into the stacked experts
+                if expert is not None:
+                    target, shard = expert
+                    expert_shards.setdefault(target, set()).add(expert[1])
+                else:
+                    for ckpt_part, (packed_part, shard_id) in packed.items():
+                        if f".{ckpt_part}." in name:
+                            target, shard = name.replace(f".{ckpt_part}.", f".{packed_part}."), shard_id
+                            break
                 param = params.get(target)
                 if param is None:
                     raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
@@ -90,8 +101,33 @@ def load_weights(model: DecoderForCausalLM, model_dir: str) -> dict[int, dict[st
                         param.data.copy_(tensor)
                 loaded.add(target)
     missing = {n for n in params if n not in loaded}
+    for target, shards in expert_shards.items():  # every expert's every matrix, or the packed tensor
+        owner_name, _, param_name = target.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        if None not in shards and isinstance(owner, FusedExperts) and len(shards) < owner.num_shards(param_name):
+            missing.add(f"{target} ({owner.num_shards(param_name) - len(shards)} expert matrices)")
     if model.tie_word_embeddings:
         missing.discard("lm_head.weight")
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks weights for {sorted(missing)[:5]}")
     return kv_scales
+
+
+def init_dummy_weights(model: DecoderForCausalLM, seed: int, std: float = 0.02) -> dict[int, dict[str, float]]:
+    """load_format="dummy": every weight matrix normal(0, std), norms as built (scale 1), biases 0, drawn on
+    the parameters' device from one seeded generator in model order (so every TP rank draws the
+    same replicated weights: the router and norms agree across ranks). No checkpoint is read;
+    returns no KV scales. For benchmarks of shapes too large to write to disk."""
+    norms = {id(p) for m in model.modules() if isinstance(m, RMSNorm) for p in m.parameters(recurse=False)}
+    generator: torch.Generator | None = None
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if generator is None:
+                generator = torch.Generator(device=param.device).manual_seed(seed)
+            if id(param) in norms:
+                continue
+            if name.endswith("bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, std, generator=generator)
+    return {}

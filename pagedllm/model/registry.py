@@ -5,6 +5,7 @@ exactly as HF transformers does."""
 from __future__ import annotations
 
 from pagedllm.model.decoder import ACTIVATIONS, DecoderForCausalLM, FamilyTraits
+from pagedllm.model.moe import num_experts_of
 from pagedllm.model.rotary import check_rope_scaling
 from pagedllm.ops.kernels import Kernels
 
@@ -20,6 +21,10 @@ _REGISTRY: dict[str, FamilyTraits] = {
     "Gemma3ForCausalLM": FamilyTraits(
         gemma=True, qk_norm=True, windows="layer_types", activation_field="hidden_activation"
     ),
+    # HF's Qwen3-MoE and Mixtral window every layer when sliding_window is set (Qwen3-MoE's config
+    # clears it unless use_sliding_window)
+    "Qwen3MoeForCausalLM": FamilyTraits(qk_norm=True, windows="all", moe="qwen3_moe"),
+    "MixtralForCausalLM": FamilyTraits(windows="all", moe="mixtral"),
 }
 
 SUPPORTED_ARCHITECTURES = sorted(_REGISTRY)
@@ -69,11 +74,51 @@ def check_supported(cfg, traits: FamilyTraits) -> None:
         _refuse("use_bidirectional_attention", True, "only causal attention is implemented")
     if traits.windows == "layer_types":
         _check_layer_types(cfg)
+    if traits.moe is not None:
+        _check_moe(cfg, traits.moe)
     if traits.gemma:
         for field in ("final_logit_softcapping", "attn_logit_softcapping"):
             cap = getattr(cfg, field, None)
             if cap is not None and not cap > 0:
                 _refuse(field, cap, "a soft cap must be > 0 (or null: none)")
+
+
+# routing variants of other MoE families that the router here (softmax top-k, model/moe.py) does not
+# compute: field -> the value that means "not used"
+_MOE_VARIANTS: dict[str, object] = {
+    "n_group": 1,  # grouped top-k (DeepSeek-V3): experts chosen within the best groups
+    "topk_group": 1,
+    "shared_expert_intermediate_size": 0,  # Qwen2-MoE: a gated shared expert beside the routed ones
+    "n_shared_experts": 0,
+    "num_shared_experts": 0,
+    "routed_scaling_factor": 1.0,
+    "topk_method": "greedy",
+    "scoring_func": "softmax",
+    "moe_layer_freq": 1,
+    "first_k_dense_replace": 0,
+}
+
+
+def _check_moe(cfg, kind: str) -> None:
+    """The MoE families' routing as HF computes it and nothing else. router_jitter_noise is
+    accepted: HF's Mixtral applies it in training only."""
+    for field, unused in _MOE_VARIANTS.items():
+        value = getattr(cfg, field, None)
+        if value is not None and value != unused:
+            _refuse(field, value, "this routing variant is not implemented (softmax top-k routing only)")
+    act = getattr(cfg, "hidden_act", "silu")
+    if act != "silu":
+        _refuse("hidden_act", act, "the experts' kernel computes SiLU(gate) * up only")
+    experts_field = "num_experts" if kind == "qwen3_moe" else "num_local_experts"
+    experts = num_experts_of(cfg)
+    top_k = getattr(cfg, "num_experts_per_tok", None)
+    if experts and not (isinstance(top_k, int) and 1 <= top_k <= experts):
+        _refuse("num_experts_per_tok", top_k, f"a token takes between 1 and {experts_field}={experts} experts")
+    if kind == "mixtral" and experts < 1:
+        _refuse(experts_field, experts, "a mixture of experts needs at least one expert")
+    step = getattr(cfg, "decoder_sparse_step", 1)
+    if kind == "qwen3_moe" and not (isinstance(step, int) and step >= 1):
+        _refuse("decoder_sparse_step", step, "every step-th layer is sparse: a positive integer")
 
 
 def _check_layer_types(cfg) -> None:
@@ -98,7 +143,7 @@ def _check_layer_types(cfg) -> None:
 def layer_windows(cfg) -> list[int | None]:
     """Each decoder layer's attention window (None: full attention), in model order, as HF applies
     it: the KV-cache groups come from it (engine/kv_cache_groups.py), and each layer's Attention is
-    built with it. Mistral and Phi-3 window every layer when sliding_window is set (HF's Mistral
+    built with it. Mistral, Phi-3, Mixtral and Qwen3-MoE window every layer when sliding_window is set (HF's Mistral
     ignores layer_types); Qwen2/3 and Gemma the layers config.layer_types names
     "sliding_attention" (Qwen2's config builds it from use_sliding_window and max_window_layers:
     sliding from layer max_window_layers on); Llama never."""

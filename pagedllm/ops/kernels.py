@@ -1,12 +1,12 @@
 """The kernels a model runs, chosen once from the device: `kernels_for(device)`.
 
-Every layer that computes (RMSNorm, rotary, SiLU/GELU-and-mul, paged attention) is given one
-`Kernels` object when the model is built and calls it; no layer looks at a tensor's device.
-- `TorchKernels`: the torch references (fused_ref.py, attention_ref.py). The CPU path, and
+Every layer that computes (RMSNorm, rotary, SiLU/GELU-and-mul, paged attention, MoE experts) is
+given one `Kernels` object when the model is built and calls it; no layer looks at a tensor's device.
+- `TorchKernels`: the torch references (fused_ref.py, attention_ref.py, moe_ref.py). The CPU path, and
   the oracle of the kernel tests (tests/ops), which therefore test what the CPU path runs;
   its paged attention is the references' grouped form (decode rows batched by length), tested
   equal to the looped `paged_attention_ref` in tests/ops/test_attention_ref.py.
-- `TritonKernels`: the Triton kernels (fused.py, store_kv.py, prepare_qkv.py, paged_attention.py), on CUDA.
+- `TritonKernels`: the Triton kernels (fused.py, store_kv.py, prepare_qkv.py, paged_attention.py, fused_moe.py), on CUDA.
 
 The KV caches are in the model's dtype or in fp8 (ops/kv_quant.py); `store_kv` and `attend` take
 the layer's K and V scales, which only an fp8 cache uses. `prepare_qkv` is what a layer calls
@@ -27,6 +27,7 @@ from pagedllm.ops.attention_ref import (
     store_kvcache_ref,
 )
 from pagedllm.ops.fused_ref import apply_rotary_ref, gelu_tanh_and_mul_ref, rms_norm_ref, silu_and_mul_ref
+from pagedllm.ops.moe_ref import fused_moe_ref, select_experts
 
 if TYPE_CHECKING:
     from pagedllm.model.attention_metadata import AttentionMetadata
@@ -57,6 +58,22 @@ class Kernels(Protocol):
         self, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotated (q, k); an implementation may rotate q and k in place."""
+        ...
+
+    def select_experts(
+        self, router_logits: torch.Tensor, top_k: int, renormalize: bool, round_weights: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """MoE routing, [T, E] logits -> (weights [T, k] float32, ids [T, k] int32): softmax in
+        float32, the k largest, renormalised to sum 1 if asked, rounded to the logits' dtype if
+        asked (ops/moe_ref.py)."""
+        ...
+
+    def fused_moe(
+        self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Mixture of experts, x [T, H] -> [T, H]: sum over each token's k experts (topk_ids [T, k]
+        int32, topk_weights [T, k] float32) of weight * down(silu(gate(x)) * up(x)); w13 [E, 2I, H]
+        (gate rows then up rows), w2 [E, H, I] (ops/moe_ref.py)."""
         ...
 
     def store_kv(
@@ -141,6 +158,16 @@ class TorchKernels:
         self, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return apply_rotary_ref(q, k, cos_sin_cache, positions)
+
+    def select_experts(
+        self, router_logits: torch.Tensor, top_k: int, renormalize: bool, round_weights: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return select_experts(router_logits, top_k, renormalize, round_weights)
+
+    def fused_moe(
+        self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
 
     def store_kv(
         self,
@@ -237,7 +264,7 @@ class TritonKernels:
     """The Triton kernels; imported when constructed (CUDA only), so CPU never imports triton."""
 
     def __init__(self) -> None:
-        from pagedllm.ops import fused, paged_attention, prepare_qkv, store_kv
+        from pagedllm.ops import fused, fused_moe, paged_attention, prepare_qkv, store_kv
 
         self._rms_norm = fused.rms_norm
         self._silu_and_mul = fused.silu_and_mul
@@ -246,6 +273,8 @@ class TritonKernels:
         self._store_kvcache = store_kv.store_kvcache
         self._prepare_qkv = prepare_qkv.prepare_qkv
         self._paged_attention = paged_attention.paged_attention
+        self._fused_moe = fused_moe.fused_moe
+        self._select_experts = fused_moe.select_experts
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
         return self._rms_norm(x, weight, eps, unit_offset=unit_offset)
@@ -265,6 +294,16 @@ class TritonKernels:
         self, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self._apply_rotary(q, k, cos_sin_cache, positions)  # in place
+
+    def select_experts(
+        self, router_logits: torch.Tensor, top_k: int, renormalize: bool, round_weights: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._select_experts(router_logits, top_k, renormalize, round_weights)
+
+    def fused_moe(
+        self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        return self._fused_moe(x, w13, w2, topk_weights, topk_ids)
 
     def store_kv(
         self,

@@ -17,7 +17,7 @@ from pagedllm.engine.kv_cache_groups import blocks_per_sequence
 from pagedllm.engine.scheduler import PLACEHOLDER, SchedulerOutput
 from pagedllm.engine.structured_output import grammar_bitmask
 from pagedllm.model.attention_metadata import AttentionMetadata
-from pagedllm.model.loader import load_weights
+from pagedllm.model.loader import init_dummy_weights, load_weights
 from pagedllm.model.parallel import agree_min, tp_rank
 from pagedllm.model.registry import build_model
 from pagedllm.ops import PAD_SLOT_ID
@@ -80,10 +80,12 @@ class ModelRunner:
         seed: int = 0,
         eos_token_ids: Iterable[int] = (),
         kv_cache_dtype: str = "auto",
+        load_format: str = "auto",
     ):
         """eos_token_ids: the ids that end a sequence, the scheduler's own set (masked while a
         request has fewer than min_tokens outputs). kv_cache_dtype: "auto" (the model's dtype),
-        "fp8"/"fp8_e4m3" or "fp8_e5m2" (ops/kv_quant.py)."""
+        "fp8"/"fp8_e4m3" or "fp8_e5m2" (ops/kv_quant.py). load_format "dummy": seeded random
+        weights instead of the checkpoint's (model/loader.py: init_dummy_weights)."""
         self.hf_config = hf_config
         self.device, self.dtype = device, dtype
         self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype, device)
@@ -103,7 +105,10 @@ class ModelRunner:
                 self.model = build_model(hf_config, kernels_for(device), max_model_len)
         finally:
             torch.set_default_dtype(default_dtype)
-        checkpoint_kv_scales = load_weights(self.model, model_dir)
+        if load_format == "dummy":
+            checkpoint_kv_scales: dict[int, dict[str, float]] = init_dummy_weights(self.model, seed)
+        else:
+            checkpoint_kv_scales = load_weights(self.model, model_dir)
         self.model.eval()
         self.attn_layers = self.model.attention_layers()
         self.kv_cache_groups = groups_of(self.attn_layers)  # the Executor protocol: the scheduler's groups

@@ -145,7 +145,9 @@ class PiecewiseGraphs:
         for i, layer in enumerate(layers):
             q, k, v = b.qkv[i]
             o = layer.self_attn.attend(positions, q, k, v, meta)
-            self.attn_out[:t].copy_(o.view(t, -1))
+            # the real rows only: padding rows keep finite values (attention leaves its rows unset,
+            # and NaN there could send a MoE router's padding tokens to no expert at all)
+            self.attn_out[:n].copy_(o.view(t, -1)[:n])
             b.graphs[i + 1].replay()
         return b.hidden[:n]
 

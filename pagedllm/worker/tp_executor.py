@@ -43,6 +43,8 @@ from pagedllm import envs
 from pagedllm.engine.executor import StepHandle, StepResult
 from pagedllm.engine.kv_cache_groups import KVCacheGroup
 from pagedllm.engine.scheduler import SchedulerOutput
+from pagedllm.model.moe import check_tp as check_moe_tp
+from pagedllm.model.registry import resolve
 from pagedllm.worker.step_inputs import StepInputs
 from pagedllm.worker.tp_channel import BroadcastChannel, ShmChannel
 from pagedllm.worker.tp_worker import (
@@ -70,6 +72,7 @@ def check_divisible(hf_config, n: int) -> None:
             f"({kv_heads}) and intermediate_size ({inter}) of this model; KV heads are split across "
             f"ranks, not replicated, so tensor_parallel_size can be at most {kv_heads}"
         )
+    check_moe_tp(hf_config, resolve(hf_config).moe, n)  # the experts' intermediate size too
 
 
 def torchrun_env(n: int) -> tuple[int, int] | None:
