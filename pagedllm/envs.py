@@ -9,7 +9,7 @@
 | `PAGEDLLM_TP_TIMEOUT_S` | tensor parallelism | seconds a collective may take before a rank is declared stuck (300) |
 | `PAGEDLLM_SAMPLER` | the model runner | `torch`: sample with the torch path instead of the fused kernel |
 | `PAGEDLLM_TIMELINE` | the server's API and engine-core processes | a path prefix: write each request's stage times there (engine/timeline.py; `benchmarks/request_timeline.py` reads them) |
-| `PAGEDLLM_NO_PIECEWISE_GRAPHS` | the model runner | `1`: run prefill and mixed steps eagerly, without piecewise CUDA graphs (worker/piecewise_graphs.py) |
+| `PAGEDLLM_PREFILL_GRAPHS` | the model runner | how prefill and mixed steps run on CUDA: `full` (the default: small steps replay one whole-step graph, `worker/mixed_graphs.py`, larger ones piecewise graphs), `piecewise` (`worker/piecewise_graphs.py` only), `eager` |
 | `PAGEDLLM_COMMIT` | benchmarks | the commit recorded with a result row (else `git rev-parse`) |
 | `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `LOCAL_RANK` | tensor parallelism | set by `torchrun` |
 | `TRITON_INTERPRET` | `pagedllm.ops` | set to 1 when there is no GPU, so kernels run on CPU |
@@ -57,8 +57,12 @@ def sampler() -> str:
     return os.environ.get("PAGEDLLM_SAMPLER", "")
 
 
-def no_piecewise_graphs() -> bool:
-    return _flag("PAGEDLLM_NO_PIECEWISE_GRAPHS")
+def prefill_graphs() -> str:
+    """ "full", "piecewise" or "eager" (PAGEDLLM_PREFILL_GRAPHS; default full)."""
+    mode = os.environ.get("PAGEDLLM_PREFILL_GRAPHS", "full").strip().lower() or "full"
+    if mode not in ("full", "piecewise", "eager"):
+        raise ValueError(f"PAGEDLLM_PREFILL_GRAPHS must be full, piecewise or eager, got {mode!r}")
+    return mode
 
 
 def timeline_prefix() -> str | None:

@@ -27,7 +27,8 @@ MODEL=${MODEL:-/tmp/qwen3-0.6b}
 [ -f $MODEL/config.json ] || $PY tools/make_random_model.py --shape qwen3-0.6b --out $MODEL 2>&1 | tail -1
 S=$OUT/summary.txt; echo "commit $PAGEDLLM_COMMIT" > "$S"
 if has tests; then   # first: the exactness tests (greedy identical, kernels against references)
-  timeout ${T_TESTS:-240} $PY -m pytest -q -m gpu -x tests/ops tests/gpu -p no:cacheprovider > "$W/gpu_tests.log" 2>&1
+  timeout ${T_TESTS:-240} $PY -m pytest -q -m gpu tests/ops tests/gpu tests/model/test_moe_gpu.py -p no:cacheprovider \
+      > "$W/gpu_tests.log" 2>&1
   grep -E "FAILED|Error|passed|failed" "$W/gpu_tests.log" | tail -6 | tee -a "$S"
 fi
 if has decode; then
@@ -35,10 +36,10 @@ if has decode; then
       | grep -v -i warn | tee -a "$S" | tail -12
 fi
 if has steps; then   # host time of steps that admit a prompt: eager, then in piecewise graphs
-  PAGEDLLM_NO_PIECEWISE_GRAPHS=1 timeout 120 $PY benchmarks/step_profile.py --model $MODEL --out "$W/step_profile_eager.json" 2>&1 \
+  PAGEDLLM_PREFILL_GRAPHS=eager timeout 120 $PY benchmarks/step_profile.py --model $MODEL --out "$W/step_profile_eager.json" 2>&1 \
       | grep -E "^prefill steps" | sed 's/^/eager: /' | tee -a "$S"
   timeout 120 $PY benchmarks/step_profile.py --model $MODEL --out "$W/step_profile.json" 2>&1 \
-      | grep -E "^prefill steps" | sed 's/^/piecewise graphs: /' | tee -a "$S"
+      | grep -E "^prefill steps" | sed 's/^/full + piecewise graphs: /' | tee -a "$S"
 fi
 if has prefill; then
   timeout 240 $PY benchmarks/kernels.py --prefill --sweep --out "$W/prefill.json" > "$W/prefill.log" 2>&1
@@ -64,6 +65,18 @@ fi
 if has serving; then
   OUT="$W/serving" MODEL=$MODEL T_ENGINE=1 T_BENCH=150 timeout 420 bash scripts/serving_gpu_check.sh 2>&1 \
       | tail -4 | tee -a "$S"
+fi
+if has serve_inf; then   # the serving benchmark, all at once only (16 req/s: the timeline run's TTFT/TPOT)
+  timeout 150 $PY -m pagedllm bench serve --launch --model $MODEL --server-args "--device cuda ${SARGS:-}" \
+      --num-prompts 500 --input-len 512 --output-len 128 --request-rate inf --seed 1 \
+      --results-dir "$W" --result-name serving-gpu --label "all at once ${LABEL:-}" 2>&1 \
+      | grep -E "throughput|TTFT|TPOT|Failed" | tee -a "$S"
+fi
+if has moe; then   # issue 19 on the same call: the MoE kernel (no sweep) and the Qwen3-30B-A3B shape
+  mkdir -p "$W/moe"
+  timeout ${T_MOE_KERNELS:-60} $PY benchmarks/moe.py --out "$W/moe/moe_kernels.json" 2>&1 | grep -v skip | tail -8 \
+      | tee -a "$S"
+  OUT="$W/moe" T_BENCH=${T_MOE_BENCH:-110} bash scripts/moe_gpu_check.sh throughput 2>&1 | tail -5 | tee -a "$S"
 fi
 if has throughput; then
   timeout 150 $PY benchmarks/throughput.py --model $MODEL --label "async scheduling (the default) ${LABEL:-}" \

@@ -18,6 +18,7 @@ from pagedllm.engine.scheduler import PLACEHOLDER, SchedulerOutput
 from pagedllm.engine.structured_output import grammar_bitmask
 from pagedllm.model.attention_metadata import AttentionMetadata
 from pagedllm.model.loader import init_dummy_weights, load_weights
+from pagedllm.model.moe import SparseMoeBlock
 from pagedllm.model.parallel import agree_min, tp_rank
 from pagedllm.model.registry import build_model
 from pagedllm.ops import PAD_SLOT_ID
@@ -45,6 +46,7 @@ from pagedllm.worker.step_inputs import BlockTableRows, StepInputs, build_step_i
 
 if TYPE_CHECKING:
     from pagedllm.worker.cuda_graphs import DecodeGraphs
+    from pagedllm.worker.mixed_graphs import MixedGraphs
     from pagedllm.worker.piecewise_graphs import PiecewiseGraphs
 
 logger = logging.getLogger("pagedllm")
@@ -146,12 +148,17 @@ class ModelRunner:
         ]
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
+        self.mixed: MixedGraphs | None = None
         if not self.enforce_eager:
             from pagedllm.worker.cuda_graphs import DecodeGraphs
+            from pagedllm.worker.mixed_graphs import MixedGraphs
             from pagedllm.worker.piecewise_graphs import PiecewiseGraphs
 
             self.graphs = DecodeGraphs(self)
-            if not envs.no_piecewise_graphs():
+            mode = envs.prefill_graphs()
+            if mode == "full" and not any(isinstance(m, SparseMoeBlock) for m in self.model.modules()):
+                self.mixed = MixedGraphs(self)  # small prefill and mixed steps: one replay each
+            if mode in ("full", "piecewise"):
                 self.piecewise = PiecewiseGraphs(self, min(self.max_num_batched_tokens, PIECEWISE_MAX_TOKENS))
 
     # ---- KV cache ----------------------------------------------------------------------
@@ -409,8 +416,11 @@ class ModelRunner:
             input_ids[rows] = self._last_sampled[src]
 
     def forward(self, inp: StepInputs, fix=None) -> torch.Tensor:
-        """The step's hidden states [T, hidden]: in piecewise CUDA graphs where a bucket holds
-        the step's tokens (worker/piecewise_graphs.py), else eager."""
+        """The step's hidden states [T, hidden]: one CUDA-graph replay where a small step fits
+        (worker/mixed_graphs.py), else piecewise CUDA graphs where a bucket holds the step's
+        tokens (worker/piecewise_graphs.py), else eager."""
+        if self.mixed is not None and self.mixed.can_run(inp):
+            return self.mixed.run(inp, fix)
         pw = self.piecewise if self.piecewise is not None and self.piecewise.can_run(inp) else None
         t = pw.bucket(inp.num_tokens) if pw is not None else inp.num_tokens
         pad = (lambda a: pad_slots(a, t)) if pw is not None else (lambda a: a)

@@ -338,3 +338,25 @@ def test_pick_config_by_kv_format():
     # head_dim 256 (Gemma): narrow tiles, and 8 warps for a prefill's [64, 256] accumulator
     assert _pick_config(False, 2, 256, bf16) == dict(BLOCK_Q=32, BLOCK_N=32, num_warps=8, num_stages=2)
     assert _pick_config(True, 2, 256, bf16) == dict(BLOCK_Q=8, BLOCK_N=32, num_warps=4, num_stages=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padded_step_as_whole_step_graphs_run_it(dtype, device):
+    """worker/mixed_graphs.py replays a step padded to its captured bucket: more token rows than
+    the sequences own (they belong to none), sequences with no new tokens (cu_seqlens_q repeats,
+    seq_len 0) and a grid sized by the bucket (max_seqlen_q = T). The real rows must come out as
+    without the padding, and the padding must neither be read nor stored anywhere."""
+    bs, d, hkv, group = 16, 64, 2, 2
+    q_lens, hist = [1, 21, 1, 5], [30, 17, 64, 0]
+    c = make_case(q_lens, hist, hkv * group, hkv, d, bs, dtype, device, seed=7)
+    ref = paged_attention_ref(**c)
+    n, t, b = sum(q_lens), 64, 8  # buckets: 64 token rows, 8 sequences
+    padded = dict(c)
+    padded["q"] = torch.cat([c["q"], torch.full((t - n, *c["q"].shape[1:]), float("nan"), dtype=dtype, device=device)])
+    cu = c["cu_seqlens_q"]
+    padded["cu_seqlens_q"] = torch.cat([cu, cu[-1].repeat(b - len(q_lens))])
+    padded["seq_lens"] = torch.cat([c["seq_lens"], c["seq_lens"].new_zeros(b - len(q_lens))])
+    bt = c["block_tables"]
+    padded["block_tables"] = torch.cat([bt, bt.new_zeros(b - len(q_lens), bt.shape[1])])
+    out = paged_attention(**padded, max_seqlen_q=t)
+    check(out[:n], ref, dtype)

@@ -1,0 +1,160 @@
+"""Whole-step CUDA graphs for small prefill and mixed steps (a prompt admitted beside a few decodes).
+
+At low load a new request's first step is its prompt chunk beside a handful of decodes: a few
+hundred tokens, a few sequences. Its device time is a millisecond or two, and launching it
+eagerly, or even in pieces around each layer's attention (piecewise_graphs.py: two Triton
+launches a layer from Python), costs several more on the host, all of it on the request's time
+to first token. So steps of at most 2,048 tokens in at most 64 sequences replay one graph of the
+whole forward, attention included, captured per (token bucket T, sequence bucket B).
+
+Attention's grid is sized from its arguments, not from the data: captured with max_seqlen_q = T
+and B sequences, a program whose query tile is past its sequence's new tokens returns at once.
+A step of n <= T tokens in b <= B sequences fills the static buffers: padding sequences get no
+new tokens (cu_seqlens_q repeats n, seq_lens 0), padding tokens belong to no sequence (token 0 at
+position 0, slot PAD_SLOT_ID: stored nowhere, attended by nobody). Their rows of the attention
+output are never written and may hold anything, so models with routed experts (whose router
+would take a NaN row to no expert) use the piecewise graphs instead, which keep those rows finite.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from pagedllm.model.attention_metadata import AttentionMetadata
+from pagedllm.ops import PAD_SLOT_ID
+from pagedllm.worker.step_inputs import StepInputs
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
+
+    from pagedllm.worker.model_runner import ModelRunner
+
+TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+SEQ_BUCKETS = (4, 16, 64)
+
+
+class MixedGraphs:
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        dev = runner.device
+        self.token_sizes = [t for t in TOKEN_BUCKETS if t <= runner.max_num_batched_tokens]
+        self.seq_sizes = [b for b in SEQ_BUCKETS if b <= runner.max_num_seqs] or [runner.max_num_seqs]
+        top_t, top_b = self.token_sizes[-1], self.seq_sizes[-1]
+        self.max_blocks = -(-runner.max_model_len // runner.block_size)
+        groups = len(runner.kv_cache_groups)
+        self.dev = {
+            "input_ids": torch.zeros(top_t, dtype=torch.int64, device=dev),
+            "positions": torch.zeros(top_t, dtype=torch.int64, device=dev),
+            "cu_seqlens_q": torch.zeros(top_b + 1, dtype=torch.int32, device=dev),
+            "seq_lens": torch.zeros(top_b, dtype=torch.int32, device=dev),
+        }
+        for g in range(groups):
+            self.dev[f"slot_mapping{g}"] = torch.full((top_t,), PAD_SLOT_ID, dtype=torch.int64, device=dev)
+            self.dev[f"block_tables{g}"] = torch.zeros(top_b, self.max_blocks, dtype=torch.int32, device=dev)
+        self.groups = groups
+        # pinned staging, two sets in turn (as DecodeGraphs: the other may still be queued)
+        self.host = [
+            {k: torch.zeros(v.shape, dtype=v.dtype).pin_memory() for k, v in self.dev.items()} for _ in range(2)
+        ]
+        self.copied = [torch.cuda.Event(), torch.cuda.Event()]
+        self.turn = 0
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.hidden: dict[tuple[int, int], torch.Tensor] = {}
+        self.pool: _POOL_HANDLE | None = None
+        self._capture_all()
+
+    def _meta(self, t: int, b: int) -> AttentionMetadata:
+        d = self.dev
+        return AttentionMetadata(
+            slot_mapping=d["slot_mapping0"][:t],
+            block_tables=d["block_tables0"][:b],
+            cu_seqlens_q=d["cu_seqlens_q"][: b + 1],
+            seq_lens=d["seq_lens"][:b],
+            max_seqlen_q=t,  # sizes the grid: every step of <= t tokens fits
+            max_seqlen_k=self.runner.max_model_len,
+            decode_only=False,
+            no_history=False,
+        ).add_groups((d[f"slot_mapping{g}"][:t], d[f"block_tables{g}"][:b]) for g in range(1, self.groups))
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        model = self.runner.model
+        for t in reversed(self.token_sizes):  # largest first: the pool then fits the others
+            for b in reversed(self.seq_sizes):
+                if b > t:
+                    continue
+                # capture over a valid step: b sequences splitting the t tokens, no history
+                self._stage(np.arange(t, dtype=np.int64) % 7, np.zeros(t, np.int64), _even_split(t, b), t, b, None)
+                args = (self.dev["input_ids"][:t], self.dev["positions"][:t], self._meta(t, b))
+                model(*args)  # warm-up: Triton compiles, the allocator settles
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool):
+                    self.hidden[(t, b)] = model(*args)
+                if self.pool is None:
+                    self.pool = g.pool()
+                self.graphs[(t, b)] = g
+        torch.cuda.synchronize()
+
+    def pair(self, n: int, nseq: int) -> tuple[int, int] | None:
+        """The captured (tokens, sequences) a step of n tokens in nseq sequences replays, if any."""
+        if n > self.token_sizes[-1] or nseq > self.seq_sizes[-1]:
+            return None
+        b = self.seq_sizes[bisect.bisect_left(self.seq_sizes, nseq)]
+        i = bisect.bisect_left(self.token_sizes, max(n, b))  # a captured pair has b <= t
+        return (self.token_sizes[i], b) if i < len(self.token_sizes) else None
+
+    def can_run(self, inp: StepInputs) -> bool:
+        return self.pair(inp.num_tokens, inp.num_seqs) in self.graphs and all(
+            tb.shape[1] <= self.max_blocks for tb in [inp.block_tables, *(t for _, t in inp.group_tables)]
+        )
+
+    def _stage(self, ids, positions, cu, t: int, b: int, inp: StepInputs | None) -> None:
+        """Write one step (or, inp None, the capture's placeholder step) into a staging set and
+        queue its copies to the static buffers."""
+        n, nseq = len(ids), len(cu) - 1
+        self.turn ^= 1
+        h = self.host[self.turn]
+        self.copied[self.turn].synchronize()  # normally long done: two steps old
+        h["input_ids"][:n].numpy()[:] = ids
+        h["input_ids"][n:t].fill_(0)
+        h["positions"][:n].numpy()[:] = positions
+        h["positions"][n:t].fill_(0)
+        h["cu_seqlens_q"][: nseq + 1].numpy()[:] = cu
+        h["cu_seqlens_q"][nseq + 1 : b + 1].fill_(n)  # padding sequences: no new tokens
+        seq_lens = np.diff(cu) if inp is None else inp.seq_lens
+        h["seq_lens"][:nseq].numpy()[:] = seq_lens
+        h["seq_lens"][nseq:b].fill_(0)
+        tables = [(np.full(n, PAD_SLOT_ID), np.zeros((nseq, 1), np.int32))] * self.groups
+        if inp is not None:
+            tables = [(inp.slot_mapping, inp.block_tables), *inp.group_tables]
+        for g, (slots, bt) in enumerate(tables):
+            h[f"slot_mapping{g}"][:n].numpy()[:] = slots
+            h[f"slot_mapping{g}"][n:t].fill_(PAD_SLOT_ID)
+            h[f"block_tables{g}"].numpy()[:nseq, : bt.shape[1]] = bt
+        sizes = {"input_ids": t, "positions": t, "cu_seqlens_q": b + 1, "seq_lens": b}
+        for name, dst in self.dev.items():
+            k = sizes.get(name, t if name.startswith("slot") else nseq)
+            dst[:k].copy_(h[name][:k], non_blocking=True)
+        self.copied[self.turn].record()
+
+    def run(self, inp: StepInputs, fix=None) -> torch.Tensor:
+        """The step's hidden states [n, hidden]."""
+        pair = self.pair(inp.num_tokens, inp.num_seqs)
+        assert pair is not None and pair in self.graphs, "can_run first"
+        t, b = pair
+        self._stage(inp.input_ids, inp.positions, inp.cu_seqlens_q, t, b, inp)
+        self.runner.fill_placeholders(self.dev["input_ids"], fix)  # async scheduling: ids from the device
+        self.graphs[(t, b)].replay()
+        return self.hidden[pair][: inp.num_tokens]
+
+
+def _even_split(t: int, b: int) -> np.ndarray:
+    """cu_seqlens_q of b sequences sharing t tokens (t >= b)."""
+    lens = np.full(b, t // b, dtype=np.int64)
+    lens[: t - lens.sum()] += 1
+    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
