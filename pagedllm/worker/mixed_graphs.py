@@ -87,8 +87,11 @@ class MixedGraphs:
             for b in reversed(self.seq_sizes):
                 if b > t:
                     continue
-                # capture over a valid step: b sequences splitting the t tokens, no history
-                self._stage(np.arange(t, dtype=np.int64) % 7, np.zeros(t, np.int64), _even_split(t, b), t, b, None)
+                # capture over a valid step: b sequences splitting the t tokens, no history, stored nowhere
+                cu = _even_split(t, b)
+                tables = [(np.full(t, PAD_SLOT_ID), np.zeros((b, 1), np.int32))] * self.groups
+                ids = np.arange(t, dtype=np.int64) % 7
+                self._stage(padded_step(ids, np.zeros(t, np.int64), cu, np.diff(cu).astype(np.int32), tables, t, b))
                 args = (self.dev["input_ids"][:t], self.dev["positions"][:t], self._meta(t, b))
                 model(*args)  # warm-up: Triton compiles, the allocator settles
                 torch.cuda.synchronize()
@@ -113,33 +116,20 @@ class MixedGraphs:
             tb.shape[1] <= self.max_blocks for tb in [inp.block_tables, *(t for _, t in inp.group_tables)]
         )
 
-    def _stage(self, ids, positions, cu, t: int, b: int, inp: StepInputs | None) -> None:
-        """Write one step (or, inp None, the capture's placeholder step) into a staging set and
-        queue its copies to the static buffers."""
-        n, nseq = len(ids), len(cu) - 1
+    def _stage(self, arrays: dict[str, np.ndarray]) -> None:
+        """Write one padded step (padded_step) into a staging set and queue its copies to the
+        static buffers."""
         self.turn ^= 1
         h = self.host[self.turn]
         self.copied[self.turn].synchronize()  # normally long done: two steps old
-        h["input_ids"][:n].numpy()[:] = ids
-        h["input_ids"][n:t].fill_(0)
-        h["positions"][:n].numpy()[:] = positions
-        h["positions"][n:t].fill_(0)
-        h["cu_seqlens_q"][: nseq + 1].numpy()[:] = cu
-        h["cu_seqlens_q"][nseq + 1 : b + 1].fill_(n)  # padding sequences: no new tokens
-        seq_lens = np.diff(cu) if inp is None else inp.seq_lens
-        h["seq_lens"][:nseq].numpy()[:] = seq_lens
-        h["seq_lens"][nseq:b].fill_(0)
-        tables = [(np.full(n, PAD_SLOT_ID), np.zeros((nseq, 1), np.int32))] * self.groups
-        if inp is not None:
-            tables = [(inp.slot_mapping, inp.block_tables), *inp.group_tables]
-        for g, (slots, bt) in enumerate(tables):
-            h[f"slot_mapping{g}"][:n].numpy()[:] = slots
-            h[f"slot_mapping{g}"][n:t].fill_(PAD_SLOT_ID)
-            h[f"block_tables{g}"].numpy()[:nseq, : bt.shape[1]] = bt
-        sizes = {"input_ids": t, "positions": t, "cu_seqlens_q": b + 1, "seq_lens": b}
-        for name, dst in self.dev.items():
-            k = sizes.get(name, t if name.startswith("slot") else nseq)
-            dst[:k].copy_(h[name][:k], non_blocking=True)
+        for name, a in arrays.items():
+            dst = h[name]
+            if a.ndim == 2:  # block tables: the rows and columns the step has
+                dst.numpy()[: a.shape[0], : a.shape[1]] = a
+                self.dev[name][: a.shape[0]].copy_(dst[: a.shape[0]], non_blocking=True)
+            else:
+                dst[: len(a)].numpy()[:] = a
+                self.dev[name][: len(a)].copy_(dst[: len(a)], non_blocking=True)
         self.copied[self.turn].record()
 
     def run(self, inp: StepInputs, fix=None) -> torch.Tensor:
@@ -147,10 +137,44 @@ class MixedGraphs:
         pair = self.pair(inp.num_tokens, inp.num_seqs)
         assert pair is not None and pair in self.graphs, "can_run first"
         t, b = pair
-        self._stage(inp.input_ids, inp.positions, inp.cu_seqlens_q, t, b, inp)
+        tables = [(inp.slot_mapping, inp.block_tables), *inp.group_tables]
+        self._stage(padded_step(inp.input_ids, inp.positions, inp.cu_seqlens_q, inp.seq_lens, tables, t, b))
         self.runner.fill_placeholders(self.dev["input_ids"], fix)  # async scheduling: ids from the device
         self.graphs[(t, b)].replay()
         return self.hidden[pair][: inp.num_tokens]
+
+
+def padded_step(
+    ids: np.ndarray,
+    positions: np.ndarray,
+    cu: np.ndarray,
+    seq_lens: np.ndarray,
+    tables: list[tuple[np.ndarray, np.ndarray]],
+    t: int,
+    b: int,
+) -> dict[str, np.ndarray]:
+    """A step of n tokens in nseq sequences as the (t, b) graph reads it: padding tokens are
+    token 0 at position 0 stored nowhere (PAD_SLOT_ID) and in no sequence; padding sequences
+    have no new tokens (cu_seqlens_q repeats n) and length 0. tables: (slot_mapping,
+    block_tables) per KV-cache group. Block tables keep the step's own rows and width."""
+    n, nseq = len(ids), len(seq_lens)
+    assert n <= t and nseq <= b, (n, t, nseq, b)
+
+    def pad(a: np.ndarray, size: int, fill: int, dtype) -> np.ndarray:
+        out = np.full(size, fill, dtype=dtype)
+        out[: len(a)] = a
+        return out
+
+    arrays = {
+        "input_ids": pad(ids, t, 0, np.int64),
+        "positions": pad(positions, t, 0, np.int64),
+        "cu_seqlens_q": pad(cu, b + 1, n, np.int32),
+        "seq_lens": pad(seq_lens, b, 0, np.int32),
+    }
+    for g, (slots, bt) in enumerate(tables):
+        arrays[f"slot_mapping{g}"] = pad(slots, t, PAD_SLOT_ID, np.int64)
+        arrays[f"block_tables{g}"] = np.ascontiguousarray(bt, dtype=np.int32)
+    return arrays
 
 
 def _even_split(t: int, b: int) -> np.ndarray:
