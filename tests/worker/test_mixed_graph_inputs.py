@@ -9,38 +9,22 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import Qwen3Config
 
 pytest.importorskip("triton")
 
 from pagedllm.model.attention_metadata import AttentionMetadata  # noqa: E402
-from pagedllm.model.registry import build_model  # noqa: E402
 from pagedllm.ops.kernels import TritonKernels  # noqa: E402
 from pagedllm.worker.mixed_graphs import padded_step  # noqa: E402
+from tests.ops.test_kernels import tiny_model  # noqa: E402
 
-BS, LAYERS, BLOCKS = 4, 2, 24
+BS, BLOCKS = 4, 24
 
 
 def model_and_cache():
-    cfg = Qwen3Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
-        architectures=["Qwen3ForCausalLM"],
-    )
+    """The kernel tests' tiny Qwen3 on the Triton kernels, over a KV cache holding random history."""
     torch.set_default_dtype(torch.float32)
-    model = build_model(cfg, TritonKernels())
-    g = torch.Generator().manual_seed(0)
-    for p in model.parameters():
-        p.data.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    kv = torch.randn(2, LAYERS, BLOCKS, 2, BS, 16, generator=g)  # history: whatever the blocks hold
-    for layer, k, v in zip(model.attention_layers(), kv[0], kv[1], strict=True):
-        layer.bind_kv_cache(k, v)
+    model, kv = tiny_model(TritonKernels(), num_blocks=BLOCKS, block_size=BS)
+    kv.copy_(torch.randn(kv.shape, generator=torch.Generator().manual_seed(1)))
     return model, kv
 
 
