@@ -6,7 +6,8 @@
 # throughput workload (nothing may get slower). Everything lands in $OUT/latency.tar.gz plus
 # $OUT/summary.txt (the device tool brings back few files).
 #
-#   bash scripts/latency_gpu_check.sh [all|decode|prefill|timeline|serving|throughput ...]
+#   bash scripts/latency_gpu_check.sh [all|tests|decode|steps|prefill|timeline|serving|serve_inf|throughput|moe ...]
+#   bash scripts/latency_gpu_check.sh timeline_inf    # the breakdown with all 500 requests at once (not in all)
 #
 # Server wheels (fastapi, uvicorn, ...) come from .whl/server/ when this Python lacks them.
 set -uo pipefail
@@ -60,6 +61,12 @@ if has timeline; then
       | grep -v -E "INFO|WARN" | tee -a "$S" | tail -20
   timeout 200 $PY benchmarks/request_timeline.py --model $MODEL --server-args "--device cuda ${SARGS:-}" --text-prompts \
       --num-prompts ${TL_NUM:-300} --request-rate 16 --out "$W/timeline_text.json" --label "${LABEL:-} text prompts" 2>&1 \
+      | grep -v -E "INFO|WARN" | tee -a "$S" | tail -20
+fi
+if [[ " $MODES " == *" timeline_inf "* ]]; then   # (not in "all") the breakdown with all 500 at once; one client
+  # process: at ~50 us an SSE event it may itself be a bottleneck there (bench/load_generator.py)
+  timeout 240 $PY benchmarks/request_timeline.py --model $MODEL --server-args "--device cuda ${SARGS:-}" \
+      --num-prompts 500 --request-rate inf --out "$W/timeline_inf.json" --label "${LABEL:-} all at once" 2>&1 \
       | grep -v -E "INFO|WARN" | tee -a "$S" | tail -20
 fi
 if has serving; then

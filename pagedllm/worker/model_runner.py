@@ -43,6 +43,7 @@ from pagedllm.worker.sampler import sample, sampling_tensors
 from pagedllm.worker.staging import Staging
 from pagedllm.worker.step_handle import LaunchedStep, StepHandle
 from pagedllm.worker.step_inputs import BlockTableRows, StepInputs, build_step_inputs
+from pagedllm.worker.warm_up import warm_up_kernels
 
 if TYPE_CHECKING:
     from pagedllm.worker.cuda_graphs import DecodeGraphs
@@ -137,7 +138,7 @@ class ModelRunner:
         # falls back to torch's generators
         self.philox_sampling = device.type == "cuda" and envs.sampler() != "torch"
         if device.type == "cuda":
-            self._warm_up_kernels()
+            warm_up_kernels(self)
         self._seed_rng = np.random.default_rng(seed)
         self._block_table_rows = BlockTableRows()  # the scheduled sequences' tables as arrays, across steps
         self._token_history = TokenHistory()  # penalized sequences' token ids as arrays, across steps
@@ -267,44 +268,6 @@ class ModelRunner:
                 max(vs),
                 len(ks),
             )
-
-    @torch.inference_mode()
-    def _warm_up_kernels(self) -> None:
-        """Compile the attention kernel's prefill-with-history variant (a step mixing one
-        decode row with a chunk over a cached prefix) and the sampling kernel at start-up, so
-        the first real requests do not wait for Triton; and the copy-on-write kernel. The profiling
-        run covered the other kernels, the CUDA graphs cover decode. Changes nothing in the KV cache."""
-        hist, chunk = self.block_size, 8
-        lens_q = np.array([1, chunk])
-        seq_lens = (hist + lens_q).astype(np.int32)
-        cu = np.array([0, 1, 1 + chunk], dtype=np.int32)
-        positions = np.concatenate([np.arange(hist, n) for n in seq_lens]).astype(np.int64)
-        nb = -(-int(seq_lens.max()) // self.block_size)
-        table = (np.arange(nb) % self.num_kv_blocks).astype(np.int32)
-        meta, _ = self._metadata_from(
-            slot_mapping=np.full(len(positions), PAD_SLOT_ID),
-            cu=cu,
-            seq_lens=seq_lens,
-            block_tables=np.stack([table, table]),
-            max_q=chunk,
-            max_k=int(seq_lens.max()),
-            decode_only=False,
-            no_history=False,
-        )
-        ids = torch.zeros(len(positions), dtype=torch.int64, device=self.device)
-        hidden = self.model(ids, self._to_device(positions), meta)
-        logits = self.model.compute_logits(hidden[cu[1:] - 1])
-        if self.philox_sampling and self.is_driver and logits is not None:  # the sampling kernel too
-            from pagedllm.ops.sampling import gumbel_sample
-
-            gumbel_sample(
-                logits,
-                torch.tensor([1.0, 0.0], device=self.device),
-                torch.tensor([1, 2], dtype=torch.int64, device=self.device),
-            )
-        zero = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self._copy_blocks(self.kv_cache, zero, zero)  # the copy-on-write kernel (block 0 onto itself: a no-op)
-        torch.cuda.synchronize(self.device)
 
     # ---- one step ----------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> StepResult:
