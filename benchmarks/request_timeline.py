@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import glob
 import json
 import os
@@ -108,7 +109,7 @@ def join(client: list[dict[str, Any]], ev: dict[str, list[dict[str, Any]]]) -> t
         elif r["ev"] == "sent":
             for rid in r["rids"]:
                 sent_t[user_of.get(rid, rid)].append(r["t"])
-    resolve_times = sorted((t, s) for s, t in resolves.items())
+    resolve_times = sorted(resolves.values())
     rows = []
     for c in client:
         u = c["user"]
@@ -118,8 +119,8 @@ def join(client: list[dict[str, Any]], ev: dict[str, list[dict[str, Any]]]) -> t
         launch = launches[first_launch[u]]
         first_sent = sent_t[u][0]
         # the step that sampled the first token: the last one resolved before its outputs went out
-        before = [t for t, _s in resolve_times if t <= first_sent]
-        first_resolve = before[-1] if before else first_sent
+        i = bisect.bisect_right(resolve_times, first_sent)
+        first_resolve = resolve_times[i - 1] if i else first_sent
         first_sse = next(t for t, n in sse_t[u] if n > 0)
         stages = {
             "client_to_handler": a.get("http", c["start"]) - c["start"],

@@ -26,6 +26,7 @@ import torch
 
 from pagedllm.model.attention_metadata import AttentionMetadata
 from pagedllm.ops import PAD_SLOT_ID
+from pagedllm.worker.staging import StaticInputs, pad_to
 from pagedllm.worker.step_inputs import StepInputs
 
 if TYPE_CHECKING:
@@ -46,29 +47,24 @@ class MixedGraphs:
         top_t, top_b = self.token_sizes[-1], self.seq_sizes[-1]
         self.max_blocks = -(-runner.max_model_len // runner.block_size)
         groups = len(runner.kv_cache_groups)
-        self.dev = {
+        buffers = {
             "input_ids": torch.zeros(top_t, dtype=torch.int64, device=dev),
             "positions": torch.zeros(top_t, dtype=torch.int64, device=dev),
             "cu_seqlens_q": torch.zeros(top_b + 1, dtype=torch.int32, device=dev),
             "seq_lens": torch.zeros(top_b, dtype=torch.int32, device=dev),
         }
         for g in range(groups):
-            self.dev[f"slot_mapping{g}"] = torch.full((top_t,), PAD_SLOT_ID, dtype=torch.int64, device=dev)
-            self.dev[f"block_tables{g}"] = torch.zeros(top_b, self.max_blocks, dtype=torch.int32, device=dev)
+            buffers[f"slot_mapping{g}"] = torch.full((top_t,), PAD_SLOT_ID, dtype=torch.int64, device=dev)
+            buffers[f"block_tables{g}"] = torch.zeros(top_b, self.max_blocks, dtype=torch.int32, device=dev)
         self.groups = groups
-        # pinned staging, two sets in turn (as DecodeGraphs: the other may still be queued)
-        self.host = [
-            {k: torch.zeros(v.shape, dtype=v.dtype).pin_memory() for k, v in self.dev.items()} for _ in range(2)
-        ]
-        self.copied = [torch.cuda.Event(), torch.cuda.Event()]
-        self.turn = 0
+        self.inputs = StaticInputs(buffers)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.hidden: dict[tuple[int, int], torch.Tensor] = {}
         self.pool: _POOL_HANDLE | None = None
         self._capture_all()
 
     def _meta(self, t: int, b: int) -> AttentionMetadata:
-        d = self.dev
+        d = self.inputs.dev
         return AttentionMetadata(
             slot_mapping=d["slot_mapping0"][:t],
             block_tables=d["block_tables0"][:b],
@@ -91,8 +87,10 @@ class MixedGraphs:
                 cu = _even_split(t, b)
                 tables = [(np.full(t, PAD_SLOT_ID), np.zeros((b, 1), np.int32))] * self.groups
                 ids = np.arange(t, dtype=np.int64) % 7
-                self._stage(padded_step(ids, np.zeros(t, np.int64), cu, np.diff(cu).astype(np.int32), tables, t, b))
-                args = (self.dev["input_ids"][:t], self.dev["positions"][:t], self._meta(t, b))
+                self.inputs.stage(
+                    padded_step(ids, np.zeros(t, np.int64), cu, np.diff(cu).astype(np.int32), tables, t, b)
+                )
+                args = (self.inputs.dev["input_ids"][:t], self.inputs.dev["positions"][:t], self._meta(t, b))
                 model(*args)  # warm-up: Triton compiles, the allocator settles
                 torch.cuda.synchronize()
                 g = torch.cuda.CUDAGraph()
@@ -116,30 +114,14 @@ class MixedGraphs:
             tb.shape[1] <= self.max_blocks for tb in [inp.block_tables, *(t for _, t in inp.group_tables)]
         )
 
-    def _stage(self, arrays: dict[str, np.ndarray]) -> None:
-        """Write one padded step (padded_step) into a staging set and queue its copies to the
-        static buffers."""
-        self.turn ^= 1
-        h = self.host[self.turn]
-        self.copied[self.turn].synchronize()  # normally long done: two steps old
-        for name, a in arrays.items():
-            dst = h[name]
-            if a.ndim == 2:  # block tables: the rows and columns the step has
-                dst.numpy()[: a.shape[0], : a.shape[1]] = a
-                self.dev[name][: a.shape[0]].copy_(dst[: a.shape[0]], non_blocking=True)
-            else:
-                dst[: len(a)].numpy()[:] = a
-                self.dev[name][: len(a)].copy_(dst[: len(a)], non_blocking=True)
-        self.copied[self.turn].record()
-
     def run(self, inp: StepInputs, fix=None) -> torch.Tensor:
         """The step's hidden states [n, hidden]."""
         pair = self.pair(inp.num_tokens, inp.num_seqs)
         assert pair is not None and pair in self.graphs, "can_run first"
         t, b = pair
         tables = [(inp.slot_mapping, inp.block_tables), *inp.group_tables]
-        self._stage(padded_step(inp.input_ids, inp.positions, inp.cu_seqlens_q, inp.seq_lens, tables, t, b))
-        self.runner.fill_placeholders(self.dev["input_ids"], fix)  # async scheduling: ids from the device
+        self.inputs.stage(padded_step(inp.input_ids, inp.positions, inp.cu_seqlens_q, inp.seq_lens, tables, t, b))
+        self.runner.fill_placeholders(self.inputs.dev["input_ids"], fix)  # async scheduling: ids from the device
         self.graphs[(t, b)].replay()
         return self.hidden[pair][: inp.num_tokens]
 
@@ -160,19 +142,14 @@ def padded_step(
     n, nseq = len(ids), len(seq_lens)
     assert n <= t and nseq <= b, (n, t, nseq, b)
 
-    def pad(a: np.ndarray, size: int, fill: int, dtype) -> np.ndarray:
-        out = np.full(size, fill, dtype=dtype)
-        out[: len(a)] = a
-        return out
-
     arrays = {
-        "input_ids": pad(ids, t, 0, np.int64),
-        "positions": pad(positions, t, 0, np.int64),
-        "cu_seqlens_q": pad(cu, b + 1, n, np.int32),
-        "seq_lens": pad(seq_lens, b, 0, np.int32),
+        "input_ids": pad_to(ids, t, 0),
+        "positions": pad_to(positions, t, 0),
+        "cu_seqlens_q": pad_to(cu, b + 1, n, np.int32),
+        "seq_lens": pad_to(seq_lens, b, 0, np.int32),
     }
     for g, (slots, bt) in enumerate(tables):
-        arrays[f"slot_mapping{g}"] = pad(slots, t, PAD_SLOT_ID, np.int64)
+        arrays[f"slot_mapping{g}"] = pad_to(slots, t, PAD_SLOT_ID)
         arrays[f"block_tables{g}"] = np.ascontiguousarray(bt, dtype=np.int32)
     return arrays
 

@@ -38,9 +38,8 @@ from pagedllm.worker.kv_cache import allocate_kv_cache, block_bytes, groups_of, 
 from pagedllm.worker.kv_scales import CALIBRATION_SEQ_LEN, CALIBRATION_TOKENS, choose_kv_scales
 from pagedllm.worker.logits_controls import TokenHistory
 from pagedllm.worker.logprobs import PendingSampleLogprobs, prompt_logprobs
-from pagedllm.worker.piecewise_graphs import pad_slots
 from pagedllm.worker.sampler import sample, sampling_tensors
-from pagedllm.worker.staging import Staging
+from pagedllm.worker.staging import Staging, pad_to
 from pagedllm.worker.step_handle import LaunchedStep, StepHandle
 from pagedllm.worker.step_inputs import BlockTableRows, StepInputs, build_step_inputs
 from pagedllm.worker.warm_up import warm_up_kernels
@@ -386,7 +385,7 @@ class ModelRunner:
             return self.mixed.run(inp, fix)
         pw = self.piecewise if self.piecewise is not None and self.piecewise.can_run(inp) else None
         t = pw.bucket(inp.num_tokens) if pw is not None else inp.num_tokens
-        pad = (lambda a: pad_slots(a, t)) if pw is not None else (lambda a: a)
+        pad = (lambda a: pad_to(a, t, PAD_SLOT_ID)) if pw is not None else (lambda a: a)
         meta, dev = self._metadata_from(
             slot_mapping=pad(inp.slot_mapping),
             block_tables=inp.block_tables,

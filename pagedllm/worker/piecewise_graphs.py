@@ -25,11 +25,10 @@ import bisect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from pagedllm.model.attention_metadata import AttentionMetadata
-from pagedllm.ops import PAD_SLOT_ID
+from pagedllm.worker.staging import StaticInputs, pad_to
 from pagedllm.worker.step_inputs import StepInputs
 
 if TYPE_CHECKING:
@@ -66,14 +65,12 @@ class PiecewiseGraphs:
         self.layers: list[DecoderLayer] = list(self.model.layers)  # type: ignore[arg-type]
         self.sizes = token_buckets(max_tokens)
         top = self.sizes[-1]
-        self.input_ids = torch.zeros(top, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(top, dtype=torch.int64, device=dev)
+        self.inputs = StaticInputs(
+            {n: torch.zeros(top, dtype=torch.int64, device=dev) for n in ("input_ids", "positions")}
+        )
+        self.input_ids, self.positions = self.inputs.dev["input_ids"], self.inputs.dev["positions"]
         attn = self.layers[0].self_attn
         self.attn_out = torch.zeros(top, attn.num_heads * attn.head_dim, dtype=runner.dtype, device=dev)
-        self.host_ids = [torch.zeros(top, dtype=torch.int64).pin_memory() for _ in range(2)]
-        self.host_pos = [torch.zeros(top, dtype=torch.int64).pin_memory() for _ in range(2)]
-        self.copied = [torch.cuda.Event(), torch.cuda.Event()]
-        self.turn = 0
         self.buckets: dict[int, _Bucket] = {}
         self.pool: _POOL_HANDLE | None = None
         self._capture_all()
@@ -124,20 +121,11 @@ class PiecewiseGraphs:
     # ---- a step ----------------------------------------------------------------------------
     def run(self, inp: StepInputs, meta: AttentionMetadata, fix=None) -> torch.Tensor:
         """The step's hidden states [n, hidden]. meta: the step's metadata with its slot
-        mappings padded to the bucket (pad_slots)."""
+        mappings padded to the bucket with PAD_SLOT_ID (staging.pad_to)."""
         n = inp.num_tokens
         t = self.bucket(n)
         b = self.buckets[t]
-        self.turn ^= 1  # two staging sets in turn, as DecodeGraphs: the other may still be queued
-        ids, pos = self.host_ids[self.turn], self.host_pos[self.turn]
-        self.copied[self.turn].synchronize()
-        ids[:n].numpy()[:] = inp.input_ids
-        ids[n:t].fill_(0)
-        pos[:n].numpy()[:] = inp.positions
-        pos[n:t].fill_(0)
-        self.input_ids[:t].copy_(ids[:t], non_blocking=True)
-        self.positions[:t].copy_(pos[:t], non_blocking=True)
-        self.copied[self.turn].record()
+        self.inputs.stage({"input_ids": pad_to(inp.input_ids, t, 0), "positions": pad_to(inp.positions, t, 0)})
         self.runner.fill_placeholders(self.input_ids, fix)  # async scheduling: ids from the device
         positions = self.positions[:t]
         layers = self.layers
@@ -150,10 +138,3 @@ class PiecewiseGraphs:
             self.attn_out[:n].copy_(o.view(t, -1)[:n])
             b.graphs[i + 1].replay()
         return b.hidden[:n]
-
-
-def pad_slots(slots: np.ndarray, t: int) -> np.ndarray:
-    """A slot mapping of n tokens padded to t with PAD_SLOT_ID (the padding rows store nothing)."""
-    out = np.full(t, PAD_SLOT_ID, dtype=np.int64)
-    out[: len(slots)] = slots
-    return out

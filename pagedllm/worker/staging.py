@@ -52,3 +52,40 @@ class Staging:
             dev[:off].copy_(self.host[self.turn][:off], non_blocking=True)
         self.done[self.turn].record()
         return [dev[o : o + a.nbytes].view(torch.from_numpy(a[:0].reshape(-1)).dtype).view(a.shape) for o, a in spans]
+
+
+def pad_to(a: np.ndarray, size: int, fill: int, dtype=np.int64) -> np.ndarray:
+    """`a` followed by `fill` up to `size` entries (a graph's padding rows or sequences)."""
+    out = np.full(size, fill, dtype=dtype)
+    out[: len(a)] = a
+    return out
+
+
+class StaticInputs:
+    """A CUDA graph's input buffers on the device (`dev`, fixed addresses the graph reads), each
+    with two pinned host copies used in turn: with async scheduling a step is staged while the
+    previous one's copies may still wait in the stream, and its event says when a set is free."""
+
+    def __init__(self, buffers: dict[str, torch.Tensor]):
+        self.dev = buffers
+        self.host = [
+            {k: torch.zeros(v.shape, dtype=v.dtype).pin_memory() for k, v in buffers.items()} for _ in range(2)
+        ]
+        self.copied = [torch.cuda.Event(), torch.cuda.Event()]
+        self.turn = 0
+
+    def stage(self, arrays: dict[str, np.ndarray]) -> None:
+        """Write the arrays into the next host set and queue their copies into `dev` (a 2-D array:
+        its rows and columns only; a 1-D one: its first len(a) entries)."""
+        self.turn ^= 1
+        h = self.host[self.turn]
+        self.copied[self.turn].synchronize()  # normally long done: two steps old
+        for name, a in arrays.items():
+            dst = h[name]
+            if a.ndim == 2:
+                dst.numpy()[: a.shape[0], : a.shape[1]] = a
+                self.dev[name][: a.shape[0]].copy_(dst[: a.shape[0]], non_blocking=True)
+            else:
+                dst[: len(a)].numpy()[:] = a
+                self.dev[name][: len(a)].copy_(dst[: len(a)], non_blocking=True)
+        self.copied[self.turn].record()
