@@ -60,22 +60,29 @@ def hf_checkpoint(kind: str, out: str) -> None:
     model.save_pretrained(out, safe_serialization=True)
 
 
-_written: dict[str, dict[str, str]] = {}
+_written: dict[tuple[str, str], dict[str, str]] = {}
 
 
-def family_checkpoints(tok_dir: str, tmp_path_factory) -> dict[str, str]:
-    """kind -> a checkpoint directory (with the tokenizer of tok_dir), written once per session."""
-    if tok_dir not in _written:
+def write_checkpoints(kinds, write, tok_dir: str, tmp_path_factory) -> dict[str, str]:
+    """kind -> a checkpoint directory written by write(kind, dir), with the tokenizer of tok_dir;
+    written once per session."""
+    key = (tok_dir, write.__name__)
+    if key not in _written:
         dirs = {}
-        for kind in KINDS:
+        for kind in kinds:
             out = str(tmp_path_factory.mktemp(kind))
-            hf_checkpoint(kind, out)
+            write(kind, out)
             for f in os.listdir(tok_dir):
                 if f.startswith("tokenizer") or f == "special_tokens_map.json":
                     shutil.copy(os.path.join(tok_dir, f), out)
             dirs[kind] = out
-        _written[tok_dir] = dirs
-    return _written[tok_dir]
+        _written[key] = dirs
+    return _written[key]
+
+
+def family_checkpoints(tok_dir: str, tmp_path_factory) -> dict[str, str]:
+    """kind -> a checkpoint directory (with the tokenizer of tok_dir), written once per session."""
+    return write_checkpoints(KINDS, hf_checkpoint, tok_dir, tmp_path_factory)
 
 
 def long_workload(n: int = 5):

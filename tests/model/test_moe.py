@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from pagedllm import LLM, SamplingParams
 from tests.helpers import TINY_SHAPE
-from tests.model.families import long_workload
+from tests.model.families import long_workload, write_checkpoints
 from tests.model.hf_reference import GREEDY, hf_model, hf_position_logits, step_logits
 from tests.model.test_families import CONFIGS, edited, ours, prefill_logits
 
@@ -54,22 +54,9 @@ def hf_moe_checkpoint(kind: str, out: str) -> None:
     model.save_pretrained(out, safe_serialization=True)
 
 
-_written: dict[str, dict[str, str]] = {}
-
-
 def moe_checkpoints(tok_dir: str, tmp_path_factory) -> dict[str, str]:
     """kind -> a checkpoint directory (with the tokenizer of tok_dir), written once per session."""
-    if tok_dir not in _written:
-        dirs = {}
-        for kind in MOE_KINDS:
-            out = str(tmp_path_factory.mktemp(kind))
-            hf_moe_checkpoint(kind, out)
-            for f in os.listdir(tok_dir):
-                if f.startswith("tokenizer") or f == "special_tokens_map.json":
-                    shutil.copy(os.path.join(tok_dir, f), out)
-            dirs[kind] = out
-        _written[tok_dir] = dirs
-    return _written[tok_dir]
+    return write_checkpoints(MOE_KINDS, hf_moe_checkpoint, tok_dir, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
