@@ -22,6 +22,12 @@ HF_LAYERS=${HF_LAYERS:-4}
 Q30_HF=${Q30_HF:-/tmp/qwen3-30b-a3b-${HF_LAYERS}l}  # a written checkpoint (~1.2 GiB per layer)
 MIXTRAL=${MIXTRAL:-/tmp/mixtral-8x7b-16l}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-} PAGEDLLM_COMMIT=${PAGEDLLM_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
+# pagedllm imports llguidance (structured output): from the carried .whl/ when this Python lacks it
+if ! python3 -c "import llguidance" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/server/*.whl .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PYTHONPATH
+fi
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name())' | tee -a "$OUT/env.txt"
 run() { [ "$MODE" = all ] || [ "$MODE" = "$1" ]; }
 
