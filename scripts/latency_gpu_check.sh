@@ -8,6 +8,9 @@
 #
 #   bash scripts/latency_gpu_check.sh [all|tests|decode|steps|prefill|timeline|serving|serve_inf|throughput|moe ...]
 #   bash scripts/latency_gpu_check.sh timeline_inf    # the breakdown with all 500 requests at once (not in all)
+#   bash scripts/latency_gpu_check.sh engine_inf      # the same workload through LLM.generate (not in all)
+#   bash scripts/latency_gpu_check.sh api_cpu         # the API process's CPU time per token (not in all)
+#   ASYNCIO_H11=1 bash scripts/latency_gpu_check.sh ...  # without uvloop and httptools
 #
 # Server wheels (fastapi, uvicorn, ...) come from .whl/server/ when this Python lacks them.
 set -uo pipefail
@@ -16,10 +19,16 @@ PY=${PY:-python3}
 MODES=${*:-all}
 has() { [[ " $MODES " == *" all "* || " $MODES " == *" $1 "* ]]; }
 if ! $PY -c "import fastapi, uvicorn, llguidance" 2>/dev/null && ls .whl/server/*.whl >/dev/null 2>&1; then
+  # uvloop and httptools (the serve extra's event loop and HTTP parser) go to their own directory,
+  # so that a run can leave them out (ASYNCIO_H11=1: uvicorn's pure-Python fallbacks)
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      .whl/server/*.whl .whl/*.whl || exit 1
+      $(ls .whl/server/*.whl | grep -v -E "uvloop|httptools") .whl/*.whl || exit 1
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_fast \
+      .whl/server/uvloop*.whl .whl/server/httptools*.whl || exit 1
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+  [ "${ASYNCIO_H11:-0}" = 1 ] || export PYTHONPATH=/tmp/site_fast:$PYTHONPATH
 fi
+$PY -c "import importlib.util as u; print('event loop:', 'uvloop' if u.find_spec('uvloop') else 'asyncio', '| http:', 'httptools' if u.find_spec('httptools') else 'h11')"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 export PAGEDLLM_COMMIT=${PAGEDLLM_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
 $PY -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__,
@@ -68,6 +77,15 @@ if [[ " $MODES " == *" timeline_inf "* ]]; then   # (not in "all") the breakdown
   timeout 240 $PY benchmarks/request_timeline.py --model $MODEL --server-args "--device cuda ${SARGS:-}" \
       --num-prompts 500 --request-rate inf --out "$W/timeline_inf.json" --label "${LABEL:-} all at once" 2>&1 \
       | grep -v -E "INFO|WARN" | tee -a "$S" | tail -20
+fi
+if [[ " $MODES " == *" engine_inf "* ]]; then   # (not in "all") the all-at-once workload through LLM.generate
+  timeout 150 $PY benchmarks/engine_bound.py --model $MODEL --device cuda --out "$W/engine_bound.json" 2>&1 \
+      | grep engine_bound | tee -a "$S"
+fi
+if [[ " $MODES " == *" api_cpu "* ]]; then   # (not in "all") the API process's CPU per token, all at once
+  timeout 200 $PY benchmarks/api_cpu.py --model $MODEL --server-args "--device cuda ${SARGS:-}" --num-prompts 500 \
+      --input-len 512 --output-len 128 --label "${LABEL:-}" --out "$W/api_cpu.jsonl" 2>&1 \
+      | grep -E '"(loop|http|api_cpu_us_per_token|api_cpu_ms_per_request|wall_s)"|throughput|TPOT' | tee -a "$S"
 fi
 if has serving; then
   OUT="$W/serving" MODEL=$MODEL T_ENGINE=1 T_BENCH=150 timeout 420 bash scripts/serving_gpu_check.sh 2>&1 \

@@ -11,6 +11,8 @@
 #                                            # checkpoint that both engines load: the first 64 requests,
 #                                            # pagedllm and HF transformers continuous batching
 #   bash scripts/moe_gpu_check.sh mixtral    # (not in "all") Mixtral-8x7B shape, 16 of 32 layers, dummy
+#   bash scripts/moe_gpu_check.sh compare_mixtral  # (not in "all") as compare, Mixtral-8x7B shape with
+#                                            # MIXTRAL_HF_LAYERS (2) of its 32 layers
 # JSON and logs under $OUT: env.txt, moe_tests.log, moe_kernels.json, <gpu>.json (the throughput rows,
 # labelled with what was compared). Step limits (s): T_TESTS 90, T_KERNELS 120 (SWEEP_S 60 of it),
 # T_BENCH 100, T_HF 160: at most about 8 minutes, less when the steps finish early. PAGEDLLM_COMMIT names the tree (the device copy's .git may be stale).
@@ -53,6 +55,14 @@ if run compare; then
       --device cuda 2>&1 | tail -1
   timeout ${T_HF:-160} python3 benchmarks/throughput.py --model $Q30_HF --num-seqs 64 --compare-hf \
       --label "qwen3-30b-a3b shape with $HF_LAYERS of 48 layers: one checkpoint, loaded by both engines; first 64 requests" \
+      --results-dir "$OUT" 2>&1 | grep -v -i warn | tail -8
+fi
+if [ "$MODE" = compare_mixtral ]; then
+  MX_LAYERS=${MIXTRAL_HF_LAYERS:-2}; MX_HF=/tmp/mixtral-8x7b-${MX_LAYERS}l
+  [ -d $MX_HF ] || python3 tools/make_random_model.py --shape mixtral-8x7b-16l --layers $MX_LAYERS --out $MX_HF \
+      --device cuda 2>&1 | tail -1
+  timeout ${T_HF:-160} python3 benchmarks/throughput.py --model $MX_HF --num-seqs 64 --compare-hf \
+      --label "mixtral-8x7b shape with $MX_LAYERS of 32 layers: one checkpoint, loaded by both engines; first 64 requests" \
       --results-dir "$OUT" 2>&1 | grep -v -i warn | tail -8
 fi
 if [ "$MODE" = mixtral ]; then

@@ -212,9 +212,11 @@ def test_models_do_not_disclose_the_model_directory(engine):
 
 
 # ---- sockets -------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def live_fake(engine):
-    srv = LiveServer(build_app(engine, MODEL, allowed_hosts=()), timeout_keep_alive=1).start()
+@pytest.fixture(scope="module", params=["auto", "h11"])  # httptools (installed by the test extra), h11
+def live_fake(engine, request):
+    srv = LiveServer(build_app(engine, MODEL, allowed_hosts=()), http=request.param, timeout_keep_alive=1).start()
+    protocol = srv.server.config.http.__name__  # the parser that this run exercises
+    assert protocol == ("H11WithHeadDeadline" if request.param == "h11" else "HttpToolsWithHeadDeadline")
     yield srv
     srv.stop()
 

@@ -25,7 +25,7 @@ The package `pagedllm.entrypoints.openai`, one concept per module:
 | `errors.py` | `APIError`, OpenAI's error schema, the exception handlers |
 | `auth.py` | the Bearer-key middleware |
 | `guards.py` | Host, Content-Type and body-size checks (cross-origin and DNS-rebinding defences) |
-| `connections.py` | uvicorn's h11 protocol with a deadline for each request head (idle sockets) |
+| `connections.py` | uvicorn's HTTP protocol (httptools, else h11) with a deadline for each request head (idle sockets) |
 | `metrics.py` | Prometheus metrics (`/metrics`) |
 | `launcher.py` | `add_server_args`, `run_server`: flags, uvicorn, signals, shutdown |
 """

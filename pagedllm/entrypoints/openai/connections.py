@@ -66,9 +66,12 @@ class HeadDeadline:
             self.transport.close()  # connection_lost() settles the protocol's own state
 
 
-def head_deadline_protocol() -> type[asyncio.Protocol]:
-    """The protocol class for uvicorn.Config(http=...): uvicorn's choice, with HeadDeadline."""
+def head_deadline_protocol(http: str = "auto") -> type[asyncio.Protocol]:
+    """The protocol class for uvicorn.Config(http=...), with HeadDeadline: uvicorn's choice for
+    "auto" (httptools when installed, else h11), or "h11"."""
     try:
+        if http == "h11":
+            raise ImportError
         import httptools  # noqa: F401  (uvicorn's "auto" prefers it)
     except ImportError:
         from uvicorn.protocols.http.h11_impl import H11Protocol

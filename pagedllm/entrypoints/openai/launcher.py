@@ -270,12 +270,12 @@ def allowed_hosts(flag: str | None, sockets: list[socket.socket]) -> list[str] |
     return None if "*" in names else names
 
 
-def uvicorn_config(app: Any, **kwargs: Any) -> uvicorn.Config:
+def uvicorn_config(app: Any, http: str = "auto", **kwargs: Any) -> uvicorn.Config:
     """uvicorn's Config as the server runs it: uvicorn's HTTP protocol with a deadline for each
     request head (connections.py), keep-alive $PAGEDLLM_HTTP_TIMEOUT_KEEP_ALIVE seconds, no websockets, no
-    lifespan. `kwargs` go to uvicorn.Config."""
+    lifespan. `http`: "auto" (httptools when installed) or "h11"; `kwargs` go to uvicorn.Config."""
     kwargs = {"timeout_keep_alive": envs.http_timeout_keep_alive(), **kwargs}
-    return uvicorn.Config(app, http=head_deadline_protocol(), ws="none", lifespan="off", **kwargs)
+    return uvicorn.Config(app, http=head_deadline_protocol(http), ws="none", lifespan="off", **kwargs)
 
 
 def run_server(args: argparse.Namespace) -> int:
