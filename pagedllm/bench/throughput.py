@@ -55,6 +55,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p, {"max_model_len": STANDARD_MAX_MODEL_LEN}, why="the standard workload")
     p.add_argument("--num-seqs", type=int, default=256, help="run the first N requests of the workload (default: 256)")
     p.add_argument("--compare-hf", action="store_true", help="also run HF transformers' continuous batching")
+    p.add_argument("--hf-eager", action="store_true", help="HF continuous batching without its CUDA graphs")
     p.add_argument("--skip-pagedllm", action="store_true")
     p.add_argument("--results-dir", default="benchmarks/results", help="(default: benchmarks/results)")
     p.add_argument("--out", help="also write this run's rows as JSON to this file")
@@ -214,7 +215,8 @@ def run_hf(args, prompts, params) -> dict:
     gen = GenerationConfig(
         do_sample=True, temperature=0.6, top_p=1.0, top_k=0, max_new_tokens=1024, eos_token_id=-1, pad_token_id=0
     )
-    cb = ContinuousBatchingConfig(use_cuda_graph=True, max_batch_tokens=8192, max_memory_percent=0.9)
+    graphs = not args.hf_eager
+    cb = ContinuousBatchingConfig(use_cuda_graph=graphs, max_batch_tokens=8192, max_memory_percent=0.9)
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
     manager.start()
 
@@ -229,6 +231,8 @@ def run_hf(args, prompts, params) -> dict:
             if r is None:
                 raise RuntimeError("HF continuous batching returned no result")
             if r.request_id in want and r.is_finished():
+                if not r.generated_tokens:  # HF reports a failed request as finished, with its error
+                    raise RuntimeError(f"HF finished {r.request_id} with no token: {getattr(r, 'error', None)}")
                 want.discard(r.request_id)
                 got += len(r.generated_tokens)
         return got
@@ -244,7 +248,7 @@ def run_hf(args, prompts, params) -> dict:
         "seconds": round(seconds, 3),
         "tokens_per_s": round(tokens / seconds, 1),
         "num_seqs": len(prompts),
-        "config": "paged|sdpa, ContinuousBatchingConfig(use_cuda_graph=True, max_batch_tokens=8192, "
+        "config": f"paged|sdpa, ContinuousBatchingConfig(use_cuda_graph={graphs}, max_batch_tokens=8192, "
         "max_memory_percent=0.9)",
     }
 
