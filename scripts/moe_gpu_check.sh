@@ -64,7 +64,7 @@ if [ "$MODE" = compare_mixtral ]; then
   for hf in "" --hf-eager; do   # HF's CUDA graphs first, then (should that fail) without them
     timeout ${T_HF:-160} python3 benchmarks/throughput.py --model $MX_HF --num-seqs 64 --compare-hf $hf \
         --label "mixtral-8x7b shape with $MX_LAYERS of 32 layers: one checkpoint, loaded by both engines; first 64 requests" \
-        --results-dir "$OUT" 2>&1 | grep -v -i -E "warn|Loading" | tail -4
+        --hf-memory-percent ${HF_MEM:-0.6} --results-dir "$OUT" 2>&1 | grep -v -i -E "warn|Loading" | tail -4
     grep -q '"error"' "$OUT"/*.json || break
   done
 fi

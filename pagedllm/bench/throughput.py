@@ -56,6 +56,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-seqs", type=int, default=256, help="run the first N requests of the workload (default: 256)")
     p.add_argument("--compare-hf", action="store_true", help="also run HF transformers' continuous batching")
     p.add_argument("--hf-eager", action="store_true", help="HF continuous batching without its CUDA graphs")
+    p.add_argument("--hf-memory-percent", type=float, default=0.9, help="HF's KV cache share of the GPU (default 0.9)")
     p.add_argument("--skip-pagedllm", action="store_true")
     p.add_argument("--results-dir", default="benchmarks/results", help="(default: benchmarks/results)")
     p.add_argument("--out", help="also write this run's rows as JSON to this file")
@@ -216,7 +217,8 @@ def run_hf(args, prompts, params) -> dict:
         do_sample=True, temperature=0.6, top_p=1.0, top_k=0, max_new_tokens=1024, eos_token_id=-1, pad_token_id=0
     )
     graphs = not args.hf_eager
-    cb = ContinuousBatchingConfig(use_cuda_graph=graphs, max_batch_tokens=8192, max_memory_percent=0.9)
+    mem = args.hf_memory_percent
+    cb = ContinuousBatchingConfig(use_cuda_graph=graphs, max_batch_tokens=8192, max_memory_percent=mem)
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
     manager.start()
 
@@ -249,7 +251,7 @@ def run_hf(args, prompts, params) -> dict:
         "tokens_per_s": round(tokens / seconds, 1),
         "num_seqs": len(prompts),
         "config": f"paged|sdpa, ContinuousBatchingConfig(use_cuda_graph={graphs}, max_batch_tokens=8192, "
-        "max_memory_percent=0.9)",
+        f"max_memory_percent={mem})",
     }
 
 
