@@ -88,6 +88,19 @@ def test_fused_moe_matches_the_reference(device, t, k, kind):
     torch.testing.assert_close(got, fused_moe_ref(x, w13, w2, w, ids), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("entry", range(len(kernels.MOE_CONFIGS)))
+def test_every_tuned_block_config_matches_the_reference(device, entry):
+    """Each row of MOE_CONFIGS (the H200 sweep's choices), at a shape smaller than its tiles:
+    the row, column and K masks of every tile size the engine can pick."""
+    cfg = kernels.MOE_CONFIGS[entry][1]
+    e, h, i, t = 4, 80, 72, 19
+    w13, w2 = weights(e, h, i, torch.float32, device)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(6)).to(device)
+    w, ids = routing("random", t, e, 2, device)
+    got = fused_moe(x, w13, w2, w, ids, config=cfg)
+    torch.testing.assert_close(got, fused_moe_ref(x, w13, w2, w, ids), rtol=1e-4, atol=1e-4)
+
+
 def test_bf16_matches_the_reference_within_rounding(device):
     w13, w2 = weights(4, 32, 32, torch.bfloat16, device)
     x = torch.randn(9, 32, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).to(device)
