@@ -10,7 +10,8 @@
 #   bash scripts/latency_gpu_check.sh timeline_inf    # the breakdown with all 500 requests at once (not in all)
 #   bash scripts/latency_gpu_check.sh engine_inf      # the same workload through LLM.generate (not in all)
 #   bash scripts/latency_gpu_check.sh api_cpu         # the API process's CPU time per token (not in all)
-#   ASYNCIO_H11=1 bash scripts/latency_gpu_check.sh ...  # without uvloop and httptools
+#   ASYNCIO_H11=1 bash scripts/latency_gpu_check.sh ...  # without the carried uvloop and httptools (the
+#                                                         # GPU image has a uvloop of its own: h11 on uvloop)
 #
 # Server wheels (fastapi, uvicorn, ...) come from .whl/server/ when this Python lacks them.
 set -uo pipefail
@@ -20,7 +21,7 @@ MODES=${*:-all}
 has() { [[ " $MODES " == *" all "* || " $MODES " == *" $1 "* ]]; }
 if ! $PY -c "import fastapi, uvicorn, llguidance" 2>/dev/null && ls .whl/server/*.whl >/dev/null 2>&1; then
   # uvloop and httptools (the serve extra's event loop and HTTP parser) go to their own directory,
-  # so that a run can leave them out (ASYNCIO_H11=1: uvicorn's pure-Python fallbacks)
+  # so that a run can leave them out (ASYNCIO_H11=1: h11, and asyncio unless this Python has a uvloop)
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       $(ls .whl/server/*.whl | grep -v -E "uvloop|httptools") .whl/*.whl || exit 1
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_fast \

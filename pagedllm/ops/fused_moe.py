@@ -37,8 +37,8 @@ MOE_CONFIGS: tuple[tuple[int | None, dict[str, int]], ...] = (
 )
 # Tuned on one H200 at 2e55fd0 (benchmarks/results/moe/moe-kernels-sweep-h200-2e55fd0.json, the
 # Qwen3-30B-A3B expert shape): M <= 64 and 256 kept the defaults (the best tried within 3%);
-# 1,024 tokens 0.438 -> 0.418 ms with BLOCK_N 64 and 4 warps; 8,192 tokens 2.134 -> 1.835 ms
-# (302 -> ~350 TFLOP/s) with BLOCK_M 128.
+# 1,024 tokens 0.438 -> 0.418 ms with BLOCK_N 64 and 4 warps; 8,192 tokens 2.134 -> 1.835 ms with
+# BLOCK_M 128 (benchmarks/moe.py's case run at cbbcc69: 2.05 -> 1.92 ms, Mixtral's experts 15.4 -> 13.8).
 
 
 def config_for(m: int) -> dict[str, int]:

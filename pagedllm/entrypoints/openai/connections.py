@@ -16,6 +16,7 @@ The protocol is the one uvicorn's `http="auto"` picks (httptools when installed,
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 from typing import Any
 
 
@@ -69,20 +70,16 @@ class HeadDeadline:
 def head_deadline_protocol(http: str = "auto") -> type[asyncio.Protocol]:
     """The protocol class for uvicorn.Config(http=...), with HeadDeadline: uvicorn's choice for
     "auto" (httptools when installed, else h11), or "h11"."""
-    try:
-        if http == "h11":
-            raise ImportError
-        import httptools  # noqa: F401  (uvicorn's "auto" prefers it)
-    except ImportError:
-        from uvicorn.protocols.http.h11_impl import H11Protocol
+    if http != "h11" and importlib.util.find_spec("httptools") is not None:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-        class H11WithHeadDeadline(HeadDeadline, H11Protocol):
+        class HttpToolsWithHeadDeadline(HeadDeadline, HttpToolsProtocol):
             pass
 
-        return H11WithHeadDeadline
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+        return HttpToolsWithHeadDeadline
+    from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    class HttpToolsWithHeadDeadline(HeadDeadline, HttpToolsProtocol):
+    class H11WithHeadDeadline(HeadDeadline, H11Protocol):
         pass
 
-    return HttpToolsWithHeadDeadline
+    return H11WithHeadDeadline
