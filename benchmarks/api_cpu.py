@@ -80,8 +80,14 @@ def main() -> None:
         http = "httptools"
     except ImportError:
         http = "h11"
+    commit = (
+        os.environ.get("PAGEDLLM_COMMIT")
+        or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    )
     res = {
         "benchmark": "api_cpu",
+        "commit": commit,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "label": args.label,
         "server_args": args.server_args,
         "loop": loop,

@@ -333,6 +333,7 @@ def test_serve_vllm_flags_parse():
         (["--allowed-methods", '{"a": 1}'], "JSON list of strings"),
         (["--tool-call-parser", "mistral"], "invalid choice"),
         (["--tokenizer-mode", "slow"], "invalid choice"),
+        (["--stream-interval", "0"], "--stream-interval: must be an integer >= 1, got 0"),
     ],
 )
 def test_bad_serve_flags_are_usage_errors(flags, needle, capsys):

@@ -90,6 +90,8 @@ class AsyncLLM:
     (`outputs[i].index == i`), as LLMEngine's do; a best_of > n request yields only its final
     output (the n best). `abort(request_id)` from any thread. `log_requests`: one INFO line per
     queued request (its id, prompt length and SamplingParams), as vLLM's request log.
+    `stream_interval` N: a stream's outputs after its first come once a sequence has N new tokens
+    (and at its end), each with all of them (streams.py).
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class AsyncLLM:
         *,
         llm: Any = None,
         max_queue_len: int | None = None,
+        stream_interval: int = 1,
         log_stats: bool = True,
         log_requests: bool = False,
         engine_process: bool | None = None,
@@ -106,6 +109,8 @@ class AsyncLLM:
     ):
         if max_queue_len is not None and (not isinstance(max_queue_len, int) or max_queue_len < 0):
             raise ValueError(f"max_queue_len must be a non-negative integer or None, got {max_queue_len!r}")
+        if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
+            raise ValueError(f"stream_interval must be an integer >= 1, got {stream_interval!r}")
         self._owns_llm = False
         if llm is not None:
             if model is not None or llm_kwargs:
@@ -174,7 +179,9 @@ class AsyncLLM:
         self.log_stats = log_stats
         self.log_requests = log_requests
         self.stats = _Stats(info.metrics, time.monotonic())
-        self.registry = StreamRegistry(OutputProcessor(self.tokenizer), self._abort_in_core, self._stop_in_core)
+        self.registry = StreamRegistry(
+            OutputProcessor(self.tokenizer), self._abort_in_core, self._stop_in_core, stream_interval
+        )
         self.finish_callbacks: list[Callable[[RequestOutput], None]] = self.registry.finish_callbacks
         self.state = EngineState.RUNNING
         self._dead_reason: str | None = None

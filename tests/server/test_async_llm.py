@@ -194,3 +194,26 @@ def test_queue_limit_duplicate_ids_and_shutdown(engine):
     assert outs[-1].outputs[0].finish_reason == "abort"
     engine.shutdown()
     assert not engine.is_running
+
+
+def test_stream_interval_sends_the_first_token_then_n_at_a_time(llm, tiny_models):
+    """stream_interval=5: the first output carries one token, every later one but the last at
+    least five; the tokens and text are the same as unstreamed. A bad value names the argument."""
+    from pagedllm import LLM
+
+    with pytest.raises(ValueError, match="stream_interval must be an integer >= 1"):
+        AsyncLLM(stream_interval=0)
+    want = llm.generate(["a b c"], GREEDY)[0].outputs[0]
+    a = AsyncLLM(llm=LLM(tiny_models["qwen3"], **LLM_ARGS), stream_interval=5)
+
+    async def run() -> list:
+        return [out.outputs[0] async for out in a.generate("a b c", GREEDY)]
+
+    try:
+        outs = asyncio.run(run())
+    finally:
+        a.shutdown()
+    sizes = [len(o.delta_token_ids) for o in outs]
+    assert sizes[0] == 1 and sum(sizes) == 12 and len(sizes) >= 2 and all(n >= 5 for n in sizes[1:-1]), sizes
+    assert [t for o in outs for t in o.delta_token_ids] == want.token_ids
+    assert "".join(o.delta_text for o in outs) == want.text == outs[-1].text

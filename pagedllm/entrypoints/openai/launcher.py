@@ -154,6 +154,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="answer 429 while this many requests are waiting; unset: no limit",
     )
     g.add_argument(
+        "--stream-interval",
+        type=_int_in(1, None, "an integer >= 1"),
+        default=1,
+        metavar="N",
+        help="stream a request's tokens N at a time after its first (fewer, larger SSE chunks: less "
+        "CPU a token in the API process); default 1: each token as it is sampled",
+    )
+    g.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -296,6 +304,7 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         async_llm = AsyncLLM(
             max_queue_len=args.max_queue_len,
+            stream_interval=args.stream_interval,
             engine_process=args.engine_process,
             log_requests=args.log_requests,
             **engine_kwargs(args),
