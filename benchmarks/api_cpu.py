@@ -26,6 +26,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from pagedllm.bench.common import environment  # noqa: E402
 from pagedllm.bench.server_process import launch_server, stop_server  # noqa: E402
 
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "pagedllm", "default_model")
@@ -80,14 +81,8 @@ def main() -> None:
         http = "httptools"
     except ImportError:
         http = "h11"
-    commit = (
-        os.environ.get("PAGEDLLM_COMMIT")
-        or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    )
     res = {
         "benchmark": "api_cpu",
-        "commit": commit,
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "label": args.label,
         "server_args": args.server_args,
         "loop": loop,
@@ -102,6 +97,7 @@ def main() -> None:
         "api_cpu_us_per_token": round(cpu / tokens * 1e6, 1),
         "api_cpu_ms_per_request": round(cpu / args.num_prompts * 1e3, 2),
         "bench": lines,
+        **environment(),
     }
     print(json.dumps(res, indent=1))
     if args.out:

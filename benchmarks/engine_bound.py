@@ -20,6 +20,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
+from pagedllm.bench.common import environment  # noqa: E402
 from pagedllm.bench.workload import random_prompts  # noqa: E402
 
 
@@ -49,7 +50,7 @@ def main() -> None:
         "seconds": round(seconds, 3),
         "requests_per_s": round(args.num_prompts / seconds, 1),
         "output_tokens_per_s": round(tokens / seconds, 1),
-        "commit": os.environ.get("PAGEDLLM_COMMIT", ""),
+        **environment(),
     }
     print(json.dumps(res))
     if args.out:
