@@ -2,7 +2,8 @@
 prefix-cache hash table. It knows nothing about scheduling policy.
 
 Invariants (checked by `check_invariants`, exercised by the property tests):
-- ref_cnt == 0  <=>  the block is in the free queue.
+- ref_cnt == 0  <=>  the block is in the free queue (blocks never allocated are its head,
+  implicitly: `blocks` holds only those allocated at least once, ids 0 .. len(blocks) - 1).
 - A block gets its hash when a step that writes its KV is scheduled (kv_cache_manager.py says
   why a reader of that step or a later one sees written KV) and loses it when it is reallocated
   (lazy eviction) or when that step never runs (`unregister`). Until then it is findable;
@@ -171,8 +172,11 @@ class BlockPool:
     def __init__(self, num_blocks: int, tracer: Tracer | None = None):
         assert num_blocks >= 1, num_blocks  # SchedulerConfig refuses other sizes at the edge
         self.num_blocks = num_blocks
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        # Blocks are made when first allocated, in id order: ids [len(blocks), num_blocks) were never
+        # used and are the free queue's head, implicitly (nothing is freed before them), so a pool of
+        # millions of blocks (a tiny model's default pool on a large GPU) starts in no time.
+        self.blocks: list[Block] = []
+        self.free_queue = FreeBlockQueue([])  # the free blocks that were used: after the never-used ones
         self.cached: dict[tuple[int, BlockHash], dict[int, Block]] = {}  # (group, hash) -> {block_id: block}
         self.tracer = tracer
         self.num_evictions = 0
@@ -181,11 +185,11 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        return len(self.free_queue) + self.num_blocks - len(self.blocks)
 
     def _trace(self, kind: str, block: Block, seq_id: int | None) -> None:
         assert self.tracer is not None  # callers check first: no tracer, no cost
-        self.tracer.event(kind, block.block_id, seq_id, block.ref_cnt, len(self.free_queue), block.group)
+        self.tracer.event(kind, block.block_id, seq_id, block.ref_cnt, self.num_free_blocks, block.group)
 
     def lookup(
         self,
@@ -210,7 +214,11 @@ class BlockPool:
 
     def allocate(self, seq_id: int | None = None, group: int = 0) -> Block:
         """ALLOCATE: the LRU head; a cached block found there is evicted now (lazy eviction)."""
-        block = self.free_queue.popleft()
+        if len(self.blocks) < self.num_blocks:  # a never-used block: the head of the queue
+            block = Block(len(self.blocks))
+            self.blocks.append(block)
+        else:
+            block = self.free_queue.popleft()
         if block.block_hash is not None:
             self._drop_hash(block)
             self.num_evictions += 1

@@ -114,6 +114,7 @@ class DecodeGraphs:
         self.copied[self.turn].synchronize()  # normally long done: it is two steps old
         h["input_ids"][:bs].numpy()[:] = inp.input_ids
         h["input_ids"][bs:padded].fill_(0)  # stale rows may hold an old step's PLACEHOLDER
+        h["positions"][bs:padded].fill_(0)  # padding rows: position 0 (stale ones are in range, but say so)
         h["positions"][:bs].numpy()[:] = inp.positions
         h["slot_mapping"][:padded].fill_(PAD_SLOT_ID)
         h["slot_mapping"][:bs].numpy()[:] = inp.slot_mapping

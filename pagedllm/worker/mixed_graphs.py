@@ -83,12 +83,14 @@ class MixedGraphs:
             for b in reversed(self.seq_sizes):
                 if b > t:
                     continue
-                # capture over a valid step: b sequences splitting the t tokens, no history, stored nowhere
-                cu = _even_split(t, b)
-                tables = [(np.full(t, PAD_SLOT_ID), np.zeros((b, 1), np.int32))] * self.groups
-                ids = np.arange(t, dtype=np.int64) % 7
+                # capture over a valid step (its warm-up forward runs it for real): b sequences of at
+                # most max_model_len tokens each, no history, stored nowhere, attending block 0
+                cu = capture_split(t, b, self.runner.max_model_len)
+                n = int(cu[-1])
+                tables = [(np.full(n, PAD_SLOT_ID), np.zeros((b, self.max_blocks), np.int32))] * self.groups
+                ids = np.arange(n, dtype=np.int64) % 7
                 self.inputs.stage(
-                    padded_step(ids, np.zeros(t, np.int64), cu, np.diff(cu).astype(np.int32), tables, t, b)
+                    padded_step(ids, np.zeros(n, np.int64), cu, np.diff(cu).astype(np.int32), tables, t, b)
                 )
                 args = (self.inputs.dev["input_ids"][:t], self.inputs.dev["positions"][:t], self._meta(t, b))
                 model(*args)  # warm-up: Triton compiles, the allocator settles
@@ -154,8 +156,13 @@ def padded_step(
     return arrays
 
 
-def _even_split(t: int, b: int) -> np.ndarray:
-    """cu_seqlens_q of b sequences sharing t tokens (t >= b)."""
+def capture_split(t: int, b: int, max_len: int) -> np.ndarray:
+    """cu_seqlens_q of b sequences sharing up to t tokens (t >= b), none longer than max_len: the
+    tokens past b * max_len are padding. A sequence longer than max_len would read its block-table
+    row past the buffer's width of cdiv(max_model_len, block_size) entries (issue 29: with
+    max_num_seqs 5 and max_model_len 256 the 2,048-token capture split into 4 x 512 read 32 entries
+    past the buffer's end, garbage block ids, and the KV gather faulted outside a small pool)."""
     lens = np.full(b, t // b, dtype=np.int64)
     lens[: t - lens.sum()] += 1
+    lens = np.minimum(lens, max_len)
     return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
