@@ -3,7 +3,7 @@
 # GPU tests, the HF side-by-side and the kernel benchmark, each under its own time limit (about
 # 7 minutes in all on an H200, inside the device tool's 10-minute command limit).
 # Writes logs and JSON under $OUT (default ./gpu_out; at most 8 files come back from the device tool:
-# the benchmark rows all go to one $OUT/<gpu>.json). Usage: bash scripts/gpu_check.sh [full|bench|tests|check]
+# the benchmark rows all go to one $OUT/<gpu>.json). Usage: bash scripts/gpu_check.sh [full|bench|tests|check|conformance|memcheck|startup]
 # (check = bench + tests, without the HF side-by-side and the kernel benchmark)
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
@@ -11,6 +11,37 @@ MODE=${1:-full}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-} PAGEDLLM_COMMIT=${PAGEDLLM_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name())' | tee "$OUT/env.txt"
 MODEL=/tmp/qwen3-0.6b
+# the carried wheels (.whl/: llguidance; .whl/server/: fastapi, uvicorn, ...) where this Python lacks them
+if ! python3 -c "import llguidance, fastapi, uvicorn" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl $(ls .whl/server/*.whl 2>/dev/null) || exit 1
+  export PYTHONPATH=/tmp/site:$PYTHONPATH
+fi
+# conformance: the GPU conformance matrix (benchmarks/conformance.py: every family x graph mode x pool x
+# prefix caching x async scheduling against HF, fp8 against the CPU fp8 path, 50 random configurations
+# against eager), at most 8 minutes on one H200; rows in $OUT/conformance.jsonl
+if [ "$MODE" = conformance ]; then
+  timeout ${T_CONF:-480} python3 benchmarks/conformance.py --out "$OUT" --workers ${WORKERS:-12} ${CONF_ARGS:-} 2>&1 \
+      | grep -v -i -E "warn|Writing model" | tail -40
+  exit ${PIPESTATUS[0]}
+fi
+# memcheck: every kernel family once under compute-sanitizer (benchmarks/memcheck.py); log in $OUT/memcheck.log
+if [ "$MODE" = memcheck ]; then
+  timeout ${T_MEMCHECK:-420} compute-sanitizer --tool memcheck --error-exitcode 1 --print-limit 50 \
+      python3 benchmarks/memcheck.py > "$OUT/memcheck.log" 2>&1
+  rc=$?; grep -E "^ok|ERROR SUMMARY|Invalid|Error" "$OUT/memcheck.log" | head -40; echo "memcheck rc=$rc"
+  exit $rc
+fi
+# startup: LLM(...) and `pagedllm serve` start-up of the Qwen3-0.6B shape (bf16 and fp8 KV) and of a
+# tiny model with the default pool (benchmarks/startup.py), rows in $OUT/startup.jsonl
+if [ "$MODE" = startup ]; then
+  [ -d $MODEL ] || python3 tools/make_random_model.py --shape qwen3-0.6b --out $MODEL 2>&1 | tail -1
+  python3 -c "import sys; sys.path.insert(0, '.'); from benchmarks.conformance_models import write_models; write_models('/tmp/pagedllm-conformance')" >/dev/null 2>&1
+  timeout 200 python3 benchmarks/startup.py --model $MODEL --runs 2 --serve --out "$OUT/startup.jsonl" 2>&1 | grep '^{'
+  timeout 120 python3 benchmarks/startup.py --model $MODEL --runs 2 --out "$OUT/startup.jsonl" -- --kv-cache-dtype fp8 2>&1 | grep '^{'
+  timeout 120 python3 benchmarks/startup.py --model /tmp/pagedllm-conformance/qwen3 --runs 2 --out "$OUT/startup.jsonl" 2>&1 | grep '^{'
+  exit 0
+fi
 # the fused sampling kernel first: if it fails here, the rest runs on the torch sampler
 if ! timeout 120 python3 -m pytest -q -m gpu -x tests/ops/test_sampling.py -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1; then
   export PAGEDLLM_SAMPLER=torch; echo "sampler kernel tests FAILED: PAGEDLLM_SAMPLER=torch" | tee -a "$OUT/env.txt"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,6 +15,7 @@ from pagedllm.engine.errors import InvalidRequestError
 from pagedllm.engine.executor import Executor
 from pagedllm.engine.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput
 from pagedllm.engine.sampling_params import BeamSearchParams, sampling_params_with_defaults
+from pagedllm.engine.startup_times import StartupTimes
 from pagedllm.entrypoints.logs import ensure_log_handler
 from pagedllm.entrypoints.model_dir import (
     eos_token_ids,
@@ -112,10 +114,13 @@ class LLM:
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}", "kv_cache_dtype"
             )
         ensure_log_handler()  # the INFO lines (KV cache size, ...) visible as in vLLM, unless logging is set up
+        started = time.perf_counter()
+        startup = StartupTimes()
         model = resolve_model_path(os.fspath(model), revision, download_dir)
         if tokenizer is not None:
             tokenizer = resolve_model_path(os.fspath(tokenizer), param="tokenizer")
-        hf_config = load_hf_config(model)
+        with startup.phase("config"):
+            hf_config = load_hf_config(model)
         self.generation_defaults = generation_defaults(model, generation_config)
         from pagedllm.model.registry import layer_windows
 
@@ -123,7 +128,8 @@ class LLM:
             layer_windows(hf_config)
         except ValueError as e:
             raise InvalidRequestError(str(e), "model") from None
-        self.tokenizer = load_tokenizer(tokenizer or model)
+        with startup.phase("tokenizer"):
+            self.tokenizer = load_tokenizer(tokenizer or model)
         limit = getattr(hf_config, "max_position_embeddings", 4096)
         if max_model_len is None:
             max_model_len = limit
@@ -141,7 +147,7 @@ class LLM:
         )  # validate (kv_cache_dtype: checked above, against the names a user may give)
         import torch  # noqa: F401  (heavy imports only once the arguments are known good)
 
-        from pagedllm.worker.model_runner import resolve_device, resolve_dtype
+        from pagedllm.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
 
         dev = resolve_device(device)
         eos = eos_token_ids(model, hf_config, self.tokenizer)  # the runner masks them under min_tokens
@@ -162,14 +168,13 @@ class LLM:
             load_format=load_format,
         )
         self.runner: Executor  # a ModelRunner, or a TPExecutor over tensor_parallel_size processes
-        if tensor_parallel_size > 1:
-            from pagedllm.worker.tp_executor import TPExecutor
+        with startup.phase("model runner"):
+            if tensor_parallel_size > 1:
+                from pagedllm.worker.tp_executor import TPExecutor
 
-            self.runner = TPExecutor(hf_config, model, tensor_parallel_size, **runner_kwargs)
-        else:
-            from pagedllm.worker.model_runner import ModelRunner
-
-            self.runner = ModelRunner(hf_config, model, **runner_kwargs)
+                self.runner = TPExecutor(hf_config, model, tensor_parallel_size, **runner_kwargs)
+            else:
+                self.runner = ModelRunner(hf_config, model, **runner_kwargs)
         config = SchedulerConfig(
             num_kv_blocks=self.runner.num_kv_blocks,
             block_size=block_size,
@@ -185,15 +190,25 @@ class LLM:
         self.model_path = model
         if async_scheduling is None:  # auto: on where the host can run ahead of a device
             async_scheduling = dev.type == "cuda" and tensor_parallel_size == 1
-        self.engine = LLMEngine(
-            config,
-            self.runner,
-            self.tokenizer,
-            eos,
-            vocab_size=hf_config.vocab_size,
-            async_scheduling=async_scheduling,
-        )
+        with startup.phase("engine"):
+            self.engine = LLMEngine(
+                config,
+                self.runner,
+                self.tokenizer,
+                eos,
+                vocab_size=hf_config.vocab_size,
+                async_scheduling=async_scheduling,
+            )
         self._counter = 0
+        # where start-up went: ours, then the model runner's own phases (rank 0's under TP: none)
+        runner_phases = self.runner.startup.seconds if isinstance(self.runner, ModelRunner) else {}
+        self.startup_seconds = {**startup.seconds, **runner_phases, "total": time.perf_counter() - started}
+        logger.info(
+            "ready in %.2f s: %s%s",
+            self.startup_seconds["total"],
+            startup.summary(),
+            f"; model runner: {self.runner.startup.summary()}" if isinstance(self.runner, ModelRunner) else "",
+        )
 
     # ---- generation --------------------------------------------------------------------
     def generate(

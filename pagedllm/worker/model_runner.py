@@ -15,6 +15,7 @@ from pagedllm import envs
 from pagedllm.engine.executor import StepResult
 from pagedllm.engine.kv_cache_groups import blocks_per_sequence
 from pagedllm.engine.scheduler import PLACEHOLDER, SchedulerOutput
+from pagedllm.engine.startup_times import StartupTimes
 from pagedllm.engine.structured_output import grammar_bitmask
 from pagedllm.model.attention_metadata import AttentionMetadata
 from pagedllm.model.loader import init_dummy_weights, load_weights
@@ -90,9 +91,12 @@ class ModelRunner:
         weights instead of the checkpoint's (model/loader.py: init_dummy_weights)."""
         self.hf_config = hf_config
         self.device, self.dtype = device, dtype
+        sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+        self.startup = StartupTimes(sync)  # where start-up's seconds go (LLM logs them)
         self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype, device)
         self.seed = seed
-        self._staging = Staging(device) if device.type == "cuda" else None  # a step's arrays in one copy
+        with self.startup.phase("device init"):  # the first CUDA call creates the context
+            self._staging = Staging(device) if device.type == "cuda" else None  # a step's arrays in one copy
         self.block_size = block_size
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -103,14 +107,15 @@ class ModelRunner:
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            with torch.device(device):
+            with torch.device(device), self.startup.phase("model build"):
                 self.model = build_model(hf_config, kernels_for(device), max_model_len)
         finally:
             torch.set_default_dtype(default_dtype)
-        if load_format == "dummy":
-            checkpoint_kv_scales: dict[int, dict[str, float]] = init_dummy_weights(self.model, seed)
-        else:
-            checkpoint_kv_scales = load_weights(self.model, model_dir)
+        with self.startup.phase("weights"):
+            if load_format == "dummy":
+                checkpoint_kv_scales: dict[int, dict[str, float]] = init_dummy_weights(self.model, seed)
+            else:
+                checkpoint_kv_scales = load_weights(self.model, model_dir)
         self.model.eval()
         self.attn_layers = self.model.attention_layers()
         self.kv_cache_groups = groups_of(self.attn_layers)  # the Executor protocol: the scheduler's groups
@@ -121,23 +126,27 @@ class ModelRunner:
         self.kv_scales: list[tuple[float, float]] = [(1.0, 1.0)] * len(self.attn_layers)
         self.kv_scales_source = "none (the cache is in the model's dtype)"
         if is_fp8(self.kv_dtype):  # before sizing and graphs: the scales are fixed from here on
-            self.kv_scales, self.kv_scales_source = choose_kv_scales(
-                self.attn_layers, checkpoint_kv_scales, self.kv_dtype, self._calibration_forward
-            )
+            with self.startup.phase("fp8 scales"):
+                self.kv_scales, self.kv_scales_source = choose_kv_scales(
+                    self.attn_layers, checkpoint_kv_scales, self.kv_dtype, self._calibration_forward
+                )
             for layer, (k_scale, v_scale) in zip(self.attn_layers, self.kv_scales, strict=True):
                 layer.set_kv_scales(k_scale, v_scale)
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.peak_activation_bytes = 0  # measured by the profiling run (CUDA, when it sizes the KV)
-        self.num_kv_blocks = self._size_kv_cache(num_kv_blocks, kv_cache_memory_bytes, gpu_memory_utilization)
+        with self.startup.phase("profile run"):
+            self.num_kv_blocks = self._size_kv_cache(num_kv_blocks, kv_cache_memory_bytes, gpu_memory_utilization)
         self.is_driver = tp_rank() == 0  # with TP, rank 0 alone samples
         self.num_kv_blocks = agree_min(self.num_kv_blocks)  # TP: the same block ids on every rank
-        self._allocate_kv_cache()
+        with self.startup.phase("KV allocation"):
+            self._allocate_kv_cache()
         self._copy_blocks = copy_blocks_ref if device.type != "cuda" else copy_blocks
         # CUDA: Philox noise keyed per row (fused Gumbel-max kernel); PAGEDLLM_SAMPLER=torch
         # falls back to torch's generators
         self.philox_sampling = device.type == "cuda" and envs.sampler() != "torch"
         if device.type == "cuda":
-            warm_up_kernels(self)
+            with self.startup.phase("kernel warm-up"):
+                warm_up_kernels(self)
         self._seed_rng = np.random.default_rng(seed)
         self._block_table_rows = BlockTableRows()  # the scheduled sequences' tables as arrays, across steps
         self._token_history = TokenHistory()  # penalized sequences' token ids as arrays, across steps
@@ -154,12 +163,15 @@ class ModelRunner:
             from pagedllm.worker.mixed_graphs import MixedGraphs
             from pagedllm.worker.piecewise_graphs import PiecewiseGraphs
 
-            self.graphs = DecodeGraphs(self)
+            with self.startup.phase("decode graphs"):
+                self.graphs = DecodeGraphs(self)
             mode = envs.prefill_graphs()
             if mode == "full" and not any(isinstance(m, SparseMoeBlock) for m in self.model.modules()):
-                self.mixed = MixedGraphs(self)  # small prefill and mixed steps: one replay each
+                with self.startup.phase("whole-step graphs"):
+                    self.mixed = MixedGraphs(self)  # small prefill and mixed steps: one replay each
             if mode in ("full", "piecewise"):
-                self.piecewise = PiecewiseGraphs(self, min(self.max_num_batched_tokens, PIECEWISE_MAX_TOKENS))
+                with self.startup.phase("piecewise graphs"):
+                    self.piecewise = PiecewiseGraphs(self, min(self.max_num_batched_tokens, PIECEWISE_MAX_TOKENS))
 
     # ---- KV cache ----------------------------------------------------------------------
     @property
