@@ -17,6 +17,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -78,12 +79,14 @@ def free_port() -> int:
 def serve_run(model: str, flags: list[str], timeout: float = 300.0) -> dict:
     port = free_port()
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", model, "--port", str(port), *flags]
+    log = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: nobody reads it while the server runs
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"pagedllm serve exited {proc.returncode}:\n{proc.stdout.read()[-3000:]}")  # type: ignore[union-attr]
+                log.seek(0)
+                raise RuntimeError(f"pagedllm serve exited {proc.returncode}:\n{log.read()[-3000:]}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
                     if r.status == 200:
@@ -100,6 +103,7 @@ def serve_run(model: str, flags: list[str], timeout: float = 300.0) -> dict:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+        log.close()
     return dict(what="serve", process_to_healthy_s=round(healthy, 3))
 
 
@@ -116,20 +120,17 @@ def main() -> None:
     from pagedllm.bench.common import environment
 
     env = environment()
-    rows = []
-    for i in range(a.runs):
-        rows.append(dict(llm_run(a.model, flags), run=i, flags=flags, model=os.path.basename(a.model.rstrip("/"))))
-        print(json.dumps(rows[-1]), flush=True)
-    if a.serve:
-        for i in range(a.runs):
-            rows.append(
-                dict(serve_run(a.model, flags), run=i, flags=flags, model=os.path.basename(a.model.rstrip("/")))
-            )
-            print(json.dumps(rows[-1]), flush=True)
-    if a.out:
-        with open(a.out, "a") as f:
-            for r in rows:
-                f.write(json.dumps(dict(r, **env)) + "\n")
+    model = os.path.basename(a.model.rstrip("/"))
+    runs = [llm_run] * a.runs + ([serve_run] * a.runs if a.serve else [])
+    for i, fn in enumerate(runs):
+        try:
+            row = dict(fn(a.model, flags), run=i % a.runs, flags=flags, model=model)
+        except RuntimeError as e:  # recorded, and the other runs still go
+            row = dict(what=fn.__name__, error=str(e)[-2000:], run=i % a.runs, flags=flags, model=model)
+        print(json.dumps(row), flush=True)
+        if a.out:
+            with open(a.out, "a") as f:
+                f.write(json.dumps(dict(row, **env)) + "\n")
 
 
 if __name__ == "__main__":
