@@ -27,6 +27,7 @@ if [ "$MODE" = conformance ]; then
 fi
 # memcheck: every kernel family once under compute-sanitizer (benchmarks/memcheck.py); log in $OUT/memcheck.log
 if [ "$MODE" = memcheck ]; then
+  python3 -c "import sys; sys.path.insert(0, '.'); from benchmarks.conformance_models import write_models; write_models('/tmp/pagedllm-conformance')" >/dev/null 2>&1
   timeout ${T_MEMCHECK:-420} compute-sanitizer --tool memcheck --error-exitcode 1 --print-limit 50 \
       python3 benchmarks/memcheck.py > "$OUT/memcheck.log" 2>&1
   rc=$?; grep -E "^ok|ERROR SUMMARY|Invalid|Error" "$OUT/memcheck.log" | head -40; echo "memcheck rc=$rc"
