@@ -24,7 +24,7 @@ PROMPTS = ["def fibonacci(", "import os\n", "The quick brown"]
 
 def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "pagedllm", *args], input=stdin, capture_output=True, text=True, timeout=120, cwd=REPO
+        [sys.executable, "-m", "pagedllm", *args], input=stdin, capture_output=True, text=True, timeout=300, cwd=REPO
     )
 
 

@@ -548,8 +548,9 @@ class Outcome:
         return check(self.case, self.status, self.body)
 
 
-async def run_cases(url: str, cases: list[Case], concurrency: int, timeout: float = 15.0) -> list[Outcome]:
-    """Send every case (`concurrency` at a time), each within `timeout` seconds."""
+async def run_cases(url: str, cases: list[Case], concurrency: int, timeout: float = 60.0) -> list[Outcome]:
+    """Send every case (`concurrency` at a time), each within `timeout` seconds (a bound for a
+    hang, not a speed)."""
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=0)
 

@@ -1,5 +1,5 @@
 """The engine core process killed (SIGKILL) under load, in a `pagedllm serve` process: every
-open stream ends with an `engine_dead` error event and [DONE] within seconds, every waiting
+open stream ends with an `engine_dead` error event and [DONE] (not a hang), every waiting
 non-streamed request gets a 503 `engine_dead`. Then, by default, the API server exits with a
 non-zero code (so that a supervisor restarts it), leaving no process behind; with
 --keep-alive-on-engine-death it stays up answering 503 until SIGTERM, then exits 0.
@@ -30,8 +30,8 @@ from tests.reliability.helpers import (
 
 KEEP_ALIVE_FLAG = "--keep-alive-on-engine-death"
 NON_STREAMED = 4
-STREAM_END_BOUND_S = 5.0  # from the kill to the last stream's error event
-EXIT_BOUND_S = 15.0  # from the kill to the API server's exit
+REQUEST_BOUND_S = 300.0  # each request's client timeout: a bound for a hang, not a speed
+EXIT_BOUND_S = 60.0  # from the kill to the API server's exit (a bound for a hang)
 
 
 def _server(model: str, tmp_path_factory, *extra: str):
@@ -67,7 +67,8 @@ class Killed:
 def kill_core_under_load(server: ServeProcess, n: int) -> Killed:
     """n streams (both endpoints) and NON_STREAMED plain requests, all running, then SIGKILL to
     the core. Each stream must end with an engine_dead event and [DONE], each plain request with
-    a 503 engine_dead, all within STREAM_END_BOUND_S."""
+    a 503 engine_dead (their 2,000 tokens take far longer than the kill: a request that did not
+    notice it would hang until its client's timeout)."""
     plan = [
         ("/v1/chat/completions", chat_body(i, 2000)) if i % 2 else ("/v1/completions", completion_body(i, 2000))
         for i in range(n)
@@ -75,17 +76,19 @@ def kill_core_under_load(server: ServeProcess, n: int) -> Killed:
 
     async def post(c: httpx.AsyncClient, i: int):
         try:
-            r = await c.post("/v1/completions", json=completion_body(n + i, 2000, stream=False), timeout=30)
+            r = await c.post(
+                "/v1/completions", json=completion_body(n + i, 2000, stream=False), timeout=REQUEST_BOUND_S
+            )
             return r.status_code, r.json(), time.monotonic()
         except (httpx.HTTPError, ValueError) as e:
             return None, repr(e), time.monotonic()
 
     async def run():
-        async with async_client(server.url, 60) as c:
-            tasks = [asyncio.ensure_future(stream(c, p, b, None, 30)) for p, b in plan]
+        async with async_client(server.url, REQUEST_BOUND_S) as c:
+            tasks = [asyncio.ensure_future(stream(c, p, b, None, REQUEST_BOUND_S)) for p, b in plan]
             posts = [asyncio.ensure_future(post(c, i)) for i in range(NON_STREAMED)]
             total = n + NON_STREAMED
-            g = await wait_gauges(c, lambda g: g.running == total, 60)
+            g = await wait_gauges(c, lambda g: g.running == total, 120)
             assert g.running == total, f"not every request is running before the kill: {g}"
             await asyncio.sleep(0.2)  # tokens flowing on every stream
             core = server.core_pid()
@@ -105,17 +108,14 @@ def kill_core_under_load(server: ServeProcess, n: int) -> Killed:
         for p in posts
         if not (p[0] == 503 and isinstance(p[1], dict) and p[1]["error"]["code"] == "engine_dead")
     ]
-    killed = Killed(t0, pids, problems, max(r.ended_at for r in streams) - t0, max(p[2] for p in posts) - t0)
-    if max(killed.streams_ended_s, killed.posts_ended_s) >= STREAM_END_BOUND_S:
-        problems.append(f"ended {killed.streams_ended_s:.1f} s / {killed.posts_ended_s:.1f} s after the kill")
-    return killed
+    return Killed(t0, pids, problems, max(r.ended_at for r in streams) - t0, max(p[2] for p in posts) - t0)
 
 
 def test_engine_core_killed_under_load_the_server_exits_non_zero(server, sizes, figures):
     k = kill_core_under_load(server, sizes.kill_streams)
     code = server.wait(max(0.0, k.t0 + EXIT_BOUND_S - time.monotonic()))
     exited = time.monotonic() - k.t0
-    left = wait_gone(k.pids, 10) if code is not None else k.pids  # a server still up keeps its processes
+    left = wait_gone(k.pids, 60) if code is not None else k.pids  # a server still up keeps its processes
     figures.append(
         f"engine core killed: {sizes.kill_streams} streams + {NON_STREAMED} non-streamed requests in flight ended "
         f"in {k.streams_ended_s:.2f} s / {k.posts_ended_s:.2f} s; "
@@ -141,13 +141,13 @@ def test_keep_alive_on_engine_death_serves_503_until_sigterm(keep_alive_server, 
     assert not k.problems, f"{len(k.problems)} requests did not end as they must:\n" + "\n".join(k.problems[:10])
     assert server.wait(3) is None, f"the server exited although {KEEP_ALIVE_FLAG} was given"
     t0 = time.monotonic()
-    assert httpx.get(server.url + "/health", timeout=5).status_code == 503
-    r = httpx.post(server.url + "/v1/completions", json=completion_body(0, 4, stream=False), timeout=5)
+    assert httpx.get(server.url + "/health", timeout=60).status_code == 503
+    r = httpx.post(server.url + "/v1/completions", json=completion_body(0, 4, stream=False), timeout=60)
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead", r.text
     answered = time.monotonic() - t0
     server.signal(signal.SIGTERM)
-    code = server.wait(30)
-    left = wait_gone(k.pids, 10)
+    code = server.wait(60)
+    left = wait_gone(k.pids, 60)
     figures.append(
         f"engine core killed ({KEEP_ALIVE_FLAG}): {sizes.kill_streams} streams ended in {k.streams_ended_s:.2f} s; "
         f"/health and a new request answered 503 in {answered:.2f} s; SIGTERM: exit code {code}"

@@ -1,14 +1,19 @@
 """Helpers the server tests import: the test server's name and key, a uvicorn server on a
-thread, Prometheus scraping, process checks (Linux /proc). Fixtures live in conftest.py."""
+thread, Prometheus scraping, process checks (Linux /proc), a thread-mode AsyncLLM run in
+lockstep with its consumers. Fixtures live in conftest.py."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -49,7 +54,7 @@ class LiveServer:
 
     def start(self) -> LiveServer:
         self.thread.start()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120  # a bound for a hang, not a speed: the box may be busy
         while not self.server.started:
             if time.monotonic() > deadline or not self.thread.is_alive():
                 raise RuntimeError("the test server did not start")
@@ -71,6 +76,23 @@ def scrape(url: str) -> list[tuple[str, dict, float]]:
 
     text = httpx.get(url + "/metrics", timeout=10).text
     return [(s.name, s.labels, s.value) for fam in text_string_to_metric_families(text) for s in fam.samples]
+
+
+def fresh_scrape(url: str, async_llm: Any, timeout: float = 120.0) -> list[tuple[str, dict, float]]:
+    """scrape(url) once the engine core's metrics in the API process (AsyncLLM.stats) arrived
+    after this call: they then count everything that happened in the core before the last
+    answer the caller got (the pipe keeps order; the core sends them with its steps at most every
+    20 ms and when it goes idle, so a plain scrape may be a step or more behind). An idle core
+    sends them again on any message: an empty Abort."""
+    from pagedllm.engine.messages import Abort
+
+    since = time.monotonic()
+    async_llm.core.send(Abort([]))
+    deadline = since + timeout  # a bound for a hang, not a speed
+    while async_llm.stats.time <= since:
+        assert time.monotonic() < deadline, "the engine core's metrics never came"
+        time.sleep(0.01)
+    return scrape(url)
 
 
 def metric(samples: list[tuple[str, dict, float]], name: str, **labels: str) -> float:
@@ -109,7 +131,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_serve(args: list[str], log, env: dict | None = None, timeout: float = 60) -> subprocess.Popen:
+def start_serve(args: list[str], log, env: dict | None = None, timeout: float = 300) -> subprocess.Popen:
     """`python -m pagedllm serve ARGS --port P` (P free), its output to the file `log`; returns
     once /health answers 200, with `.url` set."""
     import httpx
@@ -142,3 +164,53 @@ def engine_core_pid(server_pid: int) -> int:
             if b"spawn_main" in f.read():
                 return pid
     raise LookupError(f"process {server_pid} has no engine core child")
+
+
+@contextlib.contextmanager
+def lockstep(async_llm: Any, timeout: float = 120.0) -> Iterator[None]:
+    """Run a thread-mode AsyncLLM (`AsyncLLM(llm=...)`, `engine_process=False`) in lockstep with
+    its consumers: the core takes a step only once the previous step's outputs have been applied
+    on the event loop and every streamed output they made due has been taken by its consumer. So
+    each output holds what became due at one step, whatever the scheduling, as if the consumer
+    always kept up (a late consumer otherwise gets one merged output: streams.py). `timeout`:
+    how long the core waits for a consumer before its step fails (a hung test, not a speed)."""
+    core, registry = async_llm.llm.engine.core, async_llm.registry
+    real_step, real_apply = core.step, registry.apply
+    go = threading.Semaphore(1)  # the core may take one step
+    stopped = False
+
+    def step() -> list:
+        if not stopped and not go.acquire(timeout=timeout):
+            raise TimeoutError(f"lockstep: a step's outputs were not taken within {timeout:.0f} s")
+        outputs = real_step()
+        if not outputs:
+            go.release()  # no outputs come back for this step: nothing to wait for
+        return outputs
+
+    def apply(outputs: list) -> None:
+        real_apply(outputs)
+        if not outputs:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # read by shutdown's drain: no consumer to wait for
+            go.release()
+            return
+
+        def release_once_taken() -> None:
+            # a consumer woken by apply runs before this callback (asyncio runs callbacks in order);
+            # one that hands outputs on through more tasks (serving's _merged) may need more turns
+            if any(h.state.stream and registry.ready(h) for h in list(registry.by_core_id.values())):
+                loop.call_soon(release_once_taken)
+            else:
+                go.release()
+
+        loop.call_soon(release_once_taken)
+
+    core.step, registry.apply = step, apply
+    try:
+        yield
+    finally:
+        stopped = True
+        core.step, registry.apply = real_step, real_apply
+        go.release()  # a core waiting in step() goes on

@@ -4,13 +4,15 @@ validation before streaming, abort, slow consumers, stop strings, queue limit, s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from pagedllm import SamplingParams
 from pagedllm.entrypoints.async_llm import AsyncLLM, EngineShutdownError, QueueFullError
-from tests.server.helpers import pid_alive
+from tests.server.helpers import lockstep, pid_alive
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 LLM_ARGS = dict(device="cpu", num_kv_blocks=128, block_size=8)
@@ -45,8 +47,9 @@ def engine(request, tiny_models):
         assert a.llm.engine.kv.num_free_blocks == a.llm.engine.kv.num_blocks
 
 
-async def _idle(engine: AsyncLLM, timeout: float = 5.0) -> dict:
-    """The core's metrics once it has freed every block (it republishes them on going idle)."""
+async def _idle(engine: AsyncLLM, timeout: float = 60.0) -> dict:
+    """The core's metrics once it has freed every block (it republishes them on going idle);
+    the last ones after `timeout` s (a bound for a leak, not a speed: the caller asserts)."""
     deadline = time.monotonic() + timeout
     while True:
         m = engine.get_metrics()
@@ -141,25 +144,53 @@ def test_parallel_sampling_matches_the_engine_and_stops_one_sample(engine, llm):
 
 
 def test_a_slow_consumer_gets_merged_deltas(engine):
+    """A consumer that looks only after the request has finished gets one output with all of it."""
+
     async def run():
         stream = engine.add_request("import os", GREEDY)
-        await asyncio.sleep(0.5)  # the whole request finishes meanwhile
+        deadline = time.monotonic() + 120  # a bound for a hang, not a speed
+        while not stream.done:  # the whole request finishes before the consumer looks
+            assert time.monotonic() < deadline, "the request never finished"
+            await asyncio.sleep(0.01)
         return [o async for o in stream]
 
     outs = asyncio.run(run())
-    assert len(outs) < 12
+    assert len(outs) == 1 and outs[0].finished and len(outs[0].outputs[0].delta_token_ids) == 12
     assert "".join(o.outputs[0].delta_text for o in outs) == outs[-1].outputs[0].text
     assert [t for o in outs for t in o.outputs[0].delta_token_ids] == outs[-1].outputs[0].token_ids
+
+
+@contextlib.contextmanager
+def _at_first_token(engine: AsyncLLM, request_id: str, fn: Callable[[], None]) -> Iterator[None]:
+    """Call fn() on the event loop right after the output handler has applied `request_id`'s
+    first token, before it applies any later step's outputs: the request is unfinished then,
+    however far the core has run ahead of this process (a consumer that awaits its first output
+    first may find the whole request done)."""
+    registry, real_apply = engine.registry, engine.registry.apply
+    called = False
+
+    def apply(outputs: list) -> None:
+        nonlocal called
+        real_apply(outputs)
+        handle = registry.by_request_id.get(request_id)
+        if not called and handle is not None and handle.started:
+            called = True
+            fn()
+
+    registry.apply = apply
+    try:
+        yield
+    finally:
+        registry.apply = real_apply
 
 
 def test_abort_and_leaving_early_free_blocks(engine):
     long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 
     async def run():
-        stream = engine.add_request("def f", long, request_id="a")
-        await stream.__anext__()
-        engine.abort("a")
-        rest = [o async for o in stream]
+        with _at_first_token(engine, "a", lambda: engine.abort("a")):
+            stream = engine.add_request("def f", long, request_id="a")
+            rest = [o async for o in stream]
         gen = engine.generate("def g", long)
         async for _ in gen:
             break
@@ -168,7 +199,7 @@ def test_abort_and_leaving_early_free_blocks(engine):
 
     rest, m = asyncio.run(run())
     assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
-    assert len(rest[-1].outputs[0].token_ids) < 400
+    assert 1 <= len(rest[-1].outputs[0].token_ids) < 400
     assert m["kv_cache_usage"] == 0 and m["num_free_kv_blocks"] == m["num_kv_blocks"]
 
 
@@ -180,25 +211,27 @@ def test_queue_limit_duplicate_ids_and_shutdown(engine):
         with pytest.raises(QueueFullError):
             engine.add_request("x", GREEDY)
         engine.max_queue_len = None
-        stream = engine.add_request("def f", long, request_id="dup")
-        with pytest.raises(ValueError, match="already in use"):
-            engine.add_request("def f", long, request_id="dup")
-        await stream.__anext__()
-        engine.begin_shutdown()
-        outs = [o async for o in stream]  # ends cleanly
+        with _at_first_token(engine, "dup", engine.begin_shutdown):  # while the request runs
+            stream = engine.add_request("def f", long, request_id="dup")
+            with pytest.raises(ValueError, match="already in use"):
+                engine.add_request("def f", long, request_id="dup")
+            outs = [o async for o in stream]  # ends cleanly
         with pytest.raises(EngineShutdownError):
             engine.add_request("x", GREEDY)
         return outs
 
     outs = asyncio.run(run())
-    assert outs[-1].outputs[0].finish_reason == "abort"
+    assert outs[-1].outputs[0].finish_reason == "abort" and 1 <= len(outs[-1].outputs[0].token_ids) < 400
     engine.shutdown()
     assert not engine.is_running
 
 
 def test_stream_interval_sends_the_first_token_then_n_at_a_time(llm, tiny_models):
-    """stream_interval=5: the first output carries one token, every later one but the last at
-    least five; the tokens and text are the same as unstreamed. A bad value names the argument."""
+    """stream_interval=5, 12 tokens. A consumer that keeps up (the core in lockstep with it) gets
+    the first token alone, then five at a time, then the last one: [1, 5, 5, 1]. A free-running
+    one may be late and get merged outputs, but never a chunk of fewer than five tokens between
+    its first and its last. Either way the tokens and text are the same as unstreamed. A bad
+    value names the argument."""
     from pagedllm import LLM
 
     with pytest.raises(ValueError, match="stream_interval must be an integer >= 1"):
@@ -210,10 +243,14 @@ def test_stream_interval_sends_the_first_token_then_n_at_a_time(llm, tiny_models
         return [out.outputs[0] async for out in a.generate("a b c", GREEDY)]
 
     try:
-        outs = asyncio.run(run())
+        with lockstep(a):
+            kept_up = asyncio.run(run())
+        free = asyncio.run(run())
     finally:
         a.shutdown()
-    sizes = [len(o.delta_token_ids) for o in outs]
-    assert sizes[0] == 1 and sum(sizes) == 12 and len(sizes) >= 2 and all(n >= 5 for n in sizes[1:-1]), sizes
-    assert [t for o in outs for t in o.delta_token_ids] == want.token_ids
-    assert "".join(o.delta_text for o in outs) == want.text == outs[-1].text
+    assert [len(o.delta_token_ids) for o in kept_up] == [1, 5, 5, 1]
+    sizes = [len(o.delta_token_ids) for o in free]
+    assert sum(sizes) == 12 and all(n >= 5 for n in sizes[1:-1]), sizes
+    for outs in (kept_up, free):
+        assert [t for o in outs for t in o.delta_token_ids] == want.token_ids
+        assert "".join(o.delta_text for o in outs) == want.text == outs[-1].text

@@ -44,7 +44,16 @@ def doomed(long_context_model):
 
     async_llm = AsyncLLM(long_context_model, device="cpu", num_kv_blocks=2100, max_num_seqs=4)
     app = build_app(async_llm, MODEL_NAME, API_KEY)
-    srv = LiveServer(app, lambda config: AbortingServer(config, async_llm, exit_on_engine_death=False)).start()
+    srv = LiveServer(app, lambda config: AbortingServer(config, async_llm, exit_on_engine_death=False))
+    srv.ticks = 0  # the server's main-loop ticks so far (on_tick, every 0.1 s)
+    on_tick = srv.server.on_tick
+
+    async def counted_tick(counter: int) -> bool:
+        srv.ticks += 1
+        return await on_tick(counter)
+
+    srv.server.on_tick = counted_tick
+    srv.start()
     srv.async_llm = async_llm
     yield srv
     srv.stop()
@@ -64,50 +73,54 @@ def test_with_keep_alive_the_core_dying_fails_in_flight_and_new_requests_promptl
 
     waiter = threading.Thread(target=post_non_streamed, daemon=True)
 
+    # Every wait below is a bound for a hang, not a speed (the box may be busy): a stream that does
+    # not notice the death hangs until the client's read timeout; its 30,000 tokens take minutes.
     with httpx.Client(base_url=url, headers=headers, timeout=60) as http:
         with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as resp:
             lines = (line for line in resp.iter_lines() if line)
             assert json.loads(next(lines)[6:])["choices"][0]["finish_reason"] is None
             waiter.start()
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 120
             while metric(scrape(url), "pagedllm:num_requests_running") != 2:
                 assert time.monotonic() < deadline, "the non-streamed request never started"
                 time.sleep(0.02)
             os.kill(pid, signal.SIGKILL)
-            t0 = time.monotonic()
             rest = list(lines)  # the stream ends: an error event, then [DONE]
-            elapsed = time.monotonic() - t0
-    assert elapsed < 5, f"the stream took {elapsed:.1f} s to notice"
     assert rest[-1] == "data: [DONE]"
     err = json.loads(rest[-2][6:])["error"]
     assert err["type"] == "service_unavailable" and "engine core process died" in err["message"]
-    waiter.join(5)
+    waiter.join(60)
     assert not waiter.is_alive() and non_streamed["status"] == 503
     assert non_streamed["body"]["error"]["code"] == "engine_dead"
 
-    # new requests: 503 at once, health 503, metrics still served
-    t0 = time.monotonic()
-    client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=10)
+    # new requests: 503 (not queued for an engine that is gone: they would hang), health 503,
+    # metrics still served
+    client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
     with pytest.raises(openai.InternalServerError) as e:
         client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2)
     assert e.value.status_code == 503 and e.value.body["code"] == "engine_dead"
     with pytest.raises(openai.InternalServerError):
         list(client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2, stream=True))
-    assert time.monotonic() - t0 < 5
-    assert httpx.get(url + "/health").status_code == 503
-    assert httpx.get(url + "/metrics").status_code == 200
-    time.sleep(0.5)  # several of the server's ticks: it stays up
-    assert doomed.thread.is_alive() and not doomed.server.should_exit
-    assert httpx.get(url + "/health").status_code == 503
+    assert httpx.get(url + "/health", timeout=60).status_code == 503
+    assert httpx.get(url + "/metrics", timeout=60).status_code == 200
+    ticks = doomed.ticks
+    deadline = time.monotonic() + 60
+    while doomed.ticks < ticks + 3:  # several of the server's ticks (it checks the engine on each)
+        assert time.monotonic() < deadline, "the server's main loop stopped ticking"
+        time.sleep(0.05)
+    assert doomed.thread.is_alive() and not doomed.server.should_exit  # it stays up
+    assert httpx.get(url + "/health", timeout=60).status_code == 503
 
     async def add():
         doomed.async_llm.add_request("x")
 
     with pytest.raises(EngineShutdownError, match="died"):
         asyncio.run(add())
-    t0 = time.monotonic()
-    doomed.async_llm.shutdown(10)
-    assert time.monotonic() - t0 < 5 and not pid_alive(pid)
+    # shutdown of a dead engine waits for nothing: with no timeout it would otherwise never return
+    stopper = threading.Thread(target=doomed.async_llm.shutdown, args=(None,), daemon=True)
+    stopper.start()
+    stopper.join(60)
+    assert not stopper.is_alive() and not pid_alive(pid)
 
 
 CHILD = """
@@ -132,8 +145,8 @@ def test_the_core_exits_when_the_api_process_is_killed(tiny_models, tmp_path):
         core = int(p.stdout.readline())
         assert pid_alive(core)
         p.kill()  # SIGKILL: no atexit, no shutdown(); only the pipe's EOF
-        p.wait(10)
-        deadline = time.monotonic() + 10
+        p.wait(60)
+        deadline = time.monotonic() + 60  # a bound for a hang, not a speed
         while pid_alive(core):
             assert time.monotonic() < deadline, "the engine core outlived its API process"
             time.sleep(0.05)

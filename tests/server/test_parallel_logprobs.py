@@ -20,7 +20,7 @@ from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.serving import OpenAIServing, SSEStream
-from tests.server.helpers import MODEL_NAME, metric, scrape
+from tests.server.helpers import MODEL_NAME, fresh_scrape, metric
 
 
 # ---- a scripted engine -------------------------------------------------------------------
@@ -344,9 +344,9 @@ def test_echo_text_and_token_id_prompts(live, client):
 
 
 def test_fork_metrics_count_the_children(live, client):
-    before = scrape(live.url)
+    before = fresh_scrape(live.url, live.async_llm)  # the core's counters, up to date (not a step behind)
     client.completions.create(model=MODEL_NAME, prompt=PROMPT * 2, max_tokens=4, n=4, seed=1, **SAMPLED)
-    after = scrape(live.url)
+    after = fresh_scrape(live.url, live.async_llm)
     forked = metric(after, "pagedllm:forked_sequences_total") - metric(before, "pagedllm:forked_sequences_total")
     assert forked == 3
     assert metric(after, "pagedllm:copy_on_write_blocks_total") >= metric(before, "pagedllm:copy_on_write_blocks_total")
@@ -372,10 +372,11 @@ def test_limits_are_400_and_leave_a_stream_in_flight_alone(live, http):
                 live.base_url + "/completions",
                 json={"model": MODEL_NAME, "prompt": "x", **fields},
                 headers=http.headers,
+                timeout=60,
             )
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (fields, r.text)
         chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}
-        r = httpx.post(live.base_url + "/chat/completions", json=chat, headers=http.headers)
+        r = httpx.post(live.base_url + "/chat/completions", json=chat, headers=http.headers, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
         rest = [json.loads(line[6:]) for line in [first, *lines] if line.startswith("data: {")]
     assert rest[-1]["usage"]["completion_tokens"] == 32  # the stream in flight got every token

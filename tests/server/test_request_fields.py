@@ -18,7 +18,7 @@ import pytest
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.fields import HONOURED, IGNORED, REFUSED, REQUEST_FIELDS, markdown_table
 from pagedllm.entrypoints.openai.serving import OpenAIServing, SSEStream
-from tests.server.helpers import ROOT
+from tests.server.helpers import ROOT, lockstep
 
 PROMPT = "Once upon a time"
 HI = [{"role": "user", "content": "hi"}]
@@ -135,10 +135,13 @@ def _(ask):
 
 @case("stream")
 def _(ask):
-    chunks = ask.ok(stream=True)
+    with lockstep(ask.serving.engine):  # a consumer that keeps up (else late chunks merge): one per token
+        chunks = ask.ok(stream=True)
     key = "delta" if ask.chat else "text"
     text = "".join((c["choices"][0][key].get("content") or "") if ask.chat else c["choices"][0][key] for c in chunks)
-    assert text == ask.base_text() and len(chunks) > 1
+    opening = 1 if ask.chat else 0  # the chat stream's role chunk
+    assert text == ask.base_text() and len(chunks) == opening + ask.base()["usage"]["completion_tokens"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
 
 
 @case("stream_options")

@@ -44,7 +44,7 @@ def test_a_busy_port_is_one_line_and_exit_1_before_the_model_loads(tiny_models):
         taken.listen()
         port = taken.getsockname()[1]
         cmd = [sys.executable, "-m", "pagedllm", "serve", "--model", tiny_models["qwen3"], "--device", "cpu"]
-        r = subprocess.run([*cmd, "--port", str(port)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        r = subprocess.run([*cmd, "--port", str(port)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 1, r.stderr
     assert r.stderr.splitlines() == [
         f"pagedllm: error: port {port} on 127.0.0.1 is already in use (pick another with --port)"
@@ -59,14 +59,19 @@ def test_key_from_env_queue_full_and_sigterm_with_an_open_stream(proc_server):
     assert info and info[0]["kv_cache_dtype"] == "fp8_e4m3" and info[0]["num_gpu_blocks"] == "2100"
     groups = [(lab["group"], lab["kind"], v) for name, lab, v in scraped if name == "pagedllm:kv_cache_group_blocks"]
     assert groups == [("0", "full_attention", 0.0)]  # one group of every layer, idle
-    assert httpx.post(url + "/v1/completions", json={"prompt": "x"}).status_code == 401
+    assert httpx.post(url + "/v1/completions", json={"prompt": "x"}, timeout=60).status_code == 401
     # bound to 127.0.0.1: a page that rebinds its own name to it is refused (DNS rebinding)
-    foreign = httpx.get(url + "/health", headers={"Host": "evil.example:8000"})
+    foreign = httpx.get(url + "/health", headers={"Host": "evil.example:8000"}, timeout=60)
     assert foreign.status_code == 421 and foreign.json()["error"]["code"] == "invalid_host"
-    assert httpx.get(url + "/health", headers={"Host": "localhost:8000"}).status_code == 200
-    assert httpx.get(url + "/health", headers={"Host": "gpu-box.lan:8000"}).status_code == 200  # --allowed-hosts
+    assert httpx.get(url + "/health", headers={"Host": "localhost:8000"}, timeout=60).status_code == 200
+    assert (
+        httpx.get(url + "/health", headers={"Host": "gpu-box.lan:8000"}, timeout=60).status_code == 200
+    )  # --allowed-hosts
     big = httpx.post(
-        url + "/v1/completions", json={"prompt": "x" * (1 << 20)}, headers={"Authorization": f"Bearer {KEY}"}
+        url + "/v1/completions",
+        json={"prompt": "x" * (1 << 20)},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=60,
     )
     assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
     client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
@@ -85,7 +90,7 @@ def test_key_from_env_queue_full_and_sigterm_with_an_open_stream(proc_server):
 
     b = threading.Thread(target=consume_b, daemon=True)
     b.start()  # waits: the only sequence slot is A's
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 120  # bounds for a hang, not speeds: the box may be busy
     while metric(scrape(url), "pagedllm:num_requests_waiting") != 1:
         assert time.monotonic() < deadline, "the second request never showed up as waiting"
         time.sleep(0.02)
@@ -99,10 +104,10 @@ def test_key_from_env_queue_full_and_sigterm_with_an_open_stream(proc_server):
     rest = list(a)  # the open stream ends cleanly ([DONE])
     assert rest and rest[-1].choices[0].finish_reason == "abort"
     assert all(c.choices[0].finish_reason is None for c in rest[:-1])
-    b.join(20)
+    b.join(60)
     assert not b.is_alive() and b_chunks and b_chunks[-1].choices[0].finish_reason == "abort"
-    assert proc_server.wait(30) == 0
-    deadline = time.monotonic() + 10
+    assert proc_server.wait(60) == 0
+    deadline = time.monotonic() + 60
     while any(pid_alive(p) for p in children):
         assert time.monotonic() < deadline, f"left behind: {[p for p in children if pid_alive(p)]}"
         time.sleep(0.05)

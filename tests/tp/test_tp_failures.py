@@ -1,6 +1,6 @@
 """TP failure handling: bad head counts fail at start-up, a dead or failing worker makes
-the engine raise (naming the rank) within seconds instead of hanging, and workers never
-outlive the engine's process."""
+the engine raise (naming the rank) instead of hanging until the collectives' timeout, and
+workers never outlive the engine's process."""
 
 import multiprocessing
 import os
@@ -15,6 +15,14 @@ import pytest
 from pagedllm import LLM, SamplingParams
 
 GREEDY = dict(temperature=0, ignore_eos=True)
+# A dead worker is found by the executor, not waited out: well under the collectives' timeout
+# (PAGEDLLM_TP_TIMEOUT_S, set to TIMEOUT_S below), and generous for a busy box (a bound, not a speed).
+FOUND_S, TIMEOUT_S = 60.0, 600
+
+
+@pytest.fixture
+def long_tp_timeout(monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_TP_TIMEOUT_S", str(TIMEOUT_S))
 
 
 def tp2(path):
@@ -32,7 +40,7 @@ def test_head_count_not_divisible_fails_at_startup(tiny_models):
     assert set(multiprocessing.active_children()) <= others
 
 
-def test_killed_worker_fails_the_next_generate_fast(tiny_models):
+def test_killed_worker_fails_the_next_generate_fast(tiny_models, long_tp_timeout):
     others = set(multiprocessing.active_children())
     llm = tp2(tiny_models["qwen3"])
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, **GREEDY), use_tqdm=False)
@@ -41,7 +49,7 @@ def test_killed_worker_fails_the_next_generate_fast(tiny_models):
     t = time.monotonic()
     with pytest.raises(RuntimeError, match=r"worker rank 1 \(pid \d+\) died \(signal SIGKILL\)"):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, **GREEDY), use_tqdm=False)
-    assert time.monotonic() - t < 5
+    assert time.monotonic() - t < FOUND_S
     with pytest.raises(RuntimeError, match="shut down after an earlier error.*rank 1"):
         llm.generate([[4, 5]], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
@@ -49,7 +57,7 @@ def test_killed_worker_fails_the_next_generate_fast(tiny_models):
     assert set(multiprocessing.active_children()) <= others
 
 
-def test_worker_killed_mid_step_fails_fast(tiny_models):
+def test_worker_killed_mid_step_fails_fast(tiny_models, long_tp_timeout):
     """The worker dies after rank 0 has shipped a step, while rank 0 runs its forward: the
     collective fails (gloo sees the connection close) and the executor names the rank."""
     llm = tp2(tiny_models["llama"])
@@ -66,7 +74,7 @@ def test_worker_killed_mid_step_fails_fast(tiny_models):
     t = time.monotonic()
     with pytest.raises(RuntimeError, match=r"worker rank 1 .*died"):
         llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=20, **GREEDY), use_tqdm=False)
-    assert time.monotonic() - t < 10 and len(steps) == 3
+    assert time.monotonic() - t < FOUND_S and len(steps) == 3
     llm.close()
 
 
@@ -92,13 +100,13 @@ def test_workers_exit_when_the_engine_process_dies(tiny_models, tmp_path):
         [sys.executable, str(tmp_path / "die.py")],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert out.returncode == 0, out.stderr
     pid = int(out.stdout.split()[-1])
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # a bound for a hang, not a speed
     while time.monotonic() < deadline:
         try:
             os.kill(pid, 0)
