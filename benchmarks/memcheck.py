@@ -45,7 +45,7 @@ def engine_cases(dirs: dict[str, str]) -> None:
     ]  # fmt: skip
     for name, model, mode, kw in cases:
         os.environ["PAGEDLLM_PREFILL_GRAPHS"] = "full" if mode == "eager" else mode
-        args = dict(device="cuda", dtype="float32", enforce_eager=mode == "eager", **kw)
+        args = {"device": "cuda", "dtype": "float32", "enforce_eager": mode == "eager", **kw}
         llm = LLM(dirs[model], **args)
         ids = [{"prompt_token_ids": p} for p in prompts]
         llm.generate(ids, greedy, use_tqdm=False)

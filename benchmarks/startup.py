@@ -120,6 +120,8 @@ def main() -> None:
     from pagedllm.bench.common import environment
 
     env = environment()
+    env["variant"] = os.environ.get("STARTUP_VARIANT", "")  # what else this run's set-up changes (gpu_check.sh)
+    env["bytecode_cache"] = os.environ.get("PYTHONPYCACHEPREFIX") or "beside the sources"
     model = os.path.basename(a.model.rstrip("/"))
     runs = [llm_run] * a.runs + ([serve_run] * a.runs if a.serve else [])
     for i, fn in enumerate(runs):

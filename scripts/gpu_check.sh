@@ -12,6 +12,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-} PAGEDLLM_COMMIT=${PAGE
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name())' | tee "$OUT/env.txt"
 MODEL=/tmp/qwen3-0.6b
 # the carried wheels (.whl/: llguidance; .whl/server/: fastapi, uvicorn, ...) where this Python lacks them
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PYTHONPATH  # installed by an earlier mode of this machine
 if ! python3 -c "import llguidance, fastapi, uvicorn" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       .whl/*.whl $(ls .whl/server/*.whl 2>/dev/null) || exit 1
@@ -38,9 +39,10 @@ fi
 if [ "$MODE" = startup ]; then
   [ -d $MODEL ] || python3 tools/make_random_model.py --shape qwen3-0.6b --out $MODEL 2>&1 | tail -1
   python3 -c "import sys; sys.path.insert(0, '.'); from benchmarks.conformance_models import write_models; write_models('/tmp/pagedllm-conformance')" >/dev/null 2>&1
-  timeout 200 python3 benchmarks/startup.py --model $MODEL --runs 2 --serve --out "$OUT/startup.jsonl" 2>&1 | grep '^{'
-  timeout 120 python3 benchmarks/startup.py --model $MODEL --runs 2 --out "$OUT/startup.jsonl" -- --kv-cache-dtype fp8 2>&1 | grep '^{'
-  timeout 120 python3 benchmarks/startup.py --model /tmp/pagedllm-conformance/qwen3 --runs 2 --out "$OUT/startup.jsonl" 2>&1 | grep '^{'
+  R=${STARTUP_RUNS:-2}  # STARTUP_VARIANT (a label for the rows) says what else differs, e.g. the bytecode cache
+  timeout 200 python3 benchmarks/startup.py --model $MODEL --runs $R --serve --out "$OUT/startup.jsonl" 2>&1 | grep '^{'
+  timeout 120 python3 benchmarks/startup.py --model $MODEL --runs $R --out "$OUT/startup.jsonl" -- --kv-cache-dtype fp8 2>&1 | grep '^{'
+  timeout 120 python3 benchmarks/startup.py --model /tmp/pagedllm-conformance/qwen3 --runs 1 --out "$OUT/startup.jsonl" 2>&1 | grep '^{'
   exit 0
 fi
 # the fused sampling kernel first: if it fails here, the rest runs on the torch sampler

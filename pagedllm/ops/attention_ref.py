@@ -156,6 +156,21 @@ def _attend_one(
     return torch.matmul(probs, v).transpose(0, 1).to(q.dtype)
 
 
+def _equal_length_runs(cu: list[int]) -> list[tuple[int, int, int]]:
+    """(first token, number of sequences, length) for each run of consecutive non-empty
+    sequences of one length: the profiling run's batch is one or two such runs."""
+    runs: list[tuple[int, int, int]] = []
+    for start, end in zip(cu[:-1], cu[1:], strict=False):
+        length = end - start
+        if length == 0:
+            continue
+        if runs and runs[-1][2] == length and runs[-1][0] + runs[-1][1] * length == start:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1, length)
+        else:
+            runs.append((start, 1, length))
+    return runs
+
+
 def prefill_attention_ref(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -172,25 +187,26 @@ def prefill_attention_ref(
     SDPA cannot apply: then in float32 like `_attend_one`."""
     out = torch.empty_like(q)
     group = q.shape[1] // k.shape[1]
-    cu = cu_seqlens_q.tolist()
-    for start, end in zip(cu[:-1], cu[1:], strict=False):
-        if end == start:
-            continue
-        qs = q[start:end].transpose(0, 1)
-        ks = k[start:end].transpose(0, 1).repeat_interleave(group, dim=0)
-        vs = v[start:end].transpose(0, 1).repeat_interleave(group, dim=0)
+    for start, count, length in _equal_length_runs(cu_seqlens_q.tolist()):
+        end = start + count * length  # `count` sequences of `length` tokens each: one batched call
+
+        def heads_first(x: torch.Tensor, repeat: int) -> torch.Tensor:  # [count, H, length, D]
+            x = x[start:end].unflatten(0, (count, length)).transpose(1, 2)
+            return x.repeat_interleave(repeat, dim=1) if repeat > 1 else x
+
+        qs, ks, vs = heads_first(q, 1), heads_first(k, group), heads_first(v, group)
         if sliding_window is None and logits_soft_cap is None:
             o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
         else:
-            pos = torch.arange(end - start, device=q.device)
+            pos = torch.arange(length, device=q.device)
             mask = hidden(pos, pos, sliding_window)
             if logits_soft_cap is None:
                 o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=~mask, scale=scale)
             else:
-                scores = soft_cap_(torch.matmul(qs.float(), ks.float().transpose(1, 2)) * scale, logits_soft_cap)
+                scores = soft_cap_(torch.matmul(qs.float(), ks.float().transpose(-1, -2)) * scale, logits_soft_cap)
                 probs = torch.softmax(scores.masked_fill_(mask, float("-inf")), dim=-1)
                 o = torch.matmul(probs, vs.float())
-        out[start:end] = o.transpose(0, 1)
+        out[start:end] = o.transpose(1, 2).flatten(0, 1)
     return out
 
 

@@ -229,6 +229,20 @@ def test_cpu_kernels_pass_window_and_cap_on_every_path(cap):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("cap", [None, 3.0])
+@pytest.mark.parametrize("w", [None, 7])
+def test_profile_run_attention_batches_equal_lengths_exactly(cap, w):
+    """prefill_attention_ref computes runs of equal-length sequences in one batched call (the
+    profiling run's shape: every sequence one length, a few one longer): the same as one by one."""
+    q_lens = [9, 9, 9, 4, 4, 11, 9, 9]
+    args, ks, vs, q_pos = make_case(q_lens, [0] * len(q_lens), 4, 2, 16, 8, w or 10_000, seed=3)
+    want = dense_batch(args, ks, vs, q_pos, w or 10_000, cap)
+    got = prefill_attention_ref(
+        args["q"], torch.cat(ks), torch.cat(vs), args["cu_seqlens_q"], args["scale"], sliding_window=w, logits_soft_cap=cap
+    )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 # ---- Triton kernels (interpreted on CPU) against the references ---------------------------------
 
 
