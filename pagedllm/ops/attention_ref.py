@@ -171,6 +171,12 @@ def _equal_length_runs(cu: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def _heads_first(x: torch.Tensor, count: int, length: int, repeat: int) -> torch.Tensor:
+    """[count * length, H, D] -> [count, H * repeat, length, D] (GQA's K/V heads repeated)."""
+    x = x.unflatten(0, (count, length)).transpose(1, 2)
+    return x.repeat_interleave(repeat, dim=1) if repeat > 1 else x
+
+
 def prefill_attention_ref(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -189,12 +195,9 @@ def prefill_attention_ref(
     group = q.shape[1] // k.shape[1]
     for start, count, length in _equal_length_runs(cu_seqlens_q.tolist()):
         end = start + count * length  # `count` sequences of `length` tokens each: one batched call
-
-        def heads_first(x: torch.Tensor, repeat: int) -> torch.Tensor:  # [count, H, length, D]
-            x = x[start:end].unflatten(0, (count, length)).transpose(1, 2)
-            return x.repeat_interleave(repeat, dim=1) if repeat > 1 else x
-
-        qs, ks, vs = heads_first(q, 1), heads_first(k, group), heads_first(v, group)
+        qs, ks, vs = (
+            _heads_first(x[start:end], count, length, repeat) for x, repeat in ((q, 1), (k, group), (v, group))
+        )
         if sliding_window is None and logits_soft_cap is None:
             o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
         else:

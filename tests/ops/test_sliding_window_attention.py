@@ -238,7 +238,13 @@ def test_profile_run_attention_batches_equal_lengths_exactly(cap, w):
     args, ks, vs, q_pos = make_case(q_lens, [0] * len(q_lens), 4, 2, 16, 8, w or 10_000, seed=3)
     want = dense_batch(args, ks, vs, q_pos, w or 10_000, cap)
     got = prefill_attention_ref(
-        args["q"], torch.cat(ks), torch.cat(vs), args["cu_seqlens_q"], args["scale"], sliding_window=w, logits_soft_cap=cap
+        args["q"],
+        torch.cat(ks),
+        torch.cat(vs),
+        args["cu_seqlens_q"],
+        args["scale"],
+        sliding_window=w,
+        logits_soft_cap=cap,
     )
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
