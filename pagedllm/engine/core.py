@@ -302,20 +302,23 @@ class EngineCore:
         return outputs
 
     def _grammar_failures(self) -> list[EngineCoreOutput]:
-        """Sequences the scheduler aborted because their grammar failed to compile: each ends
-        with no token and finish_reason "abort"."""
+        """Sequences the scheduler ended because their grammar failed to compile: each ends with
+        no token, finish_reason "error" and llguidance's message."""
         if not self.scheduler.grammar_failed:
             return []
         failed, self.scheduler.grammar_failed = self.scheduler.grammar_failed, []
         outputs = []
-        for seq in failed:
+        for seq, why in failed:
             index = self._index.get(seq.seq_id)
             if index is None:
                 continue
+            error = f"structured_outputs cannot be compiled: {why}"
             outputs.append(
-                EngineCoreOutput(seq.request_id, index, [], seq.finish_reason, None, 0, None, seq.finish_time)
+                EngineCoreOutput(
+                    seq.request_id, index, [], seq.finish_reason, None, 0, None, seq.finish_time, error=error
+                )
             )
-        for rid in {s.request_id for s in failed}:
+        for rid in {s.request_id for s, _ in failed}:
             seqs = self.requests.get(rid)
             if seqs is not None:
                 self._forget_if_done(rid, seqs)

@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import NamedTuple
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
-from llguidance import LLMatcher
+from llguidance import LLMatcher, LLTokenizer
 from llguidance.gbnf_to_lark import any_to_lark
 
 from pagedllm.engine.errors import InvalidRequestError
@@ -92,3 +95,72 @@ def check_structured_outputs(so: StructuredOutputsParams | None) -> None:
     error = _check(key)
     if error:
         raise InvalidRequestError(f"structured_outputs.{key.kind} cannot be compiled: {error}", PARAM)
+
+
+class GrammarCompileError(RuntimeError):
+    """Structured output cannot run on this server (its llguidance tokenizer could not be built
+    from the model's tokenizer): not the request's fault. The server answers 500 with this message."""
+
+
+def grammar_tokenizer(tokenizer: Any, vocab_size: int | None, eos_token_ids: Any) -> Callable[[], LLTokenizer]:
+    """Structured output's tokenizer, built when first needed (~0.2-1 s): the HF tokenizer's
+    vocabulary as wide as the model's logits (vocab_size; None: the tokenizer's own), every EOS id
+    of the engine as an EOS of the grammar (llguidance >= 1.7 takes a list)."""
+
+    built: list[LLTokenizer] = []  # once: the edge check and the core share it
+    lock = threading.Lock()
+
+    def build() -> LLTokenizer:
+        from llguidance.hf import from_tokenizer
+
+        with lock:
+            if not built:
+                eos = sorted(eos_token_ids) or None
+                built.append(from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos))
+            return built[0]
+
+    return build
+
+
+class GrammarChecker:
+    """The edge check (InputProcessor): a request's grammar compiled over the model's own tokenizer,
+    as the engine will compile it, so that a grammar the engine would fail on is a 400 before the
+    request is queued. The syntax check (`check_structured_outputs`) runs first; the verdicts
+    (llguidance's error, "" when it compiles) are memoised per GrammarKey, CHECK_CACHE_SIZE of them."""
+
+    def __init__(self, tokenizer_factory: Callable[[], LLTokenizer] | None):
+        self._factory = tokenizer_factory  # None: no tokenizer (token-id prompts): the syntax check only
+        self._tokenizer: LLTokenizer | None = None
+        self._lock = threading.Lock()
+        self._verdicts: OrderedDict[GrammarKey, str] = OrderedDict()
+
+    def check(self, so: StructuredOutputsParams | None) -> None:
+        check_structured_outputs(so)
+        if so is None or self._factory is None:
+            return
+        key = grammar_key(so)
+        error = self._verdicts.get(key)
+        if error is None:
+            matcher = LLMatcher(self._llg_tokenizer(), grammar_spec(key), log_level=0)
+            error = matcher.get_error() if matcher.is_error() else ""
+            self._verdicts[key] = error
+            while len(self._verdicts) > CHECK_CACHE_SIZE:
+                self._verdicts.popitem(last=False)
+        self._verdicts.move_to_end(key)
+        if error:
+            raise InvalidRequestError(
+                f"structured_outputs.{key.kind} cannot be compiled over the model's tokenizer: {error}", PARAM
+            )
+
+    def _llg_tokenizer(self) -> LLTokenizer:
+        assert self._factory is not None
+        with self._lock:
+            if self._tokenizer is None:
+                try:
+                    self._tokenizer = self._factory()
+                except Exception as e:  # an llguidance that cannot read this tokenizer: the server's problem
+                    raise GrammarCompileError(
+                        f"structured output is unavailable: llguidance could not build its tokenizer from the "
+                        f"model's tokenizer ({type(e).__name__}: {e})"
+                    ) from e
+            return self._tokenizer

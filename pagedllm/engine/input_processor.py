@@ -25,14 +25,17 @@ are tokenized here into SamplingParams.bad_words_token_ids.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.engine.errors import InvalidRequestError
-from pagedllm.engine.grammar import check_structured_outputs
+from pagedllm.engine.grammar import GrammarChecker
 from pagedllm.engine.kv_cache_groups import KVCacheGroup, blocks_per_sequence
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.engine.sampling_params import TOKEN_ID_MAX, SamplingParams, has_surrogate
+
+if TYPE_CHECKING:
+    from llguidance import LLTokenizer
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
@@ -49,8 +52,11 @@ class InputProcessor:
         max_num_seqs: int | None = None,
         kv_cache_groups: Sequence[KVCacheGroup] = (),
         max_num_batched_tokens: int | None = None,
+        grammar_tokenizer: Callable[[], LLTokenizer] | None = None,
     ):
-        """max_num_seqs: the scheduler's sequence slots (None: no limit checked here).
+        """grammar_tokenizer: structured output's llguidance tokenizer (grammar.grammar_tokenizer),
+        over which a request's grammar is compiled before it is queued (None: the syntax check only).
+        max_num_seqs: the scheduler's sequence slots (None: no limit checked here).
         kv_cache_groups, max_num_batched_tokens: what a sequence's blocks are counted by (one
         full-attention group and any chunk when not given: kv_cache_groups.blocks_per_sequence)."""
         self.tokenizer = tokenizer
@@ -58,6 +64,7 @@ class InputProcessor:
         self.max_model_len, self.block_size, self.num_kv_blocks = max_model_len, block_size, num_kv_blocks
         self.max_num_seqs = max_num_seqs
         self.kv_cache_groups, self.max_chunk = tuple(kv_cache_groups), max_num_batched_tokens
+        self.grammars = GrammarChecker(grammar_tokenizer)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return blocks_per_sequence(self.kv_cache_groups, num_tokens, self.block_size, self.max_chunk)
@@ -77,7 +84,7 @@ class InputProcessor:
             self.check_beams_fit(len(ids), params)
         self.check_stop_token_ids(params.stop_token_ids)
         self.check_token_controls(params)
-        check_structured_outputs(params.structured_outputs)
+        self.grammars.check(params.structured_outputs)
         return EngineCoreRequest(
             request_id=str(request_id),
             prompt=text,

@@ -10,12 +10,12 @@ its API process (entrypoints/async_llm.py).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from typing import IO, TYPE_CHECKING, Any
 
 from pagedllm.engine.config import SchedulerConfig
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.executor import Executor
+from pagedllm.engine.grammar import grammar_tokenizer
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.messages import EngineCoreRequest, Metrics
 from pagedllm.engine.output_processor import OutputProcessor
@@ -23,23 +23,7 @@ from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from llguidance import LLTokenizer
-
-
-def _grammar_tokenizer(
-    tokenizer: Any, vocab_size: int | None, eos_token_ids: set[int] | frozenset[int]
-) -> Callable[[], LLTokenizer]:
-    """Structured output's tokenizer, built when the first grammar is compiled (~0.2-1 s): the HF
-    tokenizer's vocabulary as wide as the model's logits (vocab_size; None: the tokenizer's own),
-    every EOS id of the engine as an EOS of the grammar."""
-
-    def build() -> LLTokenizer:
-        from llguidance.hf import from_tokenizer
-
-        eos = sorted(eos_token_ids) or None
-        return from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
-
-    return build
+    pass
 
 
 class LLMEngine:
@@ -53,8 +37,9 @@ class LLMEngine:
         trace_sink: IO[str] | list[dict[str, object]] | None = None,
         async_scheduling: bool = False,
     ):
-        grammar_tokenizer = None if tokenizer is None else _grammar_tokenizer(tokenizer, vocab_size, eos_token_ids)
-        self.core = EngineCore(config, executor, eos_token_ids, trace_sink, async_scheduling, grammar_tokenizer)
+        # one llguidance tokenizer, built on first use, for the edge check and the core's compilations
+        llg = None if tokenizer is None else grammar_tokenizer(tokenizer, vocab_size, eos_token_ids)
+        self.core = EngineCore(config, executor, eos_token_ids, trace_sink, async_scheduling, llg)
         self.config = config
         self.executor = executor
         self.kv = self.core.kv
@@ -70,6 +55,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             kv_cache_groups=self.kv.groups,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            grammar_tokenizer=llg,
         )
         self.output_processor = OutputProcessor(tokenizer)  # tokenizer None: token ids only (text "")
         self._ids = itertools.count()

@@ -73,6 +73,8 @@ class EngineCoreOutput:
     # finished by an EOS or stop token id: the output processor leaves that token's text out
     # (unless include_stop_str_in_output); a grammar that completes on a token of its own shows it
     stop_token: bool = False
+    # finish_reason "error": why (a grammar that failed to compile in the core); None otherwise
+    error: str | None = None
 
     def __reduce__(self) -> tuple[type[EngineCoreOutput], tuple[Any, ...]]:
         return (EngineCoreOutput, _row(self))
@@ -94,6 +96,7 @@ def _row(o: EngineCoreOutput) -> tuple[Any, ...]:
         o.cumulative_logprob,
         o.score,
         o.stop_token,
+        o.error,
     )
 
 
@@ -130,6 +133,7 @@ class EngineCoreInfo:
     max_num_batched_tokens: int = 8192  # with the groups: the blocks one sequence can hold at once
     kv_cache_groups: tuple[KVCacheGroup, ...] = ()
     metrics: Metrics = field(default_factory=dict)
+    eos_token_ids: tuple[int, ...] = ()  # the edge compiles grammars with the core's EOS ids
 
 
 @dataclass

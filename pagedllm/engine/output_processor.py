@@ -65,6 +65,7 @@ class SequenceState:
     num_sent_chars: int = 0  # chars of text already in an output (delta_text starts here)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None  # finish_reason "error": why
     num_cached_tokens: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -227,6 +228,7 @@ class OutputProcessor:
                 return True
         if out.finish_reason is not None:
             seq.finish_reason, seq.stop_reason, seq.finish_time = out.finish_reason, out.stop_reason, out.finish_time
+            seq.error = out.error
         if out.score is not None:
             assert out.cumulative_logprob is not None
             seq.beam = (out.cumulative_logprob, out.score)
@@ -284,6 +286,7 @@ class OutputProcessor:
                     token_ids=list(ids),
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
+                    error=seq.error,
                     cumulative_logprob=seq.beam[0] if seq.beam else (None if lp is None else lp.cumulative),
                     logprobs=None if lp is None else lp.output(texts),
                     score=seq.beam[1] if seq.beam else None,

@@ -26,11 +26,12 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs (when logprobs or best_of)
     logprobs: SampleLogprobs | None = None  # one entry per token of token_ids (SamplingParams.logprobs set)
     score: float | None = None  # beam search: cumulative_logprob / len(token_ids) ** length_penalty
+    error: str | None = None  # finish_reason "error": why the request could not run
     # streaming: what this step added
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)

@@ -109,7 +109,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_forked_sequences = 0  # children forked by parallel sampling (a counter, for metrics)
-        self.grammar_failed: list[Sequence] = []  # finished (aborted) because their grammar failed to compile
+        self.grammar_failed: list[
+            tuple[Sequence, str]
+        ] = []  # ended ("error") by a grammar that failed to compile, and why
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -186,14 +188,16 @@ class Scheduler:
         return budget
 
     def _grammar_failed(self, seq: Sequence) -> None:
-        """The edge checked the grammar (grammar.check_structured_outputs), so this is rare (a
-        grammar that compiles alone but not over the tokenizer): the request ends, aborted."""
+        """The edge compiled the grammar over the same tokenizer (grammar.GrammarChecker), so this
+        is rare (an engine used without its InputProcessor): the request ends with finish_reason
+        "error" and llguidance's message, never as an empty answer."""
         assert seq.grammar is not None
         logger.error("request %s: its grammar failed to compile: %s", seq.request_id, seq.grammar.error)
+        error = str(seq.grammar.error)
         group = [*seq.forks, seq]
         for s in group:
-            self.finish(s, SequenceStatus.FINISHED_ABORTED)
-        self.grammar_failed += group
+            self.finish(s, SequenceStatus.FINISHED_ERROR)
+        self.grammar_failed += [(s, error) for s in group]
 
     @staticmethod
     def _reserved(seq: Sequence) -> int:

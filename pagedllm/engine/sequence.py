@@ -22,6 +22,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # the request could not run (its grammar failed to compile in the core)
 
     @property
     def finished(self) -> bool:
@@ -29,7 +30,12 @@ class SequenceStatus(enum.Enum):
 
 
 _FINISHED = frozenset(
-    {SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED}
+    {
+        SequenceStatus.FINISHED_STOPPED,
+        SequenceStatus.FINISHED_LENGTH,
+        SequenceStatus.FINISHED_ABORTED,
+        SequenceStatus.FINISHED_ERROR,
+    }
 )
 _seq_counter = itertools.count()
 

@@ -35,6 +35,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from pagedllm.engine.grammar import grammar_tokenizer
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.messages import Abort, EngineCoreRequest, Metrics, Shutdown, StopSequences
 from pagedllm.engine.output_processor import OutputProcessor
@@ -174,6 +175,10 @@ class AsyncLLM:
             max_num_seqs=self.max_num_seqs,
             kv_cache_groups=info.kv_cache_groups,
             max_num_batched_tokens=info.max_num_batched_tokens,
+            # the edge compiles each grammar over this tokenizer (the core compiles its own copy)
+            grammar_tokenizer=None
+            if self.tokenizer is None
+            else grammar_tokenizer(self.tokenizer, self.vocab_size, info.eos_token_ids),
         )
         self.max_queue_len = max_queue_len
         self.log_stats = log_stats

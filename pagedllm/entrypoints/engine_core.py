@@ -75,6 +75,7 @@ class EngineCoreProc:
             max_num_batched_tokens=core.config.max_num_batched_tokens,
             kv_cache_groups=core.kv.groups,
             metrics=core.get_metrics(),
+            eos_token_ids=tuple(sorted(core.scheduler.eos_token_ids)),
         )
 
     def run(self) -> None:

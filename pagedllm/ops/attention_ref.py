@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.ops.kv_quant import dequantize_ref, quantize_ref
+from pagedllm.ops.kv_quant import bytes_view, dequantize_ref, quantize_ref
 
 
 def store_kvcache_ref(
@@ -39,8 +39,14 @@ def store_kvcache_ref(
     keep = slot_mapping >= 0  # not PAD_SLOT_ID
     slots = slot_mapping[keep].long()
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, :, offsets] = quantize_ref(key[keep], k_scale, k_cache.dtype)
-    v_cache[blocks, :, offsets] = quantize_ref(value[keep], v_scale, v_cache.dtype)
+    # fp8 through byte views: the same bits, and torch < 2.5 has no index_put for fp8 types
+    bytes_view(k_cache)[blocks, :, offsets] = bytes_view(quantize_ref(key[keep], k_scale, k_cache.dtype))
+    bytes_view(v_cache)[blocks, :, offsets] = bytes_view(quantize_ref(value[keep], v_scale, v_cache.dtype))
+
+
+def take_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """cache[blocks] (index_select on dim 0), fp8 through its bytes (torch < 2.5 cannot index fp8)."""
+    return bytes_view(cache).index_select(0, blocks).view(cache.dtype)
 
 
 def as_stored(x: torch.Tensor, scale: float, cache_dtype: torch.dtype) -> torch.Tensor:
@@ -59,7 +65,7 @@ def gather_kv(
     [seq_len - start, Hkv, D]. Only the blocks holding those positions are read."""
     block_size = cache.shape[2]
     first, num_blocks = start // block_size, (seq_len + block_size - 1) // block_size
-    tiles = dequantize_ref(cache[block_table[first:num_blocks].long()], scale)  # [nb, Hkv, bs, D]
+    tiles = dequantize_ref(take_blocks(cache, block_table[first:num_blocks].long()), scale)  # [nb, Hkv, bs, D]
     skip = start - first * block_size
     return tiles.transpose(1, 2).reshape(-1, cache.shape[1], cache.shape[3])[skip : skip + seq_len - start]
 
@@ -250,8 +256,8 @@ def paged_decode_attention_ref(
         flat = block_tables.long().gather(1, cols).reshape(-1)
         pos = ((first[:, None] + torch.arange(nb, device=q.device)) * bs).view(b, nb, 1, 1, 1)
         pos = pos + torch.arange(bs, device=q.device).view(1, 1, 1, 1, bs)
-    k = dequantize_ref(k_cache.index_select(0, flat).view(b, nb, hkv, bs, d), k_scale)  # [B, nb, Hkv, bs, D]
-    v = dequantize_ref(v_cache.index_select(0, flat).view(b, nb, hkv, bs, d), v_scale)
+    k = dequantize_ref(take_blocks(k_cache, flat).view(b, nb, hkv, bs, d), k_scale)  # [B, nb, Hkv, bs, D]
+    v = dequantize_ref(take_blocks(v_cache, flat).view(b, nb, hkv, bs, d), v_scale)
     scores = torch.matmul(q.float().view(b, 1, hkv, group, d), k.transpose(-1, -2)) * scale  # [B, nb, Hkv, G, bs]
     soft_cap_(scores, logits_soft_cap)
     lens = seq_lens.long().view(b, 1, 1, 1, 1)

@@ -13,6 +13,7 @@ import pytest
 from pagedllm import LLM, SamplingParams, default_model_path
 from pagedllm.engine import LLMEngine, SchedulerConfig
 from pagedllm.engine.errors import InvalidRequestError
+from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.engine.sampling_params import StructuredOutputsParams as SO
 
 SCHEMA = {
@@ -241,3 +242,47 @@ def test_compiled_grammar_is_cached(llm):
     assert manager.num_compiled == before
     run(SO(regex="[0-9]{4}"))
     assert manager.num_compiled == before + 1
+
+
+def test_grammar_that_fails_only_over_the_tokenizer_is_refused_before_queueing(llm):
+    """`<[99999]>` reads as a grammar alone and fails over the model's 8,192-id tokenizer: the edge
+    compiles it over that tokenizer (issue 36), so it is an InvalidRequestError, not an empty answer."""
+    with pytest.raises(InvalidRequestError) as e:
+        llm.generate([PROMPT], SamplingParams(max_tokens=4, structured_outputs=SO(grammar="start: <[99999]>")), use_tqdm=False)  # fmt: skip
+    assert e.value.param == "structured_outputs" and "99999" in str(e.value), str(e.value)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_grammar_the_core_cannot_compile_ends_with_an_error_not_an_empty_answer(llm):
+    """The core compiles again (an engine fed without its edge check): a failure there ends the
+    request with finish_reason "error" and llguidance's message, its fork too."""
+    engine = engine_over(llm, async_scheduling=False, num_kv_blocks=16)
+    so = SO(grammar="start: <[99999]>")
+    engine.core.add_request(
+        EngineCoreRequest("bad", "", [5, 6, 7], SamplingParams(n=2, max_tokens=4, structured_outputs=so), 0.0)
+    )
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.core.step()
+    ended = [o for o in outs if o.finish_reason is not None]
+    assert sorted(o.index for o in ended) == [0, 1]
+    assert all(o.finish_reason == "error" and not o.new_token_ids for o in ended)
+    assert all("99999" in (o.error or "") for o in ended), ended
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_an_llguidance_that_cannot_build_the_tokenizer_is_a_clear_error(llm, monkeypatch):
+    """llguidance 1.6 took one EOS id, not a list: its TypeError used to end every constrained
+    request empty with finish_reason "abort". Now the edge says what is wrong, naming llguidance."""
+    import llguidance.hf
+
+    from pagedllm.engine.grammar import GrammarCompileError
+
+    def old_from_tokenizer(*args, **kwargs):
+        raise TypeError("argument 'eos_token': 'list' object cannot be interpreted as an integer")
+
+    monkeypatch.setattr(llguidance.hf, "from_tokenizer", old_from_tokenizer)
+    engine = engine_over(llm, async_scheduling=False, num_kv_blocks=16)
+    with pytest.raises(GrammarCompileError, match="llguidance could not build its tokenizer.*eos_token"):
+        engine.add_request("x", [5, 6, 7], SamplingParams(max_tokens=4, structured_outputs=SO(choice=["yes", "no"])))
+    assert not engine.has_unfinished_requests()

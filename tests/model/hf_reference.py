@@ -12,7 +12,10 @@ import torch
 def hf_model(path: str):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # eager attention: the reference computes what the config says (SDPA, which some transformers
+    # versions pick by default, drops Gemma 2's attention soft cap); .float() rather than dtype=,
+    # which older transformers do not take
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").float().eval()
 
 
 @torch.inference_mode()

@@ -61,6 +61,7 @@ def client(server_model):
     async_llm = AsyncLLM(llm=LLM(server_model, device="cpu", num_kv_blocks=40, max_num_seqs=150, max_model_len=512))
     live = LiveServer(build_app(async_llm, MODEL_NAME, API_KEY)).start()
     with openai.OpenAI(base_url=live.base_url, api_key=API_KEY, max_retries=0, timeout=120) as c:
+        c.live = live  # type: ignore[attr-defined]  (the raw-HTTP tests below)
         yield c, async_llm
     live.stop()
     async_llm.shutdown()
@@ -107,3 +108,44 @@ def test_streamed_n3_and_preempted(client):
             texts[ch.index] += ch.delta.content or ""
     assert all(valid(t) for t in texts), texts
     assert async_llm.llm.get_metrics()["num_preemptions"] > before or before > 0  # the n=50 runs preempted
+
+
+def test_grammar_that_fails_over_the_tokenizer_is_a_400_before_queueing(client):
+    """`<[99999]>` reads as a grammar alone, but the model's tokenizer has 8,192 ids: the edge
+    compiles each grammar over the real tokenizer (issue 36), so this is a 400 naming the cause."""
+    import openai
+
+    c, async_llm = client
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(
+            model=MODEL_NAME, prompt="x", max_tokens=4, extra_body={"guided_grammar": "start: <[99999]>"}
+        )
+    assert "99999" in str(e.value) and "tokenizer" in str(e.value), str(e.value)
+    assert not async_llm.llm.engine.has_unfinished_requests()
+
+
+def test_a_grammar_the_core_cannot_compile_is_a_500_naming_it_streamed_or_not(client, monkeypatch):
+    """When only the core finds the grammar broken (here: the edge's tokenizer check switched off),
+    the client gets a 500 with llguidance's message, or an error event then [DONE] on a stream,
+    never finish_reason "abort" with empty text; other requests carry on."""
+    import httpx
+    import openai
+
+    from pagedllm.engine.grammar import GrammarChecker
+
+    c, async_llm = client
+    monkeypatch.setattr(async_llm.input_processor, "grammars", GrammarChecker(None))  # the syntax check only
+    body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 4, "guided_grammar": "start: <[99999]>"}
+    with pytest.raises(openai.InternalServerError) as e:
+        c.completions.create(
+            model=MODEL_NAME, prompt="x", max_tokens=4, extra_body={"guided_grammar": "start: <[99999]>"}
+        )
+    assert "cannot be compiled" in str(e.value) and "99999" in str(e.value), str(e.value)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(c.live.base_url + "/completions", json={**body, "stream": True}, headers=headers, timeout=120)
+    events = [ln[len("data: ") :] for ln in r.text.splitlines() if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]", events
+    err = json.loads(events[-2])["error"]
+    assert err["code"] == "grammar_compile_failed" and "99999" in err["message"], err
+    ok = c.completions.create(model=MODEL_NAME, prompt="x", max_tokens=3, extra_body={"guided_choice": ["yes", "no"]})
+    assert ok.choices[0].text in ("yes", "no")

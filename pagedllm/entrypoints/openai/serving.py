@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pagedllm.engine.errors import InvalidRequestError
+from pagedllm.engine.grammar import GrammarCompileError
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.engine.outputs import RequestOutput
@@ -321,6 +322,10 @@ class OpenAIServing:
             ]
         except InvalidRequestError as e:
             raise self._invalid(parsed, e) from None
+        except GrammarCompileError as e:  # structured output cannot run here: the server's fault, said plainly
+            raise APIError(
+                500, str(e), "internal_server_error", "structured_outputs", "structured_output_unavailable"
+            ) from None
 
     def _submit(self, parsed: ParsedRequest, requests: list[EngineCoreRequest]) -> _Submitted:
         """Queue every request, or none of them."""
@@ -385,6 +390,9 @@ class OpenAIServing:
             raise _step_failed(rid, e) from None
         except EngineShutdownError as e:
             raise APIError(503, str(e), "service_unavailable", None, "engine_dead") from None
+        failed = _error_of(outs)
+        if failed is not None:
+            raise failed
         if any(c.finish_reason == "abort" for o in outs for c in o.outputs):
             raise APIError(
                 503, "the request was aborted (the server is shutting down)", "service_unavailable", None, "aborted"
@@ -401,6 +409,11 @@ class OpenAIServing:
             for event in builder.opening():
                 yield event
             async for i, out in _merged(sub.streams):
+                failed = _error_of([out])
+                if failed is not None:  # the core could not run it: an error event, not an empty answer
+                    yield sse(error_body(failed.message, failed.type, failed.param, failed.code))
+                    yield SSE_DONE
+                    return
                 completion_tokens[i] = sum(len(o.token_ids) for o in out.outputs)
                 for event in builder.events(i, out):
                     yield event
@@ -418,6 +431,19 @@ class OpenAIServing:
             yield SSE_DONE
         finally:
             sub.close()
+
+
+def _error_of(outs: list[RequestOutput]) -> APIError | None:
+    """A 500 naming the cause when the core ended an output with finish_reason "error" (a grammar
+    that failed to compile there); None when none did."""
+    for o in outs:
+        for c in o.outputs:
+            if c.finish_reason == "error":
+                logger.error("request %s failed in the engine: %s", o.request_id, c.error)
+                return APIError(
+                    500, str(c.error), "internal_server_error", "structured_outputs", "grammar_compile_failed"
+                )
+    return None
 
 
 def _step_failed(rid: str, e: EngineStepError) -> APIError:
