@@ -176,6 +176,28 @@ def test_what_the_decoder_cannot_run_exactly_is_refused_at_start_up(family_model
         LLM(edited(family_models[kind], tmp_path, **changes), num_kv_blocks=8, max_model_len=WINDOW)
 
 
+QUANTIZED = {
+    # the issue-33 case: FP8 block-wise with static activations and no scale tensors loaded silently
+    "fp8": {"quant_method": "fp8", "weight_block_size": [64, 64], "activation_scheme": "static"},
+    "compressed-tensors": {"quant_method": "compressed-tensors", "format": "float-quantized"},
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
+}
+
+
+@pytest.mark.parametrize("method", list(QUANTIZED))
+def test_a_quantized_checkpoint_is_refused_naming_its_method(family_models, tmp_path, method):
+    """Until quantized weights are loaded (issue 33), a checkpoint whose config.json has a
+    quantization_config fails at start-up naming the field and method, never computing with raw
+    quantized weights."""
+    from pagedllm.engine.errors import InvalidRequestError
+
+    path = edited(family_models["qwen2"], tmp_path, quantization_config=QUANTIZED[method])
+    with pytest.raises(InvalidRequestError, match=f"quantization_config.quant_method='{method}'") as e:
+        LLM(path, num_kv_blocks=8, max_model_len=WINDOW)
+    assert e.value.param == "model"
+
+
 def test_phi3_partial_rotary_matches_hf(tmp_path):
     """partial_rotary_factor 0.5: the first half of each head rotates (rope table of 8 dims)."""
     from transformers import Phi3Config, Phi3ForCausalLM
