@@ -10,7 +10,7 @@ A request's life, validated once at the edge: body -> ParsedRequest (`parsing.py
 -> one SamplingParams (`sampling_params_with_defaults`: the fields the client set win, the
 model's generation_config.json fills the rest) -> `input_processor.process` for every prompt
 (tokenize and every admission check; all prompts of a request are checked before any is
-queued) -> `add_request(EngineCoreRequest)` -> the final outputs or a stream of SSE events.
+queued) -> `add_request(EngineCoreRequest)` -> the final outputs or a stream of SSE events (answers.py).
 Everything before `add_request` (JSON decoding when the body comes as bytes, the chat template,
 tokenizing, the checks) runs on a worker thread of the loop's default executor (`asyncio.to_thread`,
 a bounded pool): a 6 MB prompt takes seconds to tokenize, and on the event loop it would stall
@@ -41,44 +41,30 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from pagedllm.engine.errors import InvalidRequestError
 from pagedllm.engine.grammar import GrammarCompileError
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.messages import EngineCoreRequest
-from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.sampling_params import SamplingParams, sampling_params_with_defaults
 from pagedllm.engine.timeline import Timeline
-from pagedllm.entrypoints.async_llm import EngineShutdownError, EngineStepError, QueueFullError
+from pagedllm.entrypoints.async_llm import EngineShutdownError, QueueFullError
+from pagedllm.entrypoints.openai.answers import Disconnected, OutputStream, SSEStream, Submitted, events, finals
 from pagedllm.entrypoints.openai.chat import parse_chat
-from pagedllm.entrypoints.openai.errors import APIError, error_body, internal_error, invalid_request
+from pagedllm.entrypoints.openai.errors import APIError, invalid_request
 from pagedllm.entrypoints.openai.fields import UnknownFields
 from pagedllm.entrypoints.openai.parsing import ParsedRequest, json_body, parse_completion, request_options
 from pagedllm.entrypoints.openai.responses import (
-    SSE_DONE,
     ChatResponses,
     CompletionResponses,
     ResponseBuilder,
     Texts,
-    sse,
 )
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolCallReader
 
 logger = logging.getLogger("pagedllm")
-
-Disconnected = Callable[[], Awaitable[None]]  # returns once the client has gone away
-
-
-class OutputStream(Protocol):
-    """One engine request's outputs (AsyncLLM's OutputStream): iteration ends after the final
-    output; `close()` aborts the request if it has not finished."""
-
-    def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
-
-    def close(self) -> None: ...
 
 
 class EngineClient(Protocol):
@@ -103,27 +89,6 @@ class EngineClient(Protocol):
     def add_request(
         self, prompt: Any, params: SamplingParams | None = None, request_id: str | None = None, *, stream: bool = True
     ) -> OutputStream: ...
-
-
-@dataclass
-class SSEStream:
-    """A streamed answer. `close()` aborts the engine requests that are still running; the HTTP
-    layer calls it however the response ends (a cancelled body is left suspended, not closed)."""
-
-    events: AsyncIterator[str]
-    close: Callable[[], None]
-
-
-class _Submitted:
-    """One HTTP request's engine requests (one per prompt), with their prompt lengths."""
-
-    def __init__(self, streams: list[OutputStream], prompt_lens: list[int]):
-        self.streams = streams
-        self.prompt_lens = prompt_lens
-
-    def close(self) -> None:
-        for s in self.streams:
-            s.close()
 
 
 class OpenAIServing:
@@ -327,9 +292,9 @@ class OpenAIServing:
                 500, str(e), "internal_server_error", "structured_outputs", "structured_output_unavailable"
             ) from None
 
-    def _submit(self, parsed: ParsedRequest, requests: list[EngineCoreRequest]) -> _Submitted:
+    def _submit(self, parsed: ParsedRequest, requests: list[EngineCoreRequest]) -> Submitted:
         """Queue every request, or none of them."""
-        sub = _Submitted([], [len(r.prompt_token_ids) for r in requests])
+        sub = Submitted([], [len(r.prompt_token_ids) for r in requests])
         try:
             for r in requests:
                 sub.streams.append(self.engine.add_request(r, stream=parsed.stream))
@@ -351,133 +316,11 @@ class OpenAIServing:
     async def _answer(
         self,
         parsed: ParsedRequest,
-        sub: _Submitted,
+        sub: Submitted,
         builder: ResponseBuilder,
         rid: str,
         disconnected: Disconnected | None,
     ) -> dict[str, Any] | SSEStream:
         if parsed.stream:
-            return SSEStream(self._events(sub, builder, rid, parsed.include_usage), sub.close)
-        return builder.final(await self._finals(sub, rid, disconnected), sub.prompt_lens)
-
-    # ---- waiting for the engine ----------------------------------------------------------
-    async def _finals(self, sub: _Submitted, rid: str, disconnected: Disconnected | None) -> list[RequestOutput]:
-        """Wait for every final output; a client that disconnects first aborts them."""
-
-        async def last(s: OutputStream) -> RequestOutput:
-            out = None
-            async for out in s:  # noqa: B007  (the last one is the final output)
-                pass
-            assert out is not None, "a request stream ends with its final output"
-            return out
-
-        work = asyncio.ensure_future(asyncio.gather(*(last(s) for s in sub.streams)))
-        watch = asyncio.ensure_future(disconnected()) if disconnected is not None else None
-        waits: set[asyncio.Future[Any]] = {work} if watch is None else {work, watch}
-        try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if watch is not None:
-                watch.cancel()
-            if not work.done():
-                work.cancel()
-                sub.close()
-        if not work.done() or work.cancelled():
-            raise APIError(499, "the client closed the connection", "invalid_request_error", None, "client_closed")
-        try:
-            outs = work.result()
-        except EngineStepError as e:
-            raise _step_failed(rid, e) from None
-        except EngineShutdownError as e:
-            raise APIError(503, str(e), "service_unavailable", None, "engine_dead") from None
-        failed = _error_of(outs)
-        if failed is not None:
-            raise failed
-        if any(c.finish_reason == "abort" for o in outs for c in o.outputs):
-            raise APIError(
-                503, "the request was aborted (the server is shutting down)", "service_unavailable", None, "aborted"
-            )
-        return outs
-
-    async def _events(
-        self, sub: _Submitted, builder: ResponseBuilder, rid: str, include_usage: bool
-    ) -> AsyncIterator[str]:
-        """The SSE events of a stream, ending with [DONE] whatever happens to the engine."""
-        completion_tokens = [0] * len(sub.streams)
-        timeline = self.engine.timeline
-        try:
-            for event in builder.opening():
-                yield event
-            async for i, out in _merged(sub.streams):
-                failed = _error_of([out])
-                if failed is not None:  # the core could not run it: an error event, not an empty answer
-                    yield sse(error_body(failed.message, failed.type, failed.param, failed.code))
-                    yield SSE_DONE
-                    return
-                completion_tokens[i] = sum(len(o.token_ids) for o in out.outputs)
-                for event in builder.events(i, out):
-                    yield event
-                if timeline is not None:  # written: the transport has the events of these tokens
-                    timeline.event("sse", user=out.request_id, n=completion_tokens[i])
-            if include_usage:
-                yield builder.usage_event(sum(sub.prompt_lens), sum(completion_tokens))
-            yield SSE_DONE
-        except EngineStepError as e:
-            err = _step_failed(rid, e)
-            yield sse(error_body(err.message, err.type))
-            yield SSE_DONE
-        except EngineShutdownError as e:  # the engine core died mid-stream
-            yield sse(error_body(str(e), "service_unavailable", None, "engine_dead"))
-            yield SSE_DONE
-        finally:
-            sub.close()
-
-
-def _error_of(outs: list[RequestOutput]) -> APIError | None:
-    """A 500 naming the cause when the core ended an output with finish_reason "error" (a grammar
-    that failed to compile there); None when none did."""
-    for o in outs:
-        for c in o.outputs:
-            if c.finish_reason == "error":
-                logger.error("request %s failed in the engine: %s", o.request_id, c.error)
-                return APIError(
-                    500, str(c.error), "internal_server_error", "structured_outputs", "grammar_compile_failed"
-                )
-    return None
-
-
-def _step_failed(rid: str, e: EngineStepError) -> APIError:
-    """The engine raised on this request: the reason goes to the log (the core logged the
-    traceback), the client gets the request id and nothing internal."""
-    logger.error("request %s failed in the engine: %s", rid, e)
-    return internal_error(rid)
-
-
-async def _merged(streams: list[OutputStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from several streams in arrival order, until all have finished."""
-    if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
-        return
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
-
-    async def pump(i: int, s: OutputStream) -> None:
-        try:
-            async for out in s:
-                queue.put_nowait((i, out))
-        except BaseException as e:  # handed to the consumer
-            queue.put_nowait((i, e))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item.finished:
-                remaining -= 1
-            yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
+            return SSEStream(events(sub, builder, rid, parsed.include_usage, self.engine.timeline), sub.close)
+        return builder.final(await finals(sub, rid, disconnected), sub.prompt_lens)
