@@ -9,6 +9,7 @@ from pagedllm.engine.errors import InvalidRequestError
 PREFIX_CACHING_HASH_ALGOS = ("xxhash", "sha256")
 # kv_cache_dtype as users spell it (vLLM's names; "fp8" is e4m3), and what "auto" resolves to: the model's dtype
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+QUANTIZATION_METHODS = ("fp8",)  # `quantization`: weights quantized at load (model/quantization.py)
 RESOLVED_KV_CACHE_DTYPES = ("float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
 
 

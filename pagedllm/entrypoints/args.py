@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.engine.config import KV_CACHE_DTYPES, PREFIX_CACHING_HASH_ALGOS
+from pagedllm.engine.config import KV_CACHE_DTYPES, PREFIX_CACHING_HASH_ALGOS, QUANTIZATION_METHODS
 from pagedllm.entrypoints import model_dir
 from pagedllm.entrypoints.llm import LLM
 
@@ -156,6 +156,12 @@ FLAG_HELP: dict[str, FlagHelp] = {
         "auto/safetensors: load the checkpoint; dummy: seeded random weights made on the device "
         "(config.json and tokenizer from --model, no weights read), for benchmarks",
         choices=("auto", "safetensors", "dummy"),
+    ),
+    "quantization": FlagHelp(
+        "weights quantized at load: fp8 = every decoder linear layer's weight in e4m3 with per-channel scales, "
+        "activations per token at run time (vLLM's on-the-fly FP8); default: the checkpoint's dtype",
+        "none",
+        choices=QUANTIZATION_METHODS,
     ),
     "generation_config": FlagHelp(
         "sampling defaults of requests that leave fields unset: auto = the model's generation_config.json, "

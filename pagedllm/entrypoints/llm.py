@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagedllm.engine import LLMEngine, RequestOutput, SamplingParams, SchedulerConfig
-from pagedllm.engine.config import KV_CACHE_DTYPES
+from pagedllm.engine.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 from pagedllm.engine.errors import InvalidRequestError
 from pagedllm.engine.executor import Executor
 from pagedllm.engine.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput
@@ -30,7 +30,6 @@ logger = logging.getLogger("pagedllm")
 # vLLM's LLM arguments that pagedllm does not take: accepted at the value that asks for what
 # pagedllm does anyway, refused (naming the argument, saying why) at any other value
 NOT_SUPPORTED: dict[str, tuple[Any, str]] = {
-    "quantization": (None, "pagedllm runs unquantized checkpoints (fp8 is for the KV cache: kv_cache_dtype)"),
     "pipeline_parallel_size": (1, "pagedllm shards a model over GPUs with tensor_parallel_size only"),
     "data_parallel_size": (1, "run one pagedllm engine per replica"),
     "cpu_offload_gb": (0, "pagedllm keeps every weight on the device"),
@@ -72,6 +71,7 @@ class LLM:
         trust_remote_code: bool = False,
         enable_chunked_prefill: bool = True,
         load_format: str = "auto",
+        quantization: str | None = None,
         **kwargs: Any,
     ):
         """vLLM's arguments. `model`: a local Hugging Face directory or a hub id already in the
@@ -108,6 +108,12 @@ class LLM:
         if load_format not in LOAD_FORMATS:
             raise InvalidRequestError(
                 f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}", "load_format"
+            )
+        if quantization is not None and quantization not in QUANTIZATION_METHODS:
+            raise InvalidRequestError(
+                f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (on-the-fly FP8 of an unquantized "
+                f"checkpoint) or None, got {quantization!r}",
+                "quantization",
             )
         if kv_cache_dtype not in KV_CACHE_DTYPES:  # the config also takes resolved names; a user gives these
             raise InvalidRequestError(
@@ -166,6 +172,7 @@ class LLM:
             eos_token_ids=eos,
             kv_cache_dtype=kv_cache_dtype,
             load_format=load_format,
+            quantization=quantization,
         )
         self.runner: Executor  # a ModelRunner, or a TPExecutor over tensor_parallel_size processes
         with startup.phase("model runner"):

@@ -5,6 +5,9 @@ RowParallelLinear splits the input features and all-reduces the partial sums. Pa
 projections (qkv, gate_up) are column-parallel layers whose checkpoint shards are loaded
 into their slice of the packed weight by `load_weight(name, tensor, shard_id)`; a checkpoint
 that stores the packed matrix (Phi-3) is cut into the same shards first.
+
+`quantize_fp8()` (quantization="fp8", after loading) turns a layer's weight into e4m3 with one
+scale per output channel; its forward then quantizes each token's activations (ops/fp8_linear.py).
 """
 
 from __future__ import annotations
@@ -14,9 +17,27 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.model.parallel import ShardedModule, all_reduce, divide, tp_rank, tp_size
+from pagedllm.ops.fp8_linear import fp8_linear, quantize_weight
 
 
-class ColumnParallelLinear(ShardedModule):
+class QuantizableLinear(ShardedModule):
+    """A linear layer whose weight may be quantized to fp8 once loaded (`weight_scale` set)."""
+
+    weight: nn.Parameter
+    weight_scale: torch.Tensor | None = None
+
+    def quantize_fp8(self) -> None:
+        wq, scale = quantize_weight(self.weight.data)
+        self.weight = nn.Parameter(wq, requires_grad=False)
+        self.weight_scale = scale  # made on the weight's device; never moved afterwards
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.weight_scale is None:
+            return F.linear(x, self.weight, bias)
+        return fp8_linear(x, self.weight, self.weight_scale, bias)
+
+
+class ColumnParallelLinear(QuantizableLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.tp_size, self.tp_rank = tp_size(), tp_rank()
@@ -30,7 +51,7 @@ class ColumnParallelLinear(ShardedModule):
         param.data.copy_(loaded.narrow(0, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -77,7 +98,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         return {"q": 0, "k": 1, "v": 2}[str(shard_id)]
 
 
-class RowParallelLinear(ShardedModule):
+class RowParallelLinear(QuantizableLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.tp_size, self.tp_rank = tp_size(), tp_rank()
@@ -94,7 +115,7 @@ class RowParallelLinear(ShardedModule):
         param.data.copy_(loaded.narrow(1, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.matmul(x, None)
         all_reduce(y)
         if self.bias is not None:
             y = y + self.bias

@@ -21,6 +21,7 @@ from pagedllm.model.attention_metadata import AttentionMetadata
 from pagedllm.model.loader import init_dummy_weights, load_weights
 from pagedllm.model.moe import SparseMoeBlock
 from pagedllm.model.parallel import agree_min, tp_rank
+from pagedllm.model.quantization import quantize_linears
 from pagedllm.model.registry import build_model
 from pagedllm.ops import PAD_SLOT_ID
 from pagedllm.ops.copy_blocks import copy_blocks, copy_blocks_ref
@@ -84,8 +85,11 @@ class ModelRunner:
         eos_token_ids: Iterable[int] = (),
         kv_cache_dtype: str = "auto",
         load_format: str = "auto",
+        quantization: str | None = None,
     ):
-        """eos_token_ids: the ids that end a sequence, the scheduler's own set (masked while a
+        """quantization "fp8": the decoder layers' linear weights quantized to e4m3 after loading
+        (per-channel scales; activations per token at run time: ops/fp8_linear.py).
+        eos_token_ids: the ids that end a sequence, the scheduler's own set (masked while a
         request has fewer than min_tokens outputs). kv_cache_dtype: "auto" (the model's dtype),
         "fp8"/"fp8_e4m3" or "fp8_e5m2" (ops/kv_quant.py). load_format "dummy": seeded random
         weights instead of the checkpoint's (model/loader.py: init_dummy_weights)."""
@@ -117,6 +121,9 @@ class ModelRunner:
             else:
                 checkpoint_kv_scales = load_weights(self.model, model_dir)
         self.model.eval()
+        if quantization is not None:
+            with self.startup.phase("fp8 weights"):
+                quantize_linears(self.model, quantization, device)
         self.attn_layers = self.model.attention_layers()
         self.kv_cache_groups = groups_of(self.attn_layers)  # the Executor protocol: the scheduler's groups
         a = self.attn_layers[0]

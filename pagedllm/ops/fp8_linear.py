@@ -1,0 +1,66 @@
+"""FP8 linear layers for `quantization="fp8"` (vLLM's on-the-fly FP8): weights quantized at load,
+activations at run time.
+
+- Weights: e4m3, one scale per output channel (row of W [N, K]): w_scale[n] = max|W[n, :]| / 448,
+  Wq = saturate(W / w_scale). Quantized once, after loading (and after the TP shard is cut, so
+  each rank's rows keep their own scales).
+- Activations: one scale per token (row of x [M, K]), computed in every forward:
+  x_scale[m] = max|x[m, :]| / 448, xq = saturate(x / x_scale).
+- y = (xq * x_scale) @ (Wq * w_scale)^T (+ bias): on CUDA one `torch._scaled_mm` with row-wise
+  scales (an fp8 tensor-core GEMM, bf16 out); elsewhere the same product computed in float32
+  from the dequantized operands (the reference the GPU path is tested against).
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+MIN_SCALE = 1e-12  # an all-zero row: any positive scale gives zeros; this one avoids 0/0
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, K] -> (e4m3 [R, K], float32 scales [R, 1]) with one scale per row."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_(min=MIN_SCALE)
+    return (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] -> (e4m3 [N, K] contiguous, float32 per-output-channel scales [N])."""
+    wq, scale = quantize_rows(weight)
+    return wq.contiguous(), scale.view(-1)
+
+
+def fp8_linear_ref(
+    x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The product in float32 from the dequantized operands, in x's dtype: [..., K] -> [..., N]."""
+    shape = x.shape
+    xq, x_scale = quantize_rows(x.reshape(-1, shape[-1]))
+    y = (xq.float() * x_scale) @ (wq.float() * w_scale[:, None]).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).view(*shape[:-1], wq.shape[0])
+
+
+def fp8_linear(
+    x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """y = x W^T (+ bias) with W in fp8: `torch._scaled_mm` on CUDA, the reference elsewhere."""
+    if x.device.type != "cuda":
+        return fp8_linear_ref(x, wq, w_scale, bias)
+    shape = x.shape
+    xq, x_scale = quantize_rows(x.reshape(-1, shape[-1]))
+    y = torch._scaled_mm(
+        xq,
+        wq.t(),  # column-major [K, N], as the kernel wants its second operand
+        scale_a=x_scale,
+        scale_b=w_scale.view(1, -1),
+        bias=None,
+        out_dtype=torch.bfloat16,  # row-wise scaling writes bf16; cast below for fp16/fp32 models
+    )
+    if bias is not None:
+        y = y + bias
+    return y.to(x.dtype).view(*shape[:-1], wq.shape[0])
