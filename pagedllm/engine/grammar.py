@@ -131,7 +131,8 @@ class GrammarChecker:
     def __init__(self, tokenizer_factory: Callable[[], LLTokenizer] | None):
         self._factory = tokenizer_factory  # None: no tokenizer (token-id prompts): the syntax check only
         self._tokenizer: LLTokenizer | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the tokenizer is built once
+        self._cache_lock = threading.Lock()
         self._verdicts: OrderedDict[GrammarKey, str] = OrderedDict()
 
     def check(self, so: StructuredOutputsParams | None) -> None:
@@ -139,14 +140,17 @@ class GrammarChecker:
         if so is None or self._factory is None:
             return
         key = grammar_key(so)
-        error = self._verdicts.get(key)
-        if error is None:
+        with self._cache_lock:  # the server prepares requests on several worker threads
+            error = self._verdicts.get(key)
+            if error is not None:
+                self._verdicts.move_to_end(key)
+        if error is None:  # compiled outside the lock: two threads may both compile one grammar
             matcher = LLMatcher(self._llg_tokenizer(), grammar_spec(key), log_level=0)
             error = matcher.get_error() if matcher.is_error() else ""
-            self._verdicts[key] = error
-            while len(self._verdicts) > CHECK_CACHE_SIZE:
-                self._verdicts.popitem(last=False)
-        self._verdicts.move_to_end(key)
+            with self._cache_lock:
+                self._verdicts[key] = error
+                while len(self._verdicts) > CHECK_CACHE_SIZE:
+                    self._verdicts.popitem(last=False)
         if error:
             raise InvalidRequestError(
                 f"structured_outputs.{key.kind} cannot be compiled over the model's tokenizer: {error}", PARAM
