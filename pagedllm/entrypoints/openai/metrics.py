@@ -195,7 +195,7 @@ class ServerMetrics:
         ).labels(model_name)
         self.finished = Counter(
             "pagedllm:request_success",
-            "Finished requests by finish reason (stop, length, abort).",
+            "Finished requests by finish reason (stop, length, abort, error).",
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
