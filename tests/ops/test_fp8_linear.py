@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.ops.fp8_linear import FP8, fp8_linear, fp8_linear_ref, quantize_rows, quantize_weight
+from pagedllm.ops.fp8_linear import (
+    FP8,
+    fp8_linear,
+    fp8_linear_ref,
+    quantize_rows,
+    quantize_rows_triton,
+    quantize_weight,
+)
 
 
 def test_rows_quantize_to_their_own_scale_and_zero_rows_stay_zero():
@@ -40,3 +47,18 @@ def test_scaled_mm_path_matches_the_reference(m, dtype):
     got = fp8_linear(x, wq, ws, b).float()
     want = fp8_linear_ref(x.float(), wq, ws, b.float())
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)  # the GEMM writes bf16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 1024), (37, 3072), (256, 1024), (5, 100)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_quantize_kernel_writes_the_bytes_of_the_torch_quantizer(shape, dtype):
+    """The Triton kernel's activations and scales are bit-identical to quantize_rows' (an
+    all-zero row included). GPU only: Triton's interpreter rounds float32 -> fp8 differently."""
+    torch.manual_seed(shape[0])
+    x = torch.randn(shape, device="cuda", dtype=dtype) * torch.rand(shape[0], 1, device="cuda", dtype=dtype) * 30
+    x[0] = 0
+    q, s = quantize_rows_triton(x)
+    q_ref, s_ref = quantize_rows(x)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
