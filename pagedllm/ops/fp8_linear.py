@@ -23,25 +23,26 @@ from pagedllm.ops._triton import HAS_TRITON, next_pow2, tl, triton
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
+INV_FP8_MAX = float(torch.tensor(1.0 / FP8_MAX, dtype=torch.float32))  # scale = amax * this, in float32
 MIN_SCALE = 1e-12  # an all-zero row: any positive scale gives zeros; this one avoids 0/0
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, K] -> (e4m3 [R, K], float32 scales [R, 1]) with one scale per row."""
     xf = x.float()
-    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_(min=MIN_SCALE)
+    scale = (xf.abs().amax(dim=-1, keepdim=True) * INV_FP8_MAX).clamp_(min=MIN_SCALE)
     return (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 if HAS_TRITON:
 
     @triton.jit
-    def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr):
+    def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, inv_max, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         mask = offs < K
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=0), 448.0), 1e-12)  # FP8_MAX, MIN_SCALE
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0) * inv_max, 1e-12)  # MIN_SCALE
         y = tl.clamp(tl.div_rn(x, scale), -448.0, 448.0)
         tl.store(q_ptr + row * stride_q + offs, y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
         tl.store(s_ptr + row, scale)
@@ -55,7 +56,7 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if rows:
         block = next_pow2(k)
         _quantize_rows_kernel[(rows,)](
-            x, q, scale, k, x.stride(0), q.stride(0), BLOCK=block, num_warps=8 if block >= 2048 else 4
+            x, q, scale, k, x.stride(0), q.stride(0), INV_FP8_MAX, BLOCK=block, num_warps=8 if block >= 2048 else 4
         )
     return q, scale
 
