@@ -86,17 +86,6 @@ def _check(key: GrammarKey) -> str:
     return LLMatcher.validate_grammar(spec)
 
 
-def check_structured_outputs(so: StructuredOutputsParams | None) -> None:
-    """Raise InvalidRequestError(param="structured_outputs") with llguidance's message when the
-    schema, regex, choices or grammar cannot be compiled; None passes."""
-    if so is None:
-        return
-    key = grammar_key(so)
-    error = _check(key)
-    if error:
-        raise InvalidRequestError(f"structured_outputs.{key.kind} cannot be compiled: {error}", PARAM)
-
-
 class GrammarCompileError(RuntimeError):
     """Structured output cannot run on this server (its llguidance tokenizer could not be built
     from the model's tokenizer): not the request's fault. The server answers 500 with this message."""
@@ -123,48 +112,53 @@ def grammar_tokenizer(tokenizer: Any, vocab_size: int | None, eos_token_ids: Any
 
 
 class GrammarChecker:
-    """The edge check (InputProcessor): a request's grammar compiled over the model's own tokenizer,
-    as the engine will compile it, so that a grammar the engine would fail on is a 400 before the
-    request is queued. The syntax check (`check_structured_outputs`) runs first; the verdicts
-    (llguidance's error, "" when it compiles) are memoised per GrammarKey, CHECK_CACHE_SIZE of them."""
+    """The edge check (InputProcessor): a request's grammar parsed on its own (llguidance's
+    validator, memoised in `_check`), then compiled over the model's own tokenizer, as the engine
+    will compile it, so that a grammar the engine would fail on is a 400 before the request is
+    queued. The verdicts over the tokenizer (llguidance's error, "" when it compiles) are memoised
+    per GrammarKey, CHECK_CACHE_SIZE of them."""
 
     def __init__(self, tokenizer_factory: Callable[[], LLTokenizer] | None):
-        self._factory = tokenizer_factory  # None: no tokenizer (token-id prompts): the syntax check only
-        self._tokenizer: LLTokenizer | None = None
-        self._lock = threading.Lock()  # the tokenizer is built once
-        self._cache_lock = threading.Lock()
+        """tokenizer_factory: called for each compilation, so it should build once (grammar_tokenizer
+        does); None: no tokenizer (token-id prompts), the syntax check only."""
+        self._factory = tokenizer_factory
+        self._lock = threading.Lock()  # the server prepares requests on several worker threads
         self._verdicts: OrderedDict[GrammarKey, str] = OrderedDict()
 
     def check(self, so: StructuredOutputsParams | None) -> None:
-        check_structured_outputs(so)
-        if so is None or self._factory is None:
+        """Raise InvalidRequestError(param="structured_outputs") with llguidance's message when the
+        schema, regex, choices or grammar cannot be compiled; GrammarCompileError when llguidance
+        cannot build its tokenizer; None passes."""
+        if so is None:
             return
         key = grammar_key(so)
-        with self._cache_lock:  # the server prepares requests on several worker threads
-            error = self._verdicts.get(key)
-            if error is not None:
+        error = _check(key)
+        if error:
+            raise InvalidRequestError(f"structured_outputs.{key.kind} cannot be compiled: {error}", PARAM)
+        if self._factory is None:
+            return
+        with self._lock:
+            verdict = self._verdicts.get(key)
+            if verdict is not None:
                 self._verdicts.move_to_end(key)
-        if error is None:  # compiled outside the lock: two threads may both compile one grammar
+        if verdict is None:  # compiled outside the lock: two threads may both compile one grammar
             matcher = LLMatcher(self._llg_tokenizer(), grammar_spec(key), log_level=0)
-            error = matcher.get_error() if matcher.is_error() else ""
-            with self._cache_lock:
-                self._verdicts[key] = error
+            verdict = matcher.get_error() if matcher.is_error() else ""
+            with self._lock:
+                self._verdicts[key] = verdict
                 while len(self._verdicts) > CHECK_CACHE_SIZE:
                     self._verdicts.popitem(last=False)
-        if error:
+        if verdict:
             raise InvalidRequestError(
-                f"structured_outputs.{key.kind} cannot be compiled over the model's tokenizer: {error}", PARAM
+                f"structured_outputs.{key.kind} cannot be compiled over the model's tokenizer: {verdict}", PARAM
             )
 
     def _llg_tokenizer(self) -> LLTokenizer:
         assert self._factory is not None
-        with self._lock:
-            if self._tokenizer is None:
-                try:
-                    self._tokenizer = self._factory()
-                except Exception as e:  # an llguidance that cannot read this tokenizer: the server's problem
-                    raise GrammarCompileError(
-                        f"structured output is unavailable: llguidance could not build its tokenizer from the "
-                        f"model's tokenizer ({type(e).__name__}: {e})"
-                    ) from e
-            return self._tokenizer
+        try:
+            return self._factory()
+        except Exception as e:  # an llguidance that cannot read this tokenizer: the server's problem
+            raise GrammarCompileError(
+                f"structured output is unavailable: llguidance could not build its tokenizer from the "
+                f"model's tokenizer ({type(e).__name__}: {e})"
+            ) from e

@@ -10,7 +10,7 @@ its API process (entrypoints/async_llm.py).
 from __future__ import annotations
 
 import itertools
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
 from pagedllm.engine.config import SchedulerConfig
 from pagedllm.engine.core import EngineCore
@@ -21,9 +21,6 @@ from pagedllm.engine.messages import EngineCoreRequest, Metrics
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    pass
 
 
 class LLMEngine:

@@ -109,9 +109,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_forked_sequences = 0  # children forked by parallel sampling (a counter, for metrics)
-        self.grammar_failed: list[
-            tuple[Sequence, str]
-        ] = []  # ended ("error") by a grammar that failed to compile, and why
+        # ended (finish_reason "error") by a grammar that failed to compile, and why
+        self.grammar_failed: list[tuple[Sequence, str]] = []
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
