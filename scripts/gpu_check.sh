@@ -3,7 +3,7 @@
 # GPU tests, the HF side-by-side and the kernel benchmark, each under its own time limit (about
 # 7 minutes in all on an H200, inside the device tool's 10-minute command limit).
 # Writes logs and JSON under $OUT (default ./gpu_out; at most 8 files come back from the device tool:
-# the benchmark rows all go to one $OUT/<gpu>.json). Usage: bash scripts/gpu_check.sh [full|bench|tests|check|conformance|memcheck|startup]
+# the benchmark rows all go to one $OUT/<gpu>.json). Usage: bash scripts/gpu_check.sh [full|bench|tests|check|conformance|memcheck|startup|decode]
 # (check = bench + tests, without the HF side-by-side and the kernel benchmark)
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
@@ -24,6 +24,12 @@ fi
 if [ "$MODE" = conformance ]; then
   timeout ${T_CONF:-480} python3 benchmarks/conformance.py --out "$OUT" --workers ${WORKERS:-12} ${CONF_ARGS:-} 2>&1 \
       | grep -v -i -E "warn|Writing model" | tail -40
+  exit ${PIPESTATUS[0]}
+fi
+# decode: the decode attention kernels side by side against a device copy (benchmarks/decode_attention.py:
+# variant grids at 256 x 1,024, then batch/context/group/head-size shapes), $OUT/decode-attention.json
+if [ "$MODE" = decode ]; then
+  timeout ${T_DECODE:-540} python3 benchmarks/decode_attention.py --out "$OUT/decode-attention.json" ${DECODE_ARGS:---variants --shapes} 2>&1 | tail -60
   exit ${PIPESTATUS[0]}
 fi
 # memcheck: every kernel family once under compute-sanitizer (benchmarks/memcheck.py); log in $OUT/memcheck.log

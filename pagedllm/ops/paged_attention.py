@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.ops import decode_attention_kernels as decode_kernels
 from pagedllm.ops import paged_attention_kernels as kernels
 from pagedllm.ops._triton import is_interpreted, next_pow2, num_sms, require_triton, triton
 from pagedllm.ops.kv_quant import is_fp8
@@ -142,7 +143,7 @@ def paged_attention(
     group = hq // hkv
     g_pad = next_pow2(group)
     cfg = dict(_config) if _config else _pick_config(decode, g_pad, d, q.dtype, k_cache.dtype)
-    block_q = cfg.pop("BLOCK_Q")
+    block_q = cfg.pop("BLOCK_Q", 1)
     # fp8 K/V with a 16-bit q: dots in fp16 (fp8 -> fp16 is one conversion; -> bf16 goes through fp32)
     fp16_dot = cfg.pop("FP16_DOT", kv_fp8 and q.dtype != torch.float32)
     if num_splits is None:
@@ -165,48 +166,83 @@ def paged_attention(
         qk_scale, cap_log2 = qk_scale / float(logits_soft_cap), float(logits_soft_cap) * kernels.LOG2E
     else:
         qk_scale, cap_log2 = qk_scale * kernels.LOG2E, 1.0
-    num_q_blocks = triton.cdiv(max_seqlen_q, block_q)
-    grid = (num_q_blocks * num_splits, hkv, batch)
-    kernels._paged_attn_kernel[grid](
-        out,
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        cu_seqlens_q if cu_seqlens_q is not None else seq_lens,
-        seq_lens,
-        part_out,
-        part_lse,
-        qk_scale,
-        float(v_scale) if kv_fp8 else 1.0,
-        cap_log2,
-        int(sliding_window or 0),
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        block_tables.stride(0),
-        GROUP=group,
-        G_PAD=g_pad,
-        BLOCK_Q=block_q,
-        HEAD_DIM=d,
-        BLOCK_SIZE=block_size,
-        NUM_SPLITS=num_splits,
-        DECODE=decode,
+    common = dict(
         DOT_PREC="ieee" if q.dtype == torch.float32 else None,
         UPCAST=is_interpreted(kernels._paged_attn_kernel) and q.dtype != torch.float32,
         KV_FP8=kv_fp8,
         FP16_DOT=fp16_dot,
         SLIDING=sliding_window is not None,
         SOFT_CAP=logits_soft_cap is not None,
-        **cfg,
     )
+    if decode and "LANES" in cfg:
+        decode_kernels._decode_attn_kernel[(num_splits, hkv, batch)](
+            out,
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            part_out,
+            part_lse,
+            qk_scale,
+            float(v_scale) if kv_fp8 else 1.0,
+            cap_log2,
+            int(sliding_window or 0),
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            v_cache.stride(2),
+            block_tables.stride(0),
+            GROUP=group,
+            ROWS=max(16, g_pad),
+            HEAD_DIM=d,
+            BLOCK_SIZE=block_size,
+            NUM_SPLITS=num_splits,
+            **common,
+            **cfg,
+        )
+    else:
+        kernels._paged_attn_kernel[(triton.cdiv(max_seqlen_q, block_q) * num_splits, hkv, batch)](
+            out,
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            cu_seqlens_q if cu_seqlens_q is not None else seq_lens,
+            seq_lens,
+            part_out,
+            part_lse,
+            qk_scale,
+            float(v_scale) if kv_fp8 else 1.0,
+            cap_log2,
+            int(sliding_window or 0),
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            v_cache.stride(2),
+            block_tables.stride(0),
+            GROUP=group,
+            G_PAD=g_pad,
+            BLOCK_Q=block_q,
+            HEAD_DIM=d,
+            BLOCK_SIZE=block_size,
+            NUM_SPLITS=num_splits,
+            DECODE=decode,
+            **common,
+            **cfg,
+        )
     if num_splits > 1:
         kernels._merge_splits_kernel[(t, hq)](
             out,
