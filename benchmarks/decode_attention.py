@@ -1,20 +1,17 @@
-"""Decode attention against the copy bandwidth (CUDA only): the kernels side by side.
+"""Decode attention against the copy bandwidth (CUDA only): tiles, warps and splits side by side.
 
-Times `paged_attention` decode (one new token per sequence) with the `_paged_attn_kernel` tile
-(`BLOCK_Q x G_PAD` rows, the default before issue 30) and with `_decode_attn_kernel` (LANES
-independent key lanes a program, ops/decode_attention_kernels.py) in the same process, each in a
-CUDA graph (`triton.testing.do_bench_cudagraph`), against a 1 GiB device copy timed the same way
-(bytes read plus written). KV bandwidth = bytes of K and V in the cache's format / time.
-Every timed variant is checked against `paged_attention_ref` on the same inputs.
+Times `paged_attention` decode (one new token per sequence) in a CUDA graph
+(`triton.testing.do_bench_cudagraph`) against a 1 GiB device copy timed the same way (bytes read
+plus written), in the same process. KV bandwidth = bytes of K and V in the cache's format / time.
+Every timed variant is checked against `paged_attention_ref` on the same inputs (max_abs_err).
 
-    python benchmarks/decode_attention.py --out FILE [--variants] [--shapes] [--config-json JSON]
+    python benchmarks/decode_attention.py --out FILE [--variants] [--shapes]
 
---variants: tile/warp/stage/lane grids of both kernels at batch 256 x context 1,024 (Qwen3-0.6B's
-attention: 16 query heads, 8 KV heads, head_dim 128, block 16), bf16 and fp8 (e4m3) KV; the
-best `_decode_attn_kernel` configuration per KV format is then used by --shapes unless
---config-json gives one ({"16bit": {...}, "fp8": {...}}).
---shapes: batch 1-256 x context 128-32k at group 2, and GQA groups 1/2/4/8 and head sizes
-64/128/256 at 256 x 1,024 and 8 x 8,192, both kernels, both KV formats.
+--variants: the (BLOCK_N, num_warps, num_stages) grid at batch 256 x context 1,024 (Qwen3-0.6B's
+attention: 16 query heads, 8 KV heads, head_dim 128, block 16), bf16 and fp8 (e4m3) KV.
+--shapes: batch 1-256 x context 128-32k at group 2, GQA groups 1/2/4/8 and head sizes 64/128/256
+at 256 x 1,024 and 8 x 8,192, and Gemma-3-1B's attention (4 heads on 1 KV head, head_dim 256):
+the default (`TILES`, `default_num_splits`), the `CANDIDATES` tiles, and other split counts.
 """
 
 from __future__ import annotations
@@ -35,7 +32,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import triton  # noqa: E402
 from triton.testing import do_bench_cudagraph  # noqa: E402
 
-from pagedllm.ops import decode_attention_kernels, paged_attention_kernels  # noqa: E402
+from pagedllm.ops import paged_attention_kernels  # noqa: E402
+from pagedllm.ops._triton import next_pow2  # noqa: E402
 from pagedllm.ops.attention_ref import paged_attention_ref  # noqa: E402
 from pagedllm.ops.kv_quant import fp8_max, quantize_ref  # noqa: E402
 from pagedllm.ops.paged_attention import _pick_config, default_num_splits, paged_attention  # noqa: E402
@@ -113,11 +111,7 @@ def run_case(batch, ctx, hkv, group, d, kv_dtype, copy, configs):
     rows = []
     for label, cfg, splits in configs:
         out = torch.empty_like(inp["q"])
-        kernel = (
-            decode_attention_kernels._decode_attn_kernel
-            if cfg and "LANES" in cfg
-            else paged_attention_kernels._paged_attn_kernel
-        )
+        kernel = paged_attention_kernels._paged_attn_kernel
         row = dict(label=label, cfg=cfg, splits=splits)
         try:
             ms = time_case(inp, out, cfg, splits)
@@ -127,7 +121,8 @@ def run_case(batch, ctx, hkv, group, d, kv_dtype, copy, configs):
         err = (out.float() - ref.float()).abs().max().item()
         tbps = kv_bytes / ms / 1e9
         rows.append(dict(row, ms=ms, kv_TBps=tbps, vs_copy=tbps / copy, max_abs_err=err, **compiled_info(kernel)))
-    used = default_num_splits(batch, hkv, ctx, inp["q"].device)
+    cfg0 = _pick_config(True, next_pow2(group), d, DTYPE, kv_dtype)
+    used = default_num_splits(batch, hkv, ctx, inp["q"].device, cfg0["num_warps"])
     head = dict(batch=batch, ctx=ctx, hkv=hkv, group=group, head_dim=d, kv=str(kv_dtype), default_splits=used)
     del inp
     torch.cuda.empty_cache()
@@ -138,57 +133,71 @@ def fmt(kv_dtype):
     return "fp8" if kv_dtype == FP8 else "16bit"
 
 
+def tile(kv, group, d, bn, nw, st):
+    return dict(_pick_config(True, next_pow2(group), d, DTYPE, kv), BLOCK_N=bn, num_warps=nw, num_stages=st)
+
+
 def variants(copy):
+    """The dot-tile grid at 256 x 1,024, both KV formats."""
     res = {}
-    best = {}
     for kv in (DTYPE, FP8):
-        base = _pick_config(True, 2, 128, DTYPE, kv)
-        configs = [("dot tile (default)", None, None)]
-        for nw, bn, st in itertools.product([1, 2], [16, 32, 64], [1, 2]):
-            configs.append(("dot tile", dict(base, BLOCK_N=bn, num_warps=nw, num_stages=st), None))
-        for lanes, bn, st in itertools.product([2, 4], [16, 32, 64], [1, 2, 3]):
-            if bn < 64 or st < 3:
-                configs.append(("lanes", dict(LANES=lanes, BLOCK_N=bn, num_warps=lanes, num_stages=st), None))
-        for lanes, bn, nw, st in [(8, 16, 8, 2), (8, 16, 4, 2), (4, 16, 2, 2), (2, 32, 1, 2), (4, 32, 8, 2)]:
-            configs.append(("lanes", dict(LANES=lanes, BLOCK_N=bn, num_warps=nw, num_stages=st), None))
+        configs = [("default", None, None)]
+        if kv == FP8:
+            configs.append(("before issue 30", tile(kv, 2, 128, 128, 4, 2), None))
+        for nw, bn, st in itertools.product([1, 2, 4], [16, 32, 64, 128], [1, 2, 3]):
+            if nw * 64 >= bn:
+                configs.append(("tile", tile(kv, 2, 128, bn, nw, st), None))
         case = run_case(256, 1024, 8, 2, 128, kv, copy, configs)
         res[fmt(kv)] = case
-        ok = sorted((r for r in case["rows"] if "ms" in r and r["max_abs_err"] < 3e-2), key=lambda r: r["ms"])
-        lanes = [r for r in ok if r["cfg"] and "LANES" in r["cfg"]]
-        best[fmt(kv)] = lanes[0]["cfg"] if lanes else None
-        print(
-            json.dumps({fmt(kv): [(r["label"], r["cfg"], round(r["ms"], 4), round(r["vs_copy"], 3)) for r in ok[:8]]})
-        )
-        # split counts for the long-context shapes with the best lanes config
-        if best[fmt(kv)]:
-            cfg = best[fmt(kv)]
-            for b, c in ((8, 8192), (1, 32768)):
-                sp = [(f"lanes splits {s}", cfg, s) for s in (1, 2, 4, 8, 16, 32, 64) if s <= c // 128]
-                res[f"{fmt(kv)}_{b}x{c}_splits"] = run_case(
-                    b, c, 8, 2, 128, kv, copy, [("dot tile (default)", None, None)] + sp
-                )
-    return res, best
+        ok = sorted((r for r in case["rows"] if "ms" in r), key=lambda r: r["ms"])
+        print(json.dumps({fmt(kv): [(r["cfg"], round(r["ms"], 4), round(r["vs_copy"], 3)) for r in ok[:6]]}))
+    return res
 
 
-def shapes(copy, best, save):
+# (BLOCK_N, num_warps, num_stages) tried beside the default at each shape
+CANDIDATES = {
+    ("fp8", "narrow"): [("before issue 30", (128, 4, 2)), ("1 warp, 32, 2 stages", (32, 1, 2))],
+    ("fp8", "wide"): [
+        ("before issue 30", (32, 4, 2)),
+        ("1w 16/2", (16, 1, 2)),
+        ("2w 32/1", (32, 2, 1)),
+        ("2w 32/2", (32, 2, 2)),
+    ],
+    ("16bit", "narrow"): [("1w 16/2", (16, 1, 2)), ("1w 32/2", (32, 1, 2))],
+    ("16bit", "wide"): [("1w 16/2", (16, 1, 2)), ("2w 32/2", (32, 2, 2)), ("2w 16/2", (16, 2, 2))],
+}
+
+
+def shapes(copy, save):
+    """Every shape: the default (TILES and default_num_splits), the candidates, and for the shapes that
+    split, the default tile at other split counts."""
     res = []
-    grid = [(1, 1024), (1, 32768), (8, 8192), (32, 4096), (64, 2048), (128, 1024), (256, 128), (256, 1024), (256, 4096)]
+    grid = [(1, 1024), (1, 8192), (1, 32768), (8, 8192), (32, 4096), (64, 2048), (128, 1024), (256, 128)]
+    grid += [(256, 1024), (256, 4096)]
     cases = [(b, c, 8, 2, 128) for b, c in grid]
     for b, c in ((256, 1024), (8, 8192)):
         cases += [(b, c, 8, g, 128) for g in (1, 4, 8)] + [(b, c, 8, 2, d) for d in (64, 256)]
+    cases += [(64, 2048, 1, 4, 256), (256, 1024, 1, 4, 256)]  # Gemma-3-1B's attention: 4 heads on one KV head
     for kv in (DTYPE, FP8):
-        cfg = best.get(fmt(kv))
         for b, c, hkv, g, d in cases:
-            configs = [("dot tile (default)", None, None)]
-            if cfg:
-                configs.append(("lanes", dict(cfg), None))
+            configs = [("default", None, None)]
+            for label, (bn, nw, st) in CANDIDATES[(fmt(kv), "wide" if d > 128 else "narrow")]:
+                configs.append((label, tile(kv, g, d, bn, nw, st), None))
+            cfg = _pick_config(True, next_pow2(g), d, DTYPE, kv)
+            used = default_num_splits(b, hkv, c, torch.device(DEV), cfg["num_warps"])
+            if b * hkv < 1024 and d == 128 and g == 2:
+                for sp in (1, 2, 4, 8, 16, 32, 64, 128):
+                    if sp != used and c // sp >= 64:
+                        configs.append((f"default tile, {sp} splits", cfg, sp))
             row = run_case(b, c, hkv, g, d, kv, copy, configs)
             res.append(row)
             save(res)
+            ok = sorted((r for r in row["rows"] if "ms" in r), key=lambda r: r["ms"])
             print(
                 json.dumps(
                     {k: v for k, v in row.items() if k != "rows"}
-                    | {r["label"]: (round(r.get("ms", -1), 4), round(r.get("vs_copy", -1), 3)) for r in row["rows"]}
+                    | {"default": [(round(r["ms"], 4), round(r["vs_copy"], 3)) for r in row["rows"][:1]]}
+                    | {"best": [(r["label"], r["splits"], round(r["ms"], 4), round(r["vs_copy"], 3)) for r in ok[:2]]}
                 )
             )
     return res
@@ -199,7 +208,6 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--variants", action="store_true")
     ap.add_argument("--shapes", action="store_true")
-    ap.add_argument("--config-json", help='{"16bit": cfg, "fp8": cfg} for --shapes instead of --variants\' best')
     args = ap.parse_args()
     t0 = time.time()
     res = dict(
@@ -212,7 +220,6 @@ def main():
     )
     res["copy_TBps"] = copy = copy_TBps()
     print(json.dumps({"copy_TBps": copy}), flush=True)
-    best = json.loads(args.config_json) if args.config_json else {}
 
     def save(rows=None):
         if rows is not None:
@@ -222,12 +229,10 @@ def main():
             json.dump(res, f, indent=1)
 
     if args.variants:
-        res["variants"], found = variants(copy)
-        best = best or found
-        res["best_lanes"] = best
+        res["variants"] = variants(copy)
         save()
     if args.shapes:
-        shapes(copy, best, save)
+        shapes(copy, save)
     save()
 
 

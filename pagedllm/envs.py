@@ -10,6 +10,7 @@
 | `PAGEDLLM_SAMPLER` | the model runner | `torch`: sample with the torch path instead of the fused kernel |
 | `PAGEDLLM_TIMELINE` | the server's API and engine-core processes | a path prefix: write each request's stage times there (engine/timeline.py; `benchmarks/request_timeline.py` reads them) |
 | `PAGEDLLM_PREFILL_GRAPHS` | the model runner | how prefill and mixed steps run on CUDA: `full` (the default: small steps replay one whole-step graph, `worker/mixed_graphs.py`, larger ones piecewise graphs), `piecewise` (`worker/piecewise_graphs.py` only), `eager` |
+| `PAGEDLLM_ATTENTION_TILES` | the paged-attention kernel | JSON overriding rows of `ops/paged_attention.py: TILES`, e.g. `{"decode/fp8": [128, 4, 2]}` ((BLOCK_N, num_warps, num_stages) by phase and KV format): retuning on other hardware, and A/B runs |
 | `PAGEDLLM_COMMIT` | benchmarks | the commit recorded with a result row (else `git rev-parse`) |
 | `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `LOCAL_RANK` | tensor parallelism | set by `torchrun` |
 | `TRITON_INTERPRET` | `pagedllm.ops` | set to 1 when there is no GPU, so kernels run on CPU |
@@ -17,6 +18,8 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 
 
@@ -63,6 +66,32 @@ def prefill_graphs() -> str:
     if mode not in ("full", "piecewise", "eager"):
         raise ValueError(f"PAGEDLLM_PREFILL_GRAPHS must be full, piecewise or eager, got {mode!r}")
     return mode
+
+
+def attention_tiles() -> dict[tuple[str, str], tuple[int, int, int]]:
+    """PAGEDLLM_ATTENTION_TILES parsed: {("decode", "fp8"): (BLOCK_N, num_warps, num_stages), ...}."""
+    return _parse_tiles(os.environ.get("PAGEDLLM_ATTENTION_TILES", ""))
+
+
+@functools.lru_cache(maxsize=4)
+def _parse_tiles(text: str) -> dict[tuple[str, str], tuple[int, int, int]]:
+    if not text.strip():
+        return {}
+    try:
+        rows = json.loads(text)
+        out = {}
+        for key, val in rows.items():
+            phase, fmt = key.split("/")
+            if phase not in ("decode", "prefill") or fmt not in ("16bit", "fp8"):
+                raise ValueError(key)
+            block_n, warps, stages = (int(x) for x in val)
+            out[(phase, fmt)] = (block_n, warps, stages)
+        return out
+    except (ValueError, TypeError, AttributeError) as e:
+        raise ValueError(
+            'PAGEDLLM_ATTENTION_TILES must be JSON like {"decode/fp8": [64, 1, 1]} '
+            f"(keys decode|prefill / 16bit|fp8), got {text!r}"
+        ) from e
 
 
 def timeline_prefix() -> str | None:

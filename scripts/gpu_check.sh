@@ -3,7 +3,7 @@
 # GPU tests, the HF side-by-side and the kernel benchmark, each under its own time limit (about
 # 7 minutes in all on an H200, inside the device tool's 10-minute command limit).
 # Writes logs and JSON under $OUT (default ./gpu_out; at most 8 files come back from the device tool:
-# the benchmark rows all go to one $OUT/<gpu>.json). Usage: bash scripts/gpu_check.sh [full|bench|tests|check|conformance|memcheck|startup|decode]
+# the benchmark rows all go to one $OUT/<gpu>.json). Usage: bash scripts/gpu_check.sh [full|bench|tests|check|conformance|memcheck|startup|decode|attention]
 # (check = bench + tests, without the HF side-by-side and the kernel benchmark)
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
@@ -31,6 +31,22 @@ fi
 if [ "$MODE" = decode ]; then
   timeout ${T_DECODE:-540} python3 benchmarks/decode_attention.py --out "$OUT/decode-attention.json" ${DECODE_ARGS:---variants --shapes} 2>&1 | tail -60
   exit ${PIPESTATUS[0]}
+fi
+# attention: the decode benchmark's shapes (DECODE_ARGS), the GPU kernel tests, then the standard throughput
+# workload with fp8 KV (the TILES of this commit, then the tile before issue 30 through PAGEDLLM_ATTENTION_TILES)
+# and with bf16 KV, rows in $OUT/<gpu>.json
+if [ "$MODE" = attention ]; then
+  timeout ${T_DECODE:-300} python3 benchmarks/decode_attention.py --out "$OUT/decode-attention.json" ${DECODE_ARGS:---shapes} 2>&1 | tail -50
+  timeout ${T_TESTS:-150} python3 -m pytest -q -m gpu -x tests/ops -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+  grep -E "Error|error:|FAILED|passed|failed" "$OUT/gpu_tests.log" | head -10
+  [ -d $MODEL ] || python3 tools/make_random_model.py --shape qwen3-0.6b --out $MODEL 2>&1 | tail -1
+  for v in fp8 fp8-before bf16; do
+    kv=fp8; [ $v = bf16 ] && kv=auto
+    tiles=''; [ $v = fp8-before ] && tiles='{"decode/fp8": [128, 4, 2]}'
+    PAGEDLLM_ATTENTION_TILES="$tiles" timeout ${T_BENCH:-120} python3 benchmarks/throughput.py --model $MODEL \
+        --kv-cache-dtype $kv --label "$v ${LABEL:-}" --results-dir "$OUT" 2>&1 | grep -v -i warn | tail -4
+  done
+  exit 0
 fi
 # memcheck: every kernel family once under compute-sanitizer (benchmarks/memcheck.py); log in $OUT/memcheck.log
 if [ "$MODE" = memcheck ]; then

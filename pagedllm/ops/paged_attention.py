@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.ops import decode_attention_kernels as decode_kernels
+from pagedllm import envs
 from pagedllm.ops import paged_attention_kernels as kernels
 from pagedllm.ops._triton import is_interpreted, next_pow2, num_sms, require_triton, triton
 from pagedllm.ops.kv_quant import is_fp8
@@ -49,11 +49,13 @@ TILES: dict[tuple[str, str], tuple[int, int, int]] = {
     # at batch 256 x 1024), prefill the best of 12
     ("decode", "16bit"): (64, 4, 2),
     ("prefill", "16bit"): (64, 4, 2),
-    # fp8 KV, measured on the H200 (triton 3.6, decode 256 x 1024, dots in fp16: FP16_DOT):
-    # BLOCK_N 128 / 4 warps / 2 stages 0.206 ms (2.61 TB/s of fp8 KV) was the best of 20, BLOCK_N 64 0.223;
-    # with the dots in bf16 the best was 0.278 (benchmarks/results/fp8-decode-variants-h200.json). Prefill keeps
-    # the bf16 tile (bound by the dots, not the bytes).
-    ("decode", "fp8"): (128, 4, 2),
+    # fp8 KV, measured on the H200 (triton 3.6, decode 256 x 1024, dots in fp16: FP16_DOT): one warp a
+    # program, BLOCK_N 64, no pipelining: 0.149 ms, 3.61 TB/s of fp8 KV, 85% of a device copy, the best of 34
+    # (benchmarks/results/decode-attention/). With 4 warps (BLOCK_N 128, 2 stages: 0.205 ms, 62%, the best of
+    # 20 before, fp8-decode-variants-h200.json) every tile's row maxima and sums crossed the warps and P went
+    # from the warps that computed it to the warps that multiply it by V through shared memory; one warp
+    # keeps all of it in registers. Prefill keeps the bf16 tile (bound by the dots, not the bytes).
+    ("decode", "fp8"): (64, 1, 1),
     ("prefill", "fp8"): (64, 4, 2),
 }
 WIDE_BLOCK_N = 32
@@ -62,9 +64,11 @@ WIDE_BLOCK_N = 32
 def _pick_config(
     decode: bool, g_pad: int, head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
 ) -> dict:
-    """Tile shapes from shapes and dtypes only (q's, and the cache's if not q's): `TILES`."""
+    """Tile shapes from shapes and dtypes only (q's, and the cache's if not q's): `TILES`, or the
+    PAGEDLLM_ATTENTION_TILES override of a row."""
     kv_format = "fp8" if kv_dtype is not None and is_fp8(kv_dtype) else "16bit"
-    block_n, num_warps, num_stages = TILES[("decode" if decode else "prefill", kv_format)]
+    key = ("decode" if decode else "prefill", kv_format)
+    block_n, num_warps, num_stages = envs.attention_tiles().get(key, TILES[key])
     if dtype == torch.float32 or head_dim > 128:
         block_n = WIDE_BLOCK_N
     if head_dim > 128 and not decode:
@@ -73,8 +77,10 @@ def _pick_config(
     return dict(BLOCK_Q=block_q, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
 
 
-def default_num_splits(batch: int, num_kv_heads: int, max_seqlen_k: int, device: torch.device) -> int:
-    """Flash-decoding split count: about 4 programs per SM, >= 128 keys (two tiles) a split,
+def default_num_splits(
+    batch: int, num_kv_heads: int, max_seqlen_k: int, device: torch.device, num_warps: int = 4
+) -> int:
+    """Flash-decoding split count: about 4 programs per SM (8 of one warp), >= 128 keys a split,
     rounded down to a power of two.
 
     (H200, batch 8 x 8192, 8 KV heads: 8 splits 3.86 TB/s, 9 splits 3.28, 16 splits 3.66.)
@@ -82,10 +88,10 @@ def default_num_splits(batch: int, num_kv_heads: int, max_seqlen_k: int, device:
     ran as 2 splits of 8 serial tiles (15.7 us a layer on the H200, a quarter of the step).
     """
     programs = batch * num_kv_heads
-    sms = num_sms(device)
-    if programs >= 2 * sms:
+    slots = max(4, 8 // num_warps) * num_sms(device)  # programs resident at once
+    if 2 * programs >= slots:
         return 1
-    n = max(1, min(4 * sms // programs, max_seqlen_k // 128, 64))
+    n = max(1, min(slots // programs, max_seqlen_k // 128, 64))
     return 1 << (n.bit_length() - 1)  # a power of two: NUM_SPLITS is compiled in, few variants
 
 
@@ -143,7 +149,7 @@ def paged_attention(
     group = hq // hkv
     g_pad = next_pow2(group)
     cfg = dict(_config) if _config else _pick_config(decode, g_pad, d, q.dtype, k_cache.dtype)
-    block_q = cfg.pop("BLOCK_Q", 1)
+    block_q = cfg.pop("BLOCK_Q")
     # fp8 K/V with a 16-bit q: dots in fp16 (fp8 -> fp16 is one conversion; -> bf16 goes through fp32)
     fp16_dot = cfg.pop("FP16_DOT", kv_fp8 and q.dtype != torch.float32)
     if num_splits is None:
@@ -151,7 +157,7 @@ def paged_attention(
             mk = max_seqlen_k if max_seqlen_k is not None else block_tables.shape[1] * block_size
             if sliding_window is not None:  # the keys a decode query reads
                 mk = min(mk, sliding_window)
-            num_splits = default_num_splits(batch, hkv, mk, q.device)
+            num_splits = default_num_splits(batch, hkv, mk, q.device, cfg["num_warps"])
         else:
             num_splits = 1
     num_splits = max(1, int(num_splits))
@@ -174,75 +180,41 @@ def paged_attention(
         SLIDING=sliding_window is not None,
         SOFT_CAP=logits_soft_cap is not None,
     )
-    if decode and "LANES" in cfg:
-        decode_kernels._decode_attn_kernel[(num_splits, hkv, batch)](
-            out,
-            q,
-            k_cache,
-            v_cache,
-            block_tables,
-            seq_lens,
-            part_out,
-            part_lse,
-            qk_scale,
-            float(v_scale) if kv_fp8 else 1.0,
-            cap_log2,
-            int(sliding_window or 0),
-            q.stride(0),
-            q.stride(1),
-            out.stride(0),
-            out.stride(1),
-            k_cache.stride(0),
-            k_cache.stride(1),
-            k_cache.stride(2),
-            v_cache.stride(0),
-            v_cache.stride(1),
-            v_cache.stride(2),
-            block_tables.stride(0),
-            GROUP=group,
-            ROWS=max(16, g_pad),
-            HEAD_DIM=d,
-            BLOCK_SIZE=block_size,
-            NUM_SPLITS=num_splits,
-            **common,
-            **cfg,
-        )
-    else:
-        kernels._paged_attn_kernel[(triton.cdiv(max_seqlen_q, block_q) * num_splits, hkv, batch)](
-            out,
-            q,
-            k_cache,
-            v_cache,
-            block_tables,
-            cu_seqlens_q if cu_seqlens_q is not None else seq_lens,
-            seq_lens,
-            part_out,
-            part_lse,
-            qk_scale,
-            float(v_scale) if kv_fp8 else 1.0,
-            cap_log2,
-            int(sliding_window or 0),
-            q.stride(0),
-            q.stride(1),
-            out.stride(0),
-            out.stride(1),
-            k_cache.stride(0),
-            k_cache.stride(1),
-            k_cache.stride(2),
-            v_cache.stride(0),
-            v_cache.stride(1),
-            v_cache.stride(2),
-            block_tables.stride(0),
-            GROUP=group,
-            G_PAD=g_pad,
-            BLOCK_Q=block_q,
-            HEAD_DIM=d,
-            BLOCK_SIZE=block_size,
-            NUM_SPLITS=num_splits,
-            DECODE=decode,
-            **common,
-            **cfg,
-        )
+    kernels._paged_attn_kernel[(triton.cdiv(max_seqlen_q, block_q) * num_splits, hkv, batch)](
+        out,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_seqlens_q if cu_seqlens_q is not None else seq_lens,
+        seq_lens,
+        part_out,
+        part_lse,
+        qk_scale,
+        float(v_scale) if kv_fp8 else 1.0,
+        cap_log2,
+        int(sliding_window or 0),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group,
+        G_PAD=g_pad,
+        BLOCK_Q=block_q,
+        HEAD_DIM=d,
+        BLOCK_SIZE=block_size,
+        NUM_SPLITS=num_splits,
+        DECODE=decode,
+        **common,
+        **cfg,
+    )
     if num_splits > 1:
         kernels._merge_splits_kernel[(t, hq)](
             out,
