@@ -80,18 +80,22 @@ def _pick_config(
 def default_num_splits(
     batch: int, num_kv_heads: int, max_seqlen_k: int, device: torch.device, num_warps: int = 4
 ) -> int:
-    """Flash-decoding split count: about 4 programs per SM (8 of one warp), >= 128 keys a split,
-    rounded down to a power of two.
+    """Flash-decoding split count: about 4 programs per SM, >= 128 keys a split, at most 64 splits;
+    for one-warp tiles (fp8 decode) 8 programs per SM, >= 64 keys (one tile) a split, at most 128.
+    Rounded down to a power of two.
 
     (H200, batch 8 x 8192, 8 KV heads: 8 splits 3.86 TB/s, 9 splits 3.28, 16 splits 3.66.)
     At batch 1 the split length bounds the latency: with >= 512 keys a split, a 1,024-key context
     ran as 2 splits of 8 serial tiles (15.7 us a layer on the H200, a quarter of the step).
+    One warp, fp8 KV (H200, benchmarks/results/decode-attention/): 1 x 32,768 ran at 59% of a copy
+    with 128 splits against 47% with 64, and 1 x 1,024 took 7.5 us with 16 splits against 9.6 with 8.
     """
+    one_warp = num_warps == 1
     programs = batch * num_kv_heads
-    slots = max(4, 8 // num_warps) * num_sms(device)  # programs resident at once
+    slots = (8 if one_warp else 4) * num_sms(device)  # programs resident at once
     if 2 * programs >= slots:
         return 1
-    n = max(1, min(slots // programs, max_seqlen_k // 128, 64))
+    n = max(1, min(slots // programs, max_seqlen_k // (64 if one_warp else 128), 128 if one_warp else 64))
     return 1 << (n.bit_length() - 1)  # a power of two: NUM_SPLITS is compiled in, few variants
 
 

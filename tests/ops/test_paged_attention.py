@@ -246,6 +246,10 @@ def test_default_num_splits():
     assert default_num_splits(1, 1, 8192, cpu) == 4  # 1 "SM" on CPU: 4 programs
     assert default_num_splits(1, 1, 384, cpu) == 2  # 3 splits of 128 keys, rounded down to 2
     assert default_num_splits(1, 1, 255, cpu) == 1  # not two splits of 128 keys
+    # one-warp tiles: 8 programs a "SM", splits of >= 64 keys
+    assert default_num_splits(1, 1, 8192, cpu, num_warps=1) == 8
+    assert default_num_splits(1, 1, 255, cpu, num_warps=1) == 2
+    assert default_num_splits(4, 1, 8192, cpu, num_warps=1) == 1  # 4 programs fill half the 8 slots
 
 
 # ----------------------------------------------------------------------------- GPU sizes
@@ -338,6 +342,45 @@ def test_pick_config_by_kv_format():
     # head_dim 256 (Gemma): narrow tiles, and 8 warps for a prefill's [64, 256] accumulator
     assert _pick_config(False, 2, 256, bf16) == dict(BLOCK_Q=32, BLOCK_N=32, num_warps=8, num_stages=2)
     assert _pick_config(True, 2, 256, bf16) == dict(BLOCK_Q=8, BLOCK_N=32, num_warps=4, num_stages=2)
+
+
+def test_attention_tiles_override(monkeypatch):
+    """PAGEDLLM_ATTENTION_TILES replaces the rows it names, and a bad value names the variable."""
+    bf16, e4m3 = torch.bfloat16, torch.float8_e4m3fn
+    monkeypatch.setenv("PAGEDLLM_ATTENTION_TILES", '{"decode/fp8": [128, 4, 2]}')
+    assert _pick_config(True, 2, 128, bf16, e4m3) == dict(BLOCK_Q=8, BLOCK_N=128, num_warps=4, num_stages=2)
+    assert _pick_config(True, 2, 128, bf16) == dict(BLOCK_Q=8, BLOCK_N=64, num_warps=4, num_stages=2)
+    for bad in ('{"decode/int4": [64, 1, 1]}', '{"decode/fp8": [64, 1]}', "[1, 2]", "not json"):
+        monkeypatch.setenv("PAGEDLLM_ATTENTION_TILES", bad)
+        with pytest.raises(ValueError, match="PAGEDLLM_ATTENTION_TILES"):
+            _pick_config(True, 2, 128, bf16, e4m3)
+
+
+def test_one_warp_fp8_decode_matches_reference(device):
+    """The fp8 decode tile (one warp) over splits, GQA groups and a padding row, against the reference."""
+    torch.manual_seed(0)
+    e4m3 = torch.float8_e4m3fn
+    for group, splits in ((2, 1), (4, 3), (1, 2)):
+        hkv, d, bs = 2, 32, 8
+        lens = [70, 0, 129]
+        nb = [-(-n // bs) for n in lens]
+        k = (torch.randn(sum(nb) + 1, hkv, bs, d, device=device) / 2).to(e4m3)
+        v = (torch.randn_like(k, dtype=torch.float32) / 2).to(e4m3)
+        bt = torch.zeros(len(lens), max(nb), dtype=torch.int32, device=device)
+        perm, used = torch.randperm(sum(nb) + 1, device=device).int(), 0
+        for i, n in enumerate(nb):
+            bt[i, :n] = perm[used : used + n]
+            used += n
+        q = torch.randn(len(lens), hkv * group, d, device=device, dtype=torch.bfloat16)
+        sl = torch.tensor(lens, dtype=torch.int32, device=device)
+        cu = torch.arange(len(lens) + 1, dtype=torch.int32, device=device)
+        kw = dict(scale=d**-0.5, k_scale=0.5, v_scale=2.0)
+        cfg = _pick_config(True, group, d, torch.bfloat16, e4m3)
+        assert cfg["num_warps"] == 1
+        out = paged_attention(q, k, v, bt, None, sl, max_seqlen_q=1, num_splits=splits, **kw)
+        ref = paged_attention_ref(q, k, v, bt, cu, sl, **kw)
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+        assert out[1].abs().max() == 0  # the padding row
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
