@@ -13,6 +13,7 @@ kernel closes the parent's end), and the parent pid is checked while idle and du
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import pickle
@@ -218,6 +219,11 @@ def core_process_main(conn_in: Any, conn_out: Any, llm_kwargs: dict, parent_pid:
             pass
         sys.exit(1)
     started.set()
+    # This process lives as long as its engine: the start-up heap (modules, tokenizer, KV bookkeeping)
+    # leaves the garbage collector's generations for good, so a full collection while serving walks
+    # only the requests' objects (a full collection of that heap: ~110 ms on a 2-core host).
+    gc.collect()
+    gc.freeze()
     try:
         proc = EngineCoreProc(llm, conn_in, conn_out, parent_pid)
         proc._send(Ready(proc.info()))
