@@ -1,5 +1,5 @@
 """Print pyproject's dependency floors as pip constraints (`name==floor`), for the CI job that
-installs and tests the project at its lowest declared versions (.ci/run, README "Testing").
+installs and tests the project at its lowest declared versions (.ci/run, docs/testing.md).
 
     python tools/floors.py [--extra serve] > floors.txt
     pip install -c floors.txt torch && pip install -c floors.txt -e ".[serve]"

@@ -5,7 +5,7 @@ StepResult: one sampled token id per sample row, in row order (for each schedule
 samples: the sequence, then the children it forks this step, `ScheduledSequence.sample_seqs`),
 and the logprobs of the rows and prompts that asked for them. An executor with `supports_async`
 also offers `execute_async`, which launches the step and returns at once; the handle's `result()`
-blocks until the result is on the host (async scheduling, ARCHITECTURE.md).
+blocks until the result is on the host (async scheduling, docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 coordinating one manager per KV-cache group (single_type_kv_cache_manager.py: full attention,
 sliding window) over the one pool, as vLLM v1's kv_cache_coordinator.py.
 
-The three paths of a block (the names of the block trace, ARCHITECTURE.md):
+The three paths of a block (the names of the block trace, docs/architecture.md):
   ALLOCATE   - miss: a fresh block from the free queue's head
   REUSE      - hit on a block a live sequence holds: ref_cnt + 1
   REACTIVATE - hit on a free block that kept its hash: taken out of the free queue

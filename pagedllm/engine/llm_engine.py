@@ -1,6 +1,6 @@
 """LLMEngine: requests in, RequestOutputs out, one `step()` at a time, in one process.
 
-Three parts in a line (ARCHITECTURE.md): the InputProcessor checks a request once
+Three parts in a line (docs/architecture.md): the InputProcessor checks a request once
 (input_processor.py), the EngineCore schedules and runs it and returns token ids (core.py), the
 OutputProcessor turns those into text, stop strings and RequestOutputs (output_processor.py).
 The server runs the same EngineCore in a process of its own and the same OutputProcessor in

@@ -1,6 +1,6 @@
 """Typed messages between the API side (AsyncLLM, the server) and the engine core.
 
-They cross a process boundary (pickled over a pipe, ARCHITECTURE.md), so they hold plain data
+They cross a process boundary (pickled over a pipe, docs/architecture.md), so they hold plain data
 only: ids, numbers, strings, SamplingParams, an InvalidRequestError. Readers use the fields by
 name; nothing is a positional tuple.
 

@@ -2,7 +2,7 @@
 
 One implementation for every front: LLMEngine (LLM.generate, the CLI) runs it in the engine's
 process after each core step; AsyncLLM runs it in the API process on the event loop, where the
-core in its own process ships token ids only (ARCHITECTURE.md). Per request a RequestState holds
+core in its own process ships token ids only (docs/architecture.md). Per request a RequestState holds
 one SequenceState per sequence the core samples (SamplingParams.num_samples: best_of, or n).
 
 Two halves, so that a consumer may fall behind:

@@ -205,7 +205,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _profile_kv_blocks(self, utilization: float) -> int:
-        """KV sizing (ARCHITECTURE.md): total * utilization - used - peak + current, after a warm-up forward
+        """KV sizing (docs/architecture.md): total * utilization - used - peak + current, after a warm-up forward
         at the largest batch the scheduler can form."""
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()

@@ -1,5 +1,5 @@
 """The block pool's named scenarios (allocate, reuse, reactivate, evict) as tests, plus property tests
-of every KV-cache invariant (ARCHITECTURE.md)."""
+of every KV-cache invariant (docs/architecture.md)."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st

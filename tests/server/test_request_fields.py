@@ -626,8 +626,8 @@ def test_unknown_field_is_logged_once_and_ignored(asks, caplog):
     assert sum("no_such_field_1" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_readme_table_is_the_registry():
-    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+def test_docs_table_is_the_registry():
+    text = open(os.path.join(ROOT, "docs", "server.md"), encoding="utf-8").read()
     m = re.search(r"<!-- fields:start -->\n(.*?)\n<!-- fields:end -->", text, re.S)
-    assert m is not None, "README.md needs the field table between <!-- fields:start --> and <!-- fields:end -->"
+    assert m is not None, "docs/server.md needs the field table between <!-- fields:start --> and <!-- fields:end -->"
     assert m.group(1).strip() == markdown_table()

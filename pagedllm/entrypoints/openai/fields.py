@@ -11,8 +11,8 @@ A body key that is in none of the endpoint's fields is logged at warning level o
 the life of the `UnknownFields` that saw it (one per server) and otherwise ignored, as vLLM
 does: OpenAI's clients send new fields before servers know them.
 
-The README's field table is `markdown_table()` (tests/server/test_request_fields.py checks that
-the README holds exactly this table).
+The field table of docs/server.md is `markdown_table()` (tests/server/test_request_fields.py checks that
+docs/server.md holds exactly this table).
 """
 
 from __future__ import annotations
@@ -221,7 +221,7 @@ def _path(endpoint: Endpoint) -> str:
 
 
 def markdown_table(fields: Iterable[RequestField] = REQUEST_FIELDS) -> str:
-    """The README's table: one row per field name, its endpoints, status and meaning."""
+    """docs/server.md's table: one row per field name, its endpoints, status and meaning."""
     rows = ["| field | endpoints | status | meaning |", "| --- | --- | --- | --- |"]
     for f in fields:
         where = "both" if f.endpoints == BOTH else ("completions" if f.endpoints == CMPL else "chat")
