@@ -36,10 +36,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagedllm.engine import LLMEngine, SamplingParams, SchedulerConfig
-from pagedllm.engine.executor import StepResult
 from pagedllm.engine.kv_cache_groups import KVCacheGroup
 from pagedllm.engine.outputs import RequestOutput
-from pagedllm.engine.scheduler import SchedulerOutput
+from pagedllm.engine.scheduler_output import SchedulerOutput
+from pagedllm.engine.step_result import StepResult
 
 EOS = 0
 BLOCK_SIZE = 16

@@ -24,8 +24,8 @@ import math
 import time
 
 from pagedllm.engine import SamplingParams
-from pagedllm.engine.executor import StepResult, TokenLogprobs
-from pagedllm.engine.scheduler import SchedulerOutput
+from pagedllm.engine.scheduler_output import SchedulerOutput
+from pagedllm.engine.step_result import StepResult, TokenLogprobs
 
 from . import sharing
 

@@ -21,15 +21,14 @@ Sums are float32, as HF's tensors, so that near ties order the same way.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Generic, TypeVar
 
 import numpy as np
 
-from pagedllm.engine.executor import TokenLogprobs
 from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.engine.step_result import TokenLogprobs
 
-if TYPE_CHECKING:
-    from pagedllm.engine.sequence import Sequence
+S = TypeVar("S")  # the engine's Sequence (engine/sequence.py), which holds its search: no import back
 
 NEG = np.float32(-1.0e9)  # HF's "impossible" score
 f32 = np.float32
@@ -54,7 +53,7 @@ class Survivor:
     cumulative_logprob: np.float32
 
 
-class BeamSearch:
+class BeamSearch(Generic[S]):
     """The state of one request's search. `beams[i]` is running beam i (rank order), a Sequence
     the scheduler keeps (the list object is the request's entry in EngineCore.requests, updated
     in place), `scores[i]` its cumulative logprob."""
@@ -68,7 +67,7 @@ class BeamSearch:
         self.length_penalty = float(params.length_penalty)
         self.early_stopping = params.early_stopping
         self.max_tokens = params.max_tokens
-        self.beams: list[Sequence] = []
+        self.beams: list[S] = []
         self.scores: list[np.float32] = [f32(0.0)]  # one running beam: the prompt
         self.finished: list[Hypothesis] = []  # at most width, best first
         self.num_generated = 0

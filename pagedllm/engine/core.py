@@ -124,7 +124,7 @@ class EngineCore:
         """One sequence computes the prompt; the search grows it into params.n beams (scheduler.py).
         The request's entry is the search's list of live beams."""
         seq = Sequence(rid, ids, params, arrival_time)
-        search = BeamSearch(rid, params, self.scheduler.eos_token_ids)
+        search = BeamSearch[Sequence](rid, params, self.scheduler.eos_token_ids)
         seq.beam, seq.num_logprobs = search, search.num_candidates
         search.beams.append(seq)
         self.requests[rid] = search.beams
@@ -260,7 +260,7 @@ class EngineCore:
         self,
         touched: list[tuple[Sequence, TokenLogprobs | None]],
         num_sampled: int,
-        searches: list[BeamSearch],
+        searches: list[BeamSearch[Sequence]],
     ) -> list[EngineCoreOutput]:
         self.num_generation_tokens += num_sampled
         outputs = []
@@ -324,7 +324,7 @@ class EngineCore:
                 self._forget_if_done(rid, seqs)
         return outputs
 
-    def _beam_outputs(self, search: BeamSearch) -> list[EngineCoreOutput]:
+    def _beam_outputs(self, search: BeamSearch[Sequence]) -> list[EngineCoreOutput]:
         """A finished search's outputs: one per returned hypothesis, best first (index = rank)."""
         first = self._beam_first.pop(search.request_id, None)
         if first is None:

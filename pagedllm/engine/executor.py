@@ -10,39 +10,15 @@ blocks until the result is on the host (async scheduling, docs/architecture.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Protocol
+
+from pagedllm.engine.step_result import PromptLogprobsChunk, StepResult, TokenLogprobs
 
 if TYPE_CHECKING:
     from pagedllm.engine.kv_cache_groups import KVCacheGroup
-    from pagedllm.engine.scheduler import SchedulerOutput
+    from pagedllm.engine.scheduler_output import SchedulerOutput
 
-
-class TokenLogprobs(NamedTuple):
-    """One scored token: `token_ids[0]` is the token itself (sampled, or the prompt's next token),
-    `token_ids[1:]` the top k of the distribution, best first; `logprobs` the log-softmax of the
-    model's raw float32 logits at those ids; `rank` the token's rank (1 = the most likely; ties
-    count against it: the number of ids whose logprob is >= its own)."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    rank: int
-
-
-@dataclass
-class PromptLogprobsChunk:
-    """Prompt logprobs a step computed for one sequence: entry j scores prompt token `start + j`
-    (start >= 1: the first prompt token has no logprob), given the tokens before it."""
-
-    start: int
-    entries: list[TokenLogprobs]
-
-
-@dataclass
-class StepResult:
-    sampled: list[int]  # one per sample row
-    logprobs: list[TokenLogprobs | None] | None = None  # per sample row (None: that row did not ask); None: none did
-    prompt_logprobs: dict[int, PromptLogprobsChunk] | None = None  # seq_id -> this step's chunk
+__all__ = ["Executor", "PromptLogprobsChunk", "StepHandle", "StepResult", "TokenLogprobs"]
 
 
 class StepHandle(Protocol):

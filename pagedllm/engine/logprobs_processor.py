@@ -12,8 +12,8 @@ order (ranks 1..k), skipping the token itself when it is among them: k + 1 entri
 from __future__ import annotations
 
 from pagedllm.engine.detokenizer import Decoder
-from pagedllm.engine.executor import TokenLogprobs
 from pagedllm.engine.outputs import Logprob, PromptLogprobs, SampleLogprobs
+from pagedllm.engine.step_result import TokenLogprobs
 
 
 class TokenTexts:

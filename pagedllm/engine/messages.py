@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.engine.errors import InvalidRequestError
-from pagedllm.engine.executor import TokenLogprobs
 from pagedllm.engine.kv_cache_groups import KVCacheGroup
 from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.engine.step_result import TokenLogprobs
 
 Metrics = dict[str, Any]  # LLMEngine.get_metrics(): gauges and counters by name
 

@@ -48,11 +48,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.engine.detokenizer import Decoder, IncrementalDetokenizer, SpacedDecoder, fast_decoder, special_ids_of
-from pagedllm.engine.executor import TokenLogprobs
 from pagedllm.engine.logprobs_processor import SampleLogprobsState, TokenTexts, prompt_logprobs_of
 from pagedllm.engine.messages import EngineCoreOutput, EngineCoreRequest
 from pagedllm.engine.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
 from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.engine.step_result import TokenLogprobs
 
 
 @dataclass

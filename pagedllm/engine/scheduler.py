@@ -34,59 +34,16 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from pagedllm.engine.beam_search import BeamSearch
-from pagedllm.engine.block_pool import Block
-from pagedllm.engine.executor import StepResult, TokenLogprobs
 from pagedllm.engine.kv_cache_manager import KVCacheManager
+from pagedllm.engine.scheduler_output import PLACEHOLDER, ScheduledSequence, SchedulerOutput
 from pagedllm.engine.sequence import Sequence, SequenceStatus
+from pagedllm.engine.step_result import StepResult, TokenLogprobs
 
 logger = logging.getLogger("pagedllm")
 
-PLACEHOLDER = -1  # a sampled token whose id has not reached the host yet (async scheduling)
-
-
-@dataclass
-class ScheduledSequence:
-    seq: Sequence
-    num_new_tokens: int
-    forks: list[Sequence] = field(default_factory=list)  # children forked at this step: they sample from seq's row
-    # set by Scheduler.advance() at launch
-    sampled: bool = False
-    computed_after: int = 0
-    placeholder_index: int = -1
-
-    @property
-    def samples(self) -> bool:
-        """True when this step computes the sequence's last token, so a new one is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
-
-    @property
-    def sample_seqs(self) -> list[Sequence]:
-        """The sequences that draw a token from this row's logits (when it samples), in row order."""
-        return [self.seq, *self.forks] if self.forks else [self.seq]
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSequence] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    num_preempted: int = 0
-    new_cached: list[Block] = field(default_factory=list)  # registered at scheduling: uncached if it never runs
-    finished_searches: list[BeamSearch] = field(default_factory=list)  # set by resolve: beam searches that ended
-    step_id: int = 0  # the core's step number, when a timeline records it (timeline.py)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_decode_only(self) -> bool:
-        return all(s.num_new_tokens == 1 for s in self.scheduled)
-
-    def __bool__(self) -> bool:
-        return bool(self.scheduled)
+__all__ = ["PLACEHOLDER", "ScheduledSequence", "Scheduler", "SchedulerOutput"]
 
 
 class Scheduler:
@@ -280,7 +237,7 @@ class Scheduler:
         touched: list[tuple[Sequence, TokenLogprobs | None]] = []
         if result.prompt_logprobs:
             self._keep_prompt_logprobs(out, result)
-        searches: dict[int, BeamSearch] = {}
+        searches: dict[int, BeamSearch[Sequence]] = {}
         for sched in out.scheduled:
             if not sched.sampled:
                 continue
@@ -314,7 +271,7 @@ class Scheduler:
 
     @staticmethod
     def _keep_beam_result(
-        seq: Sequence, result: StepResult, row: int, now: float, searches: dict[int, BeamSearch]
+        seq: Sequence, result: StepResult, row: int, now: float, searches: dict[int, BeamSearch[Sequence]]
     ) -> None:
         if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != seq.num_tokens:
             return  # freed (abort, preempted) after this step launched: it recomputes
@@ -324,7 +281,7 @@ class Scheduler:
             seq.first_token_time = now
         searches[id(seq.beam)] = seq.beam
 
-    def _step_search(self, search: BeamSearch, out: SchedulerOutput) -> None:
+    def _step_search(self, search: BeamSearch[Sequence], out: SchedulerOutput) -> None:
         """Every live beam has its top-k: step the search and make its next beams (forks first,
         from the unchanged parents; then the tokens; then the dropped beams' blocks freed)."""
         parents = list(search.beams)

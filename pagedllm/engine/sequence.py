@@ -7,8 +7,8 @@ import itertools
 import time
 from typing import TYPE_CHECKING
 
-from pagedllm.engine.executor import TokenLogprobs
 from pagedllm.engine.sampling_params import SamplingParams
+from pagedllm.engine.step_result import TokenLogprobs
 
 if TYPE_CHECKING:
     from pagedllm.engine.beam_search import BeamSearch
@@ -88,7 +88,7 @@ class Sequence:
         self.num_logprobs: int | None = sampling_params.logprobs  # top-k the sampler returns per token
         # beam search: the request's search, and this beam's top-k of the step that computed its
         # last token, kept until every beam of the request has one (then the search steps)
-        self.beam: BeamSearch | None = None
+        self.beam: BeamSearch[Sequence] | None = None
         self.beam_result: TokenLogprobs | None = None
         self.num_pending = 0  # trailing PLACEHOLDER tokens (async scheduling)
         # structured output: the grammar its output must match (structured_output.py); None: free

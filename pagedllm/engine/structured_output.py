@@ -24,17 +24,29 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask, fill_next_token_bitmask_par
 
 from pagedllm.engine.grammar import GrammarKey, grammar_key, grammar_spec
-from pagedllm.engine.sampling_params import StructuredOutputsParams
+from pagedllm.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
-if TYPE_CHECKING:
-    from pagedllm.engine.sequence import Sequence as Seq
+
+class Seq(Protocol):
+    """What `grammar_bitmask` reads of a sample row's sequence (engine/sequence.py's Sequence, which
+    holds a SequenceGrammar: a protocol, so that this module does not import it back)."""
+
+    @property
+    def grammar(self) -> SequenceGrammar | None: ...
+
+    @property
+    def num_pending(self) -> int: ...
+
+    @property
+    def sampling_params(self) -> SamplingParams: ...
+
 
 logger = logging.getLogger("pagedllm")
 

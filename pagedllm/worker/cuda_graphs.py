@@ -22,7 +22,7 @@ from pagedllm.worker.step_inputs import StepInputs
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
 
-    from pagedllm.worker.model_runner import ModelRunner
+    from pagedllm.worker.runner_view import GraphRunner
 
 
 def batch_size_ladder(max_num_seqs: int) -> list[int]:
@@ -31,7 +31,7 @@ def batch_size_ladder(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: GraphRunner):
         self.runner = runner
         dev = runner.device
         self.sizes = batch_size_ladder(runner.max_num_seqs)

@@ -30,7 +30,7 @@ from typing import ClassVar
 import numpy as np
 
 from pagedllm.engine.sampling_params import SamplingParams
-from pagedllm.engine.scheduler import PLACEHOLDER
+from pagedllm.engine.scheduler_output import PLACEHOLDER
 from pagedllm.engine.sequence import Sequence
 
 _NO_IDS = np.zeros(0, dtype=np.int64)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedllm.engine.executor import PromptLogprobsChunk, TokenLogprobs
+from pagedllm.engine.step_result import PromptLogprobsChunk, TokenLogprobs
 from pagedllm.worker.step_inputs import PromptLogprobsRows
 
 # Prompt rows scored per LM-head call: bounds the [rows, vocab] float32 logits a long prompt

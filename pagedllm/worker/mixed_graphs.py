@@ -32,14 +32,14 @@ from pagedllm.worker.step_inputs import StepInputs
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
 
-    from pagedllm.worker.model_runner import ModelRunner
+    from pagedllm.worker.runner_view import GraphRunner
 
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 SEQ_BUCKETS = (4, 16, 64)
 
 
 class MixedGraphs:
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: GraphRunner):
         self.runner = runner
         dev = runner.device
         self.token_sizes = [t for t in TOKEN_BUCKETS if t <= runner.max_num_batched_tokens]

@@ -12,10 +12,10 @@ import numpy as np
 import torch
 
 from pagedllm import envs
-from pagedllm.engine.executor import StepResult
 from pagedllm.engine.kv_cache_groups import blocks_per_sequence
-from pagedllm.engine.scheduler import PLACEHOLDER, SchedulerOutput
+from pagedllm.engine.scheduler_output import PLACEHOLDER, SchedulerOutput
 from pagedllm.engine.startup_times import StartupTimes
+from pagedllm.engine.step_result import StepResult
 from pagedllm.engine.structured_output import grammar_bitmask
 from pagedllm.model.attention_metadata import AttentionMetadata
 from pagedllm.model.loader import init_dummy_weights, load_weights

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
 
     from pagedllm.model.decoder import DecoderLayer, DecoderModel
-    from pagedllm.worker.model_runner import ModelRunner
+    from pagedllm.worker.runner_view import GraphRunner
 
 MIN_BUCKET = 16
 
@@ -58,7 +58,7 @@ class _Bucket:
 
 
 class PiecewiseGraphs:
-    def __init__(self, runner: ModelRunner, max_tokens: int):
+    def __init__(self, runner: GraphRunner, max_tokens: int):
         self.runner = runner
         dev = runner.device
         self.model: DecoderModel = runner.model.model  # embed, layers, final_norm

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.engine.executor import StepResult
+from pagedllm.engine.step_result import StepResult
 from pagedllm.worker.logprobs import PromptLogprobs, SampleLogprobs
 
 

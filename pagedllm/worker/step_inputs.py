@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pagedllm.engine.kv_cache_groups import KVCacheGroup
-from pagedllm.engine.scheduler import SchedulerOutput
+from pagedllm.engine.scheduler_output import SchedulerOutput
 from pagedllm.engine.sequence import Sequence
 from pagedllm.worker.logits_controls import LogitsControls, TokenHistory, build_logits_controls, uses_logits_controls
 

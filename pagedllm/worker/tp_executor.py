@@ -40,9 +40,10 @@ import torch
 import torch.distributed as dist
 
 from pagedllm import envs
-from pagedllm.engine.executor import StepHandle, StepResult
+from pagedllm.engine.executor import StepHandle
 from pagedllm.engine.kv_cache_groups import KVCacheGroup
-from pagedllm.engine.scheduler import SchedulerOutput
+from pagedllm.engine.scheduler_output import SchedulerOutput
+from pagedllm.engine.step_result import StepResult
 from pagedllm.model.moe import check_tp as check_moe_tp
 from pagedllm.model.registry import resolve
 from pagedllm.worker.step_inputs import StepInputs

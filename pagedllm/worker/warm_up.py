@@ -10,11 +10,11 @@ import torch
 from pagedllm.ops import PAD_SLOT_ID
 
 if TYPE_CHECKING:
-    from pagedllm.worker.model_runner import ModelRunner
+    from pagedllm.worker.runner_view import WarmUpRunner
 
 
 @torch.inference_mode()
-def warm_up_kernels(runner: ModelRunner) -> None:
+def warm_up_kernels(runner: WarmUpRunner) -> None:
     """Compile the attention kernel's prefill-with-history variant (a step mixing one
     decode row with a chunk over a cached prefix) and the sampling kernel at start-up, so
     the first real requests do not wait for Triton; and the copy-on-write kernel. The profiling

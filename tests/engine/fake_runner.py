@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import zlib
 
-from pagedllm.engine.executor import PromptLogprobsChunk, StepResult, TokenLogprobs
 from pagedllm.engine.kv_cache_groups import KVCacheGroup
 from pagedllm.engine.scheduler import PLACEHOLDER, SchedulerOutput
 from pagedllm.engine.sequence import Sequence
+from pagedllm.engine.step_result import PromptLogprobsChunk, StepResult, TokenLogprobs
 
 VOCAB = 97
 

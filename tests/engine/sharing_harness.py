@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from pagedllm.engine import LLMEngine, SamplingParams, SchedulerConfig
-from pagedllm.engine.scheduler import PLACEHOLDER, SchedulerOutput
+from pagedllm.engine.scheduler_output import PLACEHOLDER, SchedulerOutput
 from pagedllm.engine.sequence import Sequence, SequenceStatus
 from tests.engine.fake_runner import ShadowRunner, reference_generate
 from tests.engine.test_engine_equivalence import check_registered_blocks_hold_their_kv

@@ -10,7 +10,7 @@ import torch
 from transformers import RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
 
 from pagedllm.engine.sampling_params import SamplingParams
-from pagedllm.engine.scheduler import PLACEHOLDER
+from pagedllm.engine.scheduler_output import PLACEHOLDER
 from pagedllm.engine.sequence import Sequence
 from pagedllm.ops.logits_controls import ControlTensors, apply_logits_controls
 from pagedllm.worker.logits_controls import TokenHistory, build_logits_controls

@@ -40,7 +40,7 @@ def live(server_model):
     One for the session (its start is the slow part): a test that changes it restores it."""
     from pagedllm.entrypoints.async_llm import AsyncLLM
     from pagedllm.entrypoints.model_dir import load_hf_config
-    from pagedllm.entrypoints.openai.api_server import build_app
+    from pagedllm.entrypoints.openai.routes import build_app
 
     num_kv_blocks = min(256, load_hf_config(server_model).max_position_embeddings // BLOCK_SIZE - 1)
     async_llm = AsyncLLM(

@@ -20,8 +20,8 @@ from pagedllm import SamplingParams
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
 from pagedllm.engine.sampling_params import MAX_BEAM_WIDTH
-from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.routes import build_app
 from pagedllm.entrypoints.openai.serving import OpenAIServing
 from tests.server.helpers import MODEL_NAME
 from tests.server.test_parallel_logprobs import CharTokenizer  # one token per character

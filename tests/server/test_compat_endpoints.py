@@ -18,7 +18,7 @@ def compat():
 
     from pagedllm.entrypoints.async_llm import AsyncLLM
     from pagedllm.entrypoints.model_dir import bundled_model_path
-    from pagedllm.entrypoints.openai.api_server import build_app
+    from pagedllm.entrypoints.openai.routes import build_app
 
     async_llm = AsyncLLM(bundled_model_path(), engine_process=False, device="cpu", num_kv_blocks=32, log_requests=True)
     app = build_app(async_llm, ["main", "alias"], API_KEY, allowed_origins=[ORIGIN])

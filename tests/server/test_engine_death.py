@@ -39,8 +39,8 @@ LONG = {"model": MODEL_NAME, "prompt": "def f(x):", "max_tokens": 30000, "temper
 def doomed(long_context_model):
     """A server in keep-alive mode: what --keep-alive-on-engine-death makes of `pagedllm serve`."""
     from pagedllm.entrypoints.async_llm import AsyncLLM
-    from pagedllm.entrypoints.openai.api_server import build_app
     from pagedllm.entrypoints.openai.launcher import AbortingServer
+    from pagedllm.entrypoints.openai.routes import build_app
 
     async_llm = AsyncLLM(long_context_model, device="cpu", num_kv_blocks=2100, max_num_seqs=4)
     app = build_app(async_llm, MODEL_NAME, API_KEY)

@@ -19,7 +19,7 @@ import pytest
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
 from pagedllm.entrypoints.async_llm import EngineStepError
-from pagedllm.entrypoints.openai.api_server import build_app
+from pagedllm.entrypoints.openai.routes import build_app
 from tests.server.helpers import CHAT_TEMPLATE, LiveServer
 
 SECRET = "/srv/secret/models/internal-name"  # must never reach a client

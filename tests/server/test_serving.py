@@ -17,10 +17,10 @@ from pagedllm import SamplingParams
 from pagedllm.engine.errors import InvalidRequestError
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.engine.outputs import CompletionOutput, RequestOutput
-from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.entrypoints.openai.chat import parse_chat
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.parsing import parse_completion
+from pagedllm.entrypoints.openai.routes import build_app
 from pagedllm.entrypoints.openai.serving import OpenAIServing, SSEStream
 from tests.server.helpers import CHAT_TEMPLATE
 

@@ -51,7 +51,7 @@ def srv(server_model):
     """A server that reads "auto" answers with the Hermes parser and trusts request templates."""
     from pagedllm.entrypoints.async_llm import AsyncLLM
     from pagedllm.entrypoints.llm import LLM
-    from pagedllm.entrypoints.openai.api_server import build_app
+    from pagedllm.entrypoints.openai.routes import build_app
 
     async_llm = AsyncLLM(llm=LLM(server_model, device="cpu", num_kv_blocks=64, max_model_len=1024))
     live = LiveServer(

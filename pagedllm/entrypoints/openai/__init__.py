@@ -1,1 +1,1 @@
-"""The OpenAI-compatible server; `api_server.py` lists the modules and what each holds."""
+"""The OpenAI-compatible server; `routes.py` lists the modules and what each holds."""

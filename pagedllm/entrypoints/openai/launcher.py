@@ -37,9 +37,9 @@ from pagedllm import envs
 from pagedllm.entrypoints.args import USAGE_ERROR, CLIError, byte_size, engine_kwargs
 from pagedllm.entrypoints.async_llm import AsyncLLM
 from pagedllm.entrypoints.logs import LOG_DATEFMT, LOG_FORMAT
-from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.entrypoints.openai.connections import head_deadline_protocol
 from pagedllm.entrypoints.openai.guards import DEFAULT_MAX_REQUEST_BODY_SIZE, is_loopback
+from pagedllm.entrypoints.openai.routes import build_app
 
 logger = logging.getLogger("pagedllm")
 

@@ -1,0 +1,63 @@
+"""What the scheduler hands the executor for one step: the scheduled sequences and their token
+counts, the blocks to copy (copy-on-write), the blocks registered at scheduling.
+
+A plain message module that the scheduler (which fills it) and the executors (which run it)
+both import, so neither imports the other (as vLLM v1's `sched/output.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pagedllm.engine.block_pool import Block
+from pagedllm.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from pagedllm.engine.beam_search import BeamSearch
+
+PLACEHOLDER = -1  # a sampled token whose id has not reached the host yet (async scheduling)
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int
+    forks: list[Sequence] = field(default_factory=list)  # children forked at this step: they sample from seq's row
+    # set by Scheduler.advance() at launch
+    sampled: bool = False
+    computed_after: int = 0
+    placeholder_index: int = -1
+
+    @property
+    def samples(self) -> bool:
+        """True when this step computes the sequence's last token, so a new one is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+    @property
+    def sample_seqs(self) -> list[Sequence]:
+        """The sequences that draw a token from this row's logits (when it samples), in row order."""
+        return [self.seq, *self.forks] if self.forks else [self.seq]
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    num_preempted: int = 0
+    new_cached: list[Block] = field(default_factory=list)  # registered at scheduling: uncached if it never runs
+    finished_searches: list[BeamSearch[Sequence]] = field(
+        default_factory=list
+    )  # set by resolve: beam searches that ended
+    step_id: int = 0  # the core's step number, when a timeline records it (timeline.py)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(s.num_new_tokens == 1 for s in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
