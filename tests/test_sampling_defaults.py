@@ -60,7 +60,7 @@ def test_server_door_equals_llm_generate(llm, llm_door):
     from fastapi.testclient import TestClient
 
     from pagedllm.entrypoints.async_llm import AsyncLLM
-    from pagedllm.entrypoints.openai.api_server import build_app
+    from pagedllm.entrypoints.openai.routes import build_app
 
     async_llm = AsyncLLM(llm=llm)
     try:

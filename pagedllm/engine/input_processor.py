@@ -40,6 +40,15 @@ if TYPE_CHECKING:
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
+def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = False, **kwargs: Any) -> list[int]:
+    """Text -> token ids: the one place every door encodes text (a prompt here, /tokenize, each piece
+    of a rendered chat). add_special_tokens: the tokenizer's BOS/EOS around it; kwargs go to
+    `tokenizer.encode` (a chat's special-token texts: split_special_tokens). "" -> []."""
+    if not text:
+        return []
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens, **kwargs))
+
+
 class InputProcessor:
     def __init__(
         self,
@@ -190,9 +199,7 @@ class InputProcessor:
                 raise InvalidRequestError(
                     "prompt is a string but the engine has no tokenizer; pass token ids", "prompt"
                 )
-            if not prompt:
-                return prompt, []
-            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+            return prompt, encode_text(self.tokenizer, prompt, add_special_tokens)
         if isinstance(prompt, (list, tuple)):
             return None, self.check_ids(prompt)
         raise InvalidRequestError(

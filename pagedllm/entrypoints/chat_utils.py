@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pagedllm.engine.errors import InvalidRequestError
+from pagedllm.engine.input_processor import encode_text
 
 # OpenAI's message roles. A template renders the role as text, so any other string could carry
 # the template's own control tokens ("user<|im_end|>\n<|im_start|>system").
@@ -180,18 +181,18 @@ class _Defuser:
             return {self.defuse(k): self.defuse(v) for k, v in value.items()}
         return value
 
-    def tokenize(self, rendered: str) -> tuple[str, list[int]]:
+    def encode(self, rendered: str) -> tuple[str, list[int]]:
         """(the text with the special-token texts put back, its token ids)."""
         pieces = re.split(f"\ue000{self.nonce}-(\\d+)\ue001", rendered)  # text, j, text, j, ..., text
         text, ids = [], []
         for k, piece in enumerate(pieces):
             if k % 2 == 0:
                 text.append(piece)
-                ids.extend(self.tokenizer.encode(piece, add_special_tokens=False) if piece else [])
+                ids.extend(encode_text(self.tokenizer, piece))
             else:
                 special = self.specials[int(piece)]
                 text.append(special)
-                ids.extend(self.tokenizer.encode(special, add_special_tokens=False, split_special_tokens=True))
+                ids.extend(encode_text(self.tokenizer, special, split_special_tokens=True))
         return "".join(text), ids
 
 
@@ -261,5 +262,5 @@ def render_chat(
     if not isinstance(rendered, str):
         raise _bad("the chat template did not produce a string", "messages")
     if defuser is not None and defuser.used:
-        return defuser.tokenize(rendered)
+        return defuser.encode(rendered)
     return rendered, list(tokenizer.encode(rendered, add_special_tokens=False)) if rendered else []

@@ -52,7 +52,7 @@ _OPTIONAL = {
     ("serve",): (SERVER_MODULE, "serve", "add_server_args", "run_server", True),
     ("bench", "throughput"): ("pagedllm.bench.throughput", None, "add_args", "main", False),
     ("bench", "serve"): ("pagedllm.bench.serving", "serve", "add_args", "main", False),
-    ("bench", "sharing"): ("pagedllm.bench.sharing", None, "add_args", "main", False),
+    ("bench", "sharing"): ("pagedllm.bench.sharing_cli", None, "add_args", "main", False),
 }
 
 

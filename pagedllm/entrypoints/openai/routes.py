@@ -49,7 +49,7 @@ from pagedllm.entrypoints.openai.guards import DEFAULT_MAX_REQUEST_BODY_SIZE, Bo
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.parsing import json_body
 from pagedllm.entrypoints.openai.serving import OpenAIServing, SSEStream
-from pagedllm.entrypoints.openai.tokenize import detokenize, tokenize
+from pagedllm.entrypoints.openai.tokenize import detokenize_body, tokenize_body
 
 
 class SSEResponse(StreamingResponse):
@@ -138,12 +138,12 @@ def build_app(
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> dict[str, Any]:
         raw = await request.body()
-        return await asyncio.to_thread(lambda: tokenize(json_body(raw), async_llm, names))
+        return await asyncio.to_thread(lambda: tokenize_body(json_body(raw), async_llm, names))
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request) -> dict[str, Any]:
         raw = await request.body()
-        return await asyncio.to_thread(lambda: detokenize(json_body(raw), async_llm, names))
+        return await asyncio.to_thread(lambda: detokenize_body(json_body(raw), async_llm, names))
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from pagedllm.engine.input_processor import encode_text
 from pagedllm.entrypoints.openai.chat import chat_prompt
 from pagedllm.entrypoints.openai.errors import bad_request
 from pagedllm.entrypoints.openai.parsing import check_model, get, json_type
@@ -48,7 +49,7 @@ def _tokenizer(engine: TokenizerEngine, param: str) -> Any:
     return engine.tokenizer
 
 
-def tokenize(body: dict[str, Any], engine: TokenizerEngine, served_model_names: Sequence[str]) -> dict[str, Any]:
+def tokenize_body(body: dict[str, Any], engine: TokenizerEngine, served_model_names: Sequence[str]) -> dict[str, Any]:
     """The /tokenize answer of a parsed JSON body (APIError 400 naming the field at fault)."""
     check_model(body, served_model_names)
     chat = body.get("messages") is not None
@@ -68,7 +69,7 @@ def tokenize(body: dict[str, Any], engine: TokenizerEngine, served_model_names: 
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise bad_request(f"'prompt' must be a string, got {json_type(prompt)}", "prompt")
-        ids = list(tok.encode(prompt, add_special_tokens=get(body, "add_special_tokens", "bool", True)))
+        ids = encode_text(tok, prompt, get(body, "add_special_tokens", "bool", True))
     return {
         "count": len(ids),
         "max_model_len": engine.max_model_len,
@@ -77,7 +78,7 @@ def tokenize(body: dict[str, Any], engine: TokenizerEngine, served_model_names: 
     }
 
 
-def detokenize(body: dict[str, Any], engine: TokenizerEngine, served_model_names: Sequence[str]) -> dict[str, Any]:
+def detokenize_body(body: dict[str, Any], engine: TokenizerEngine, served_model_names: Sequence[str]) -> dict[str, Any]:
     """The /detokenize answer: the text of `tokens` (special tokens included, as vLLM decodes)."""
     check_model(body, served_model_names)
     _refuse_unknown(body, DETOKENIZE_FIELDS, "/detokenize")
