@@ -59,7 +59,7 @@ def cpu_model() -> str:
 
 def make_case(shape: tuple[int, int, int], q_lens: list[int], seq_lens: list[int], seed: int = 0):
     """(q, k_cache, v_cache, AttentionMetadata) of one step; K/V of every position already stored."""
-    from pagedllm.model.attention_metadata import AttentionMetadata
+    from pagedllm.ops.attention_metadata import AttentionMetadata
 
     hq, hkv, d = shape
     g = torch.Generator().manual_seed(seed)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.model.attention_metadata import AttentionMetadata
+from pagedllm.ops.attention_metadata import AttentionMetadata
 from pagedllm.ops.kernels import Kernels
 
 

@@ -18,13 +18,13 @@ import torch
 from torch import nn
 
 from pagedllm.model.attention import Attention
-from pagedllm.model.attention_metadata import AttentionMetadata
 from pagedllm.model.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.model.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.model.moe import SparseMoeBlock, is_moe_layer
 from pagedllm.model.norm import RMSNorm
 from pagedllm.model.parallel import tp_size
 from pagedllm.model.rotary import RotaryEmbedding
+from pagedllm.ops.attention_metadata import AttentionMetadata
 from pagedllm.ops.kernels import Kernels
 
 # MLP activation (the config's hidden_act / hidden_activation) -> the Kernels method of act(gate) * up

@@ -30,7 +30,7 @@ from pagedllm.ops.fused_ref import apply_rotary_ref, gelu_tanh_and_mul_ref, rms_
 from pagedllm.ops.moe_ref import fused_moe_ref, select_experts
 
 if TYPE_CHECKING:
-    from pagedllm.model.attention_metadata import AttentionMetadata
+    from pagedllm.ops.attention_metadata import AttentionMetadata
 
 
 class Kernels(Protocol):

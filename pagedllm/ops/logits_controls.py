@@ -1,7 +1,7 @@
 """Penalties, logit_bias, bad words and allowed_token_ids applied to the logits on their device.
 
-The host builds a `pagedllm.worker.logits_controls.LogitsControls` (its docstring states the
-semantics); `ControlTensors.to_device` copies its two packed arrays (no host sync) and splits them
+The host builds a `LogitsControls` (below; its docstring states the semantics;
+`pagedllm.worker.logits_controls` builds it from the step's sequences); `ControlTensors.to_device` copies its two packed arrays (no host sync) and splits them
 into views. `apply_logits_controls` then works in float32 on the rows that use a control only:
 
 1. allowed_token_ids: the other ids of those rows get -inf;
@@ -17,11 +17,52 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
 
-from pagedllm.worker.logits_controls import LogitsControls
+
+@dataclass
+class LogitsControls:
+    """The controls of one step's sample rows. V = vocab_size, the logits' width; a flat index
+    i * V + id names token id of the i-th row of a section."""
+
+    vocab_size: int
+    # penalties: P rows, their (presence, frequency, repetition), the token ids they count
+    penalty_rows: np.ndarray  # [P] int64 sample rows
+    penalties: np.ndarray  # [P, 3] float32
+    prompt_index: np.ndarray  # [Np] int64 flat index: prompt tokens of the rows with repetition != 1
+    output_index: np.ndarray  # [No] int64 flat index: output tokens, once per occurrence (counts)
+    any_repetition: bool
+    any_presence_frequency: bool
+    # logit_bias and bad words as additions: bias values, -inf for a banned token
+    add_rows: np.ndarray  # [N] int64 sample rows
+    add_ids: np.ndarray  # [N] int64
+    add_values: np.ndarray  # [N] float32
+    # allowed_token_ids: A rows, each keeping only the ids of its flat indexes
+    allowed_rows: np.ndarray  # [A] int64 sample rows
+    allowed_index: np.ndarray  # [M] int64 flat index
+
+    INT_FIELDS: ClassVar[tuple[str, ...]] = (
+        "penalty_rows",
+        "prompt_index",
+        "output_index",
+        "add_rows",
+        "add_ids",
+        "allowed_rows",
+        "allowed_index",
+    )
+
+    def int_sizes(self) -> list[int]:
+        return [len(getattr(self, f)) for f in self.INT_FIELDS]
+
+    def packed(self) -> tuple[np.ndarray, np.ndarray]:
+        """(every int64 section concatenated in INT_FIELDS order, penalties.ravel() then add_values):
+        the two arrays a step copies to the device."""
+        ints = np.concatenate([getattr(self, f) for f in self.INT_FIELDS])
+        floats = np.concatenate([self.penalties.ravel(), self.add_values]).astype(np.float32, copy=False)
+        return ints, floats
 
 
 @dataclass

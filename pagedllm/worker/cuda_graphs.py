@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedllm.model.attention_metadata import AttentionMetadata
 from pagedllm.ops import PAD_SLOT_ID
+from pagedllm.ops.attention_metadata import AttentionMetadata
 from pagedllm.worker.step_inputs import StepInputs
 
 if TYPE_CHECKING:

@@ -24,62 +24,18 @@ TokenHistory asserts it: a penalty over an unknown token would be silently wrong
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
-
 import numpy as np
 
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.engine.scheduler_output import PLACEHOLDER
 from pagedllm.engine.sequence import Sequence
+from pagedllm.ops.logits_controls import LogitsControls
 
 _NO_IDS = np.zeros(0, dtype=np.int64)
 
 
 def uses_logits_controls(p: SamplingParams) -> bool:
     return bool(p.uses_penalties or p.logit_bias or p.allowed_token_ids or p.bad_words_token_ids)
-
-
-@dataclass
-class LogitsControls:
-    """The controls of one step's sample rows. V = vocab_size, the logits' width; a flat index
-    i * V + id names token id of the i-th row of a section."""
-
-    vocab_size: int
-    # penalties: P rows, their (presence, frequency, repetition), the token ids they count
-    penalty_rows: np.ndarray  # [P] int64 sample rows
-    penalties: np.ndarray  # [P, 3] float32
-    prompt_index: np.ndarray  # [Np] int64 flat index: prompt tokens of the rows with repetition != 1
-    output_index: np.ndarray  # [No] int64 flat index: output tokens, once per occurrence (counts)
-    any_repetition: bool
-    any_presence_frequency: bool
-    # logit_bias and bad words as additions: bias values, -inf for a banned token
-    add_rows: np.ndarray  # [N] int64 sample rows
-    add_ids: np.ndarray  # [N] int64
-    add_values: np.ndarray  # [N] float32
-    # allowed_token_ids: A rows, each keeping only the ids of its flat indexes
-    allowed_rows: np.ndarray  # [A] int64 sample rows
-    allowed_index: np.ndarray  # [M] int64 flat index
-
-    INT_FIELDS: ClassVar[tuple[str, ...]] = (
-        "penalty_rows",
-        "prompt_index",
-        "output_index",
-        "add_rows",
-        "add_ids",
-        "allowed_rows",
-        "allowed_index",
-    )
-
-    def int_sizes(self) -> list[int]:
-        return [len(getattr(self, f)) for f in self.INT_FIELDS]
-
-    def packed(self) -> tuple[np.ndarray, np.ndarray]:
-        """(every int64 section concatenated in INT_FIELDS order, penalties.ravel() then add_values):
-        the two arrays a step copies to the device."""
-        ints = np.concatenate([getattr(self, f) for f in self.INT_FIELDS])
-        floats = np.concatenate([self.penalties.ravel(), self.add_values]).astype(np.float32, copy=False)
-        return ints, floats
 
 
 class TokenHistory:

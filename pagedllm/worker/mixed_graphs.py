@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pagedllm.model.attention_metadata import AttentionMetadata
 from pagedllm.ops import PAD_SLOT_ID
+from pagedllm.ops.attention_metadata import AttentionMetadata
 from pagedllm.worker.staging import StaticInputs, pad_to
 from pagedllm.worker.step_inputs import StepInputs
 

@@ -17,13 +17,13 @@ from pagedllm.engine.scheduler_output import PLACEHOLDER, SchedulerOutput
 from pagedllm.engine.startup_times import StartupTimes
 from pagedllm.engine.step_result import StepResult
 from pagedllm.engine.structured_output import grammar_bitmask
-from pagedllm.model.attention_metadata import AttentionMetadata
 from pagedllm.model.loader import init_dummy_weights, load_weights
 from pagedllm.model.moe import SparseMoeBlock
 from pagedllm.model.parallel import agree_min, tp_rank
 from pagedllm.model.quantization import quantize_linears
 from pagedllm.model.registry import build_model
 from pagedllm.ops import PAD_SLOT_ID
+from pagedllm.ops.attention_metadata import AttentionMetadata
 from pagedllm.ops.copy_blocks import copy_blocks, copy_blocks_ref
 from pagedllm.ops.kernels import kernels_for
 from pagedllm.ops.kv_quant import is_fp8

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedllm.model.attention_metadata import AttentionMetadata
+from pagedllm.ops.attention_metadata import AttentionMetadata
 from pagedllm.worker.staging import StaticInputs, pad_to
 from pagedllm.worker.step_inputs import StepInputs
 

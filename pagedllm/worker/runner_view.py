@@ -14,8 +14,8 @@ if TYPE_CHECKING:
     import torch
 
     from pagedllm.engine.kv_cache_groups import KVCacheGroup
-    from pagedllm.model.attention_metadata import AttentionMetadata
     from pagedllm.model.decoder import DecoderForCausalLM
+    from pagedllm.ops.attention_metadata import AttentionMetadata
 
 
 class GraphRunner(Protocol):

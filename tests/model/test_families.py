@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.model.attention_metadata import AttentionMetadata
 from pagedllm.model.decoder import DecoderForCausalLM
 from pagedllm.model.loader import load_weights
 from pagedllm.model.registry import build_model, layer_windows
+from pagedllm.ops.attention_metadata import AttentionMetadata
 from pagedllm.ops.kernels import TorchKernels
 from tests.helpers import TINY_SHAPE
 from tests.model.families import KINDS, WINDOW, family_checkpoints, long_workload

@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from pagedllm.model.attention_metadata import AttentionMetadata
 from pagedllm.ops import PAD_SLOT_ID
+from pagedllm.ops.attention_metadata import AttentionMetadata
 from pagedllm.ops.attention_ref import PAD_BUDGET, paged_attention_ref, paged_decode_attention_ref
 from pagedllm.ops.kernels import TorchKernels
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import Qwen3Config
 
-from pagedllm.model.attention_metadata import AttentionMetadata
 from pagedllm.model.registry import build_model
 from pagedllm.ops import PAD_SLOT_ID
+from pagedllm.ops.attention_metadata import AttentionMetadata
 from pagedllm.ops.fused_ref import apply_rotary_ref, rms_norm_ref, silu_and_mul_ref
 from pagedllm.ops.kernels import Kernels, TorchKernels, kernels_for
 

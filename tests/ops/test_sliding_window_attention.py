@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-from pagedllm.model.attention_metadata import AttentionMetadata
 from pagedllm.ops import PAD_SLOT_ID
+from pagedllm.ops.attention_metadata import AttentionMetadata
 from pagedllm.ops.attention_ref import (
     hidden,
     paged_attention_grouped,

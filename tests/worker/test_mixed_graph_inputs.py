@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from pagedllm.model.attention_metadata import AttentionMetadata  # noqa: E402
+from pagedllm.ops.attention_metadata import AttentionMetadata  # noqa: E402
 from pagedllm.ops.kernels import TritonKernels  # noqa: E402
 from pagedllm.worker.mixed_graphs import padded_step  # noqa: E402
 from tests.ops.test_kernels import tiny_model  # noqa: E402
