@@ -9,6 +9,12 @@ A request's constraint becomes one llguidance grammar text (`grammar_spec`):
 - `grammar`: a Lark grammar in llguidance's dialect; a GBNF grammar (llama.cpp's) is converted to
   Lark first when it does not read as Lark (llguidance.gbnf_to_lark.any_to_lark).
 
+A JSON schema is read strictly (`strict_schema`): an object schema listing `properties` and
+saying nothing of `additionalProperties` allows no other key, as if it said
+`"additionalProperties": false` (vLLM's xgrammar and OpenAI's strict mode read it so); an explicit
+`true` or a schema there is kept. The key keeps the schema as sent; the rewrite is made when
+compiling, so one schema still compiles to one grammar.
+
 `disable_any_whitespace` means something to the JSON kinds only; the others write exactly what
 their grammar says. The key of a grammar (`GrammarKey`) is what both caches (the check here and
 the compiled matchers of structured_output.py) are keyed by: equal keys compile alike.
@@ -61,11 +67,74 @@ def grammar_key(so: StructuredOutputsParams) -> GrammarKey:
     return GrammarKey("grammar", so.grammar, False)
 
 
+# JSON Schema keywords by where their subschemas apply (strict_schema)
+CHILD = ("items", "additionalItems", "unevaluatedItems", "contains", "additionalProperties")  # a schema, or a list
+CHILD_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # {name: schema}
+ALTERNATIVES = ("anyOf", "oneOf")  # one of them holds with the parent
+CONJUNCTS = ("allOf", "then", "else")  # they hold with the parent (a schema, or a list)
+CONJUNCT_MAPS = ("dependentSchemas", "dependencies")  # {key: schema}, holds with the parent
+ADDS_KEYS = ("properties", "patternProperties", "additionalProperties", "$ref", *ALTERNATIVES, *CONJUNCTS)
+
+
+def strict_schema(schema: Any, closable: bool = True) -> Any:
+    """A copy of a JSON schema in which every object schema that lists `properties` and has no
+    `additionalProperties` (nor `unevaluatedProperties`) key gets `"additionalProperties": false`,
+    in nested objects, items, $defs, anyOf and the rest alike; the caller's schema is not changed.
+
+    JSON Schema's `additionalProperties` sees only the `properties` and `patternProperties` beside
+    it, so `false` would also refuse keys that a schema met with the same object lists. Those stay
+    open: a member of allOf / then / else / dependentSchemas (closable=False), an object whose own
+    $ref or allOf / anyOf / oneOf / then / else member adds keys, and an anyOf / oneOf member whose
+    parent lists keys itself. `not` and `if` are kept as written: closing them would change what
+    they refuse or which branch applies."""
+    if not isinstance(schema, dict):
+        return schema  # a boolean schema, or not a schema at all (llguidance says what is wrong)
+    out = dict(schema)
+
+    def each(k: str, closable: bool = True) -> None:
+        sub = schema.get(k)
+        if isinstance(sub, list):
+            out[k] = [strict_schema(s, closable) for s in sub]
+        elif isinstance(sub, dict):
+            out[k] = strict_schema(sub, closable)
+
+    def each_value(k: str, closable: bool = True) -> None:
+        if isinstance(schema.get(k), dict):
+            out[k] = {name: strict_schema(sub, closable) for name, sub in schema[k].items()}
+
+    for k in (*CHILD, "prefixItems"):
+        each(k)
+    for k in CHILD_MAPS:
+        each_value(k)
+    lists_keys = "properties" in schema or "patternProperties" in schema
+    for k in ALTERNATIVES:
+        each(k, closable=not lists_keys)
+    for k in CONJUNCTS:
+        each(k, closable=False)
+    for k in CONJUNCT_MAPS:
+        each_value(k, closable=False)
+    members = [m for k in (*ALTERNATIVES, *CONJUNCTS) for m in _as_list(schema.get(k))]
+    composed = "$ref" in schema or any(isinstance(m, dict) and any(a in m for a in ADDS_KEYS) for m in members)
+    if (
+        closable
+        and isinstance(schema.get("properties"), dict)
+        and "additionalProperties" not in schema
+        and "unevaluatedProperties" not in schema
+        and not composed
+    ):
+        out["additionalProperties"] = False
+    return out
+
+
+def _as_list(x: Any) -> list[Any]:
+    return x if isinstance(x, list) else [] if x is None else [x]
+
+
 def grammar_spec(key: GrammarKey) -> str:
     """The llguidance grammar text of a key. Raises ValueError when it cannot even be built
     (a schema llguidance's JSON front end refuses, a GBNF grammar that does not convert)."""
     if key.kind in ("json", "json_object"):
-        schema = key.text if key.kind == "json" else '{"type": "object"}'
+        schema = json.dumps(strict_schema(json.loads(key.text))) if key.kind == "json" else '{"type": "object"}'
         return LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": not key.compact})
     if key.kind == "regex":
         return LLMatcher.grammar_from_regex(key.text)

@@ -286,3 +286,90 @@ def test_an_llguidance_that_cannot_build_the_tokenizer_is_a_clear_error(llm, mon
     with pytest.raises(GrammarCompileError, match="llguidance could not build its tokenizer.*eos_token"):
         engine.add_request("x", [5, 6, 7], SamplingParams(max_tokens=4, structured_outputs=SO(choice=["yes", "no"])))
     assert not engine.has_unfinished_requests()
+
+
+# --- strict JSON schemas: an object schema without additionalProperties allows no unlisted key ---
+
+OPEN = {  # SCHEMA without additionalProperties, at either level
+    "type": "object",
+    "properties": {**SCHEMA["properties"], "pos": {k: v for k, v in SCHEMA["properties"]["pos"].items() if k != "additionalProperties"}},
+    "required": SCHEMA["required"],
+}  # fmt: skip
+
+
+def accepts(llm: LLM, schema: dict, text: str) -> bool:
+    """Whether the grammar the engine compiles for `schema` takes `text` whole (over the model's
+    tokenizer, as the engine compiles it)."""
+    from llguidance import LLMatcher
+
+    from pagedllm.engine.grammar import grammar_key, grammar_spec
+
+    manager = llm.engine.core.structured_output
+    assert manager is not None
+    tok = manager.tokenizer()
+    matcher = LLMatcher(tok, grammar_spec(grammar_key(SO(json=schema))), log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
+    return matcher.consume_tokens(tok.tokenize_str(text)) and matcher.is_accepting()
+
+
+def test_schema_without_additional_properties_refuses_unlisted_keys(llm):
+    """The compiled grammar itself refuses an unlisted key, at the top level and nested (llguidance
+    alone reads a missing additionalProperties as `true`)."""
+    good = '{"name":"a","kind":"cat","tags":[],"pos":{"x":1}}'
+    assert accepts(llm, OPEN, good)
+    assert not accepts(llm, OPEN, good[:-1] + ',"extra":"x"}')
+    assert not accepts(llm, OPEN, good.replace('{"x":1}', '{"x":1,"y":2}'))  # nested
+
+
+@pytest.mark.parametrize(
+    "where, schema, text",
+    [
+        ("items", {"type": "array", "items": {"type": "object", "properties": {"a": {"type": "integer"}}}}, '[{"a":1,"b":2}]'),
+        ("$defs", {"$defs": {"P": {"type": "object", "properties": {"a": {"type": "integer"}}}}, "$ref": "#/$defs/P"}, '{"a":1,"b":2}'),
+        ("anyOf", {"anyOf": [{"type": "object", "properties": {"a": {"type": "integer"}}}, {"type": "null"}]}, '{"a":1,"b":2}'),
+        ("additionalProperties", {"type": "object", "additionalProperties": {"type": "object", "properties": {"a": {"type": "integer"}}}}, '{"k":{"a":1,"b":2}}'),
+    ],
+)  # fmt: skip
+def test_nested_object_schemas_are_strict_too(llm, where, schema, text):
+    assert not accepts(llm, schema, text), where
+    assert accepts(llm, schema, text.replace(',"b":2', "")), where
+
+
+def test_explicit_additional_properties_is_honoured(llm):
+    base = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    assert accepts(llm, {**base, "additionalProperties": True}, '{"a":1,"b":"x"}')
+    ints = {**base, "additionalProperties": {"type": "integer"}}
+    assert accepts(llm, ints, '{"a":1,"b":2}')
+    assert not accepts(llm, ints, '{"a":1,"b":"x"}')
+    pattern = {**base, "patternProperties": {"^x_": {"type": "string"}}}  # pattern keys stay allowed
+    assert accepts(llm, pattern, '{"a":1,"x_q":"s"}') and not accepts(llm, pattern, '{"a":1,"q":"s"}')
+    assert accepts(llm, {"type": "object"}, '{"any":1}')  # no properties listed: any object
+    assert accepts(llm, {"allOf": [base, {"properties": {"b": {"type": "integer"}}}]}, '{"a":1,"b":2}')  # kept open
+
+
+def test_strict_schema_copies_and_the_key_is_the_schema_as_sent():
+    from pagedllm.engine.grammar import grammar_key, strict_schema
+
+    schema = json.loads(json.dumps(OPEN))
+    strict = strict_schema(schema)
+    assert schema == OPEN  # the caller's schema is not changed
+    assert strict["additionalProperties"] is False and strict["properties"]["pos"]["additionalProperties"] is False
+    assert "additionalProperties" not in strict["properties"]["tags"]["items"]  # a string schema
+    assert strict_schema(strict) == strict and strict_schema(SCHEMA) == SCHEMA  # already strict: the same
+    assert grammar_key(SO(json=OPEN)).text == json.dumps(OPEN)
+
+
+def test_sampled_json_never_adds_an_unlisted_key(llm):
+    """Seeded samples of a schema without additionalProperties (one of these seeds used to add a key
+    whose string ran to max_tokens): each stops, and is valid against the strict schema."""
+    from pagedllm.engine.grammar import strict_schema
+
+    manager = llm.engine.core.structured_output
+    assert manager is not None
+    before = manager.num_compiled
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=MAX_TOKENS, structured_outputs=SO(json=OPEN)) for s in range(10)]  # fmt: skip
+    for out in llm.generate([PROMPT] * len(params), params, use_tqdm=False):
+        c = out.outputs[0]
+        assert c.finish_reason == "stop", c.text
+        jsonschema.validate(json.loads(c.text), strict_schema(OPEN))
+    assert manager.num_compiled == before + 1  # one schema, one grammar

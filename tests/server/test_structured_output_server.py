@@ -55,7 +55,7 @@ def client(server_model):
 
     from pagedllm.entrypoints.async_llm import AsyncLLM
     from pagedllm.entrypoints.llm import LLM
-    from pagedllm.entrypoints.openai.api_server import build_app
+    from pagedllm.entrypoints.openai.routes import build_app
 
     # 40 blocks of 16 tokens for up to 150 sequences: the n=50 requests preempt each other
     async_llm = AsyncLLM(llm=LLM(server_model, device="cpu", num_kv_blocks=40, max_num_seqs=150, max_model_len=512))
@@ -160,3 +160,33 @@ def test_a_grammar_the_core_cannot_compile_is_a_500_naming_it_streamed_or_not(cl
     assert err["code"] == "grammar_compile_failed" and "99999" in err["message"], err
     ok = c.completions.create(model=MODEL_NAME, prompt="x", max_tokens=3, extra_body={"guided_choice": ["yes", "no"]})
     assert ok.choices[0].text in ("yes", "no")
+
+
+def test_a_schema_without_additional_properties_gets_no_unlisted_key(client):
+    """response_format and guided_json read an object schema without additionalProperties as
+    `false` (vLLM's xgrammar and OpenAI's strict mode do): no sample writes a key it does not list,
+    however many keys the model would like to add; an explicit `true` is honoured."""
+    c, _ = client
+    listed = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": listed}}
+    r = c.completions.create(
+        model=MODEL_NAME,
+        prompt="x = ",
+        n=20,
+        seed=13,
+        temperature=1.0,
+        max_tokens=48,
+        extra_body={"response_format": fmt},
+    )
+    objs = [json.loads(ch.text) for ch in r.choices if ch.finish_reason == "stop"]
+    assert len(objs) == 20 and all(set(o) <= {"n"} for o in objs), [ch.text for ch in r.choices][:3]
+    r = c.completions.create(
+        model=MODEL_NAME, prompt="x = ", n=20, seed=13, temperature=1.0, max_tokens=48,
+        extra_body={"guided_json": {"type": "object", "properties": {}}},
+    )  # fmt: skip
+    assert [ch.text for ch in r.choices] == ["{}"] * 20
+    r = c.completions.create(
+        model=MODEL_NAME, prompt="x = ", n=20, seed=13, temperature=1.0, max_tokens=48,
+        extra_body={"guided_json": {"type": "object", "properties": {}, "additionalProperties": True}},
+    )  # fmt: skip
+    assert any(ch.text != "{}" for ch in r.choices)  # open: the model does write keys
