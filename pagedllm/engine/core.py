@@ -112,13 +112,21 @@ class EngineCore:
             seq = Sequence(rid, ids, p, request.arrival_time)
             self._index[seq.seq_id] = i
             seqs.append(seq)
-        parent = seqs[0]
-        parent.grammar = grammar  # the forks get copies of it when they fork (scheduler.py)
-        parent.forks = seqs[1:]
-        for child in parent.forks:
-            child.fork_parent = parent
         self.requests[rid] = seqs
-        self.scheduler.add(parent)
+        # waves of at most max_num_seqs samples (the scheduler admits a wave's sequences together):
+        # each wave's first sequence computes the prompt, from the blocks the wave before it left in
+        # the prefix cache when it is on, and forks the others at its last prompt token
+        wave = self.config.max_num_seqs
+        for start in range(0, num, wave):
+            parent = seqs[start]
+            if start == 0:
+                parent.grammar = grammar  # the forks get copies of it when they fork (scheduler.py)
+            elif so is not None:
+                parent.grammar = self._grammar_manager().grammar_for(so)
+            parent.forks = seqs[start + 1 : start + wave]
+            for child in parent.forks:
+                child.fork_parent = parent
+            self.scheduler.add(parent)
 
     def _add_beam_search(self, rid: str, ids: list[int], params: SamplingParams, arrival_time: float) -> None:
         """One sequence computes the prompt; the search grows it into params.n beams (scheduler.py).

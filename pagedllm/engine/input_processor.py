@@ -7,9 +7,10 @@ the scheduler) only assert their preconditions. Every refusal is an InvalidReque
 `sampling_params`) and whose `code` is `context_length_exceeded` when the
 request is too long for the model or the KV cache.
 
-Parallel sampling: a request's sequences (SamplingParams.num_samples: best_of, or n) are
-admitted together and each takes one of the scheduler's max_num_seqs slots, so more than
-max_num_seqs of them could never run: refused here, naming `best_of` when it is set, else `n`.
+Parallel sampling: a request's sequences (SamplingParams.num_samples: best_of, or n) run in waves
+of at most max_num_seqs (engine/core.py): any number up to MAX_SAMPLES is accepted, more is
+refused naming `best_of` when it is set, else `n`. A beam search's beams wait for each other
+every step, so its width must fit in max_num_seqs.
 
 The length rule: prompt + max_tokens must fit in max_model_len (as OpenAI and vLLM refuse it);
 a max_tokens beyond the room left is refused, never clamped. A door that wants "as much as fits"
@@ -38,6 +39,12 @@ if TYPE_CHECKING:
     from llguidance import LLTokenizer
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
+# Samples of one request (n, or best_of): they run in waves of max_num_seqs, each wave's first
+# sequence computing the prompt again (from the prefix cache when it is on); every sample's
+# outputs are kept until the request ends.
+MAX_SAMPLES = 4096
 
 
 def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = False, **kwargs: Any) -> list[int]:
@@ -105,12 +112,14 @@ class InputProcessor:
     def check_samples(self, params: SamplingParams) -> None:
         """What SamplingParams cannot know alone: the engine's sequence slots."""
         num = params.num_samples
-        if self.max_num_seqs is not None and num > self.max_num_seqs:
-            name = "best_of" if params.best_of is not None else "n"
+        name = "best_of" if params.best_of is not None else "n"
+        if num > MAX_SAMPLES:
+            raise InvalidRequestError(f"{name} is {num}: a request may ask for at most {MAX_SAMPLES} samples", name)
+        if params.use_beam_search and self.max_num_seqs is not None and num > self.max_num_seqs:
             raise InvalidRequestError(
-                f"{name} is {num}, but the engine runs at most max_num_seqs={self.max_num_seqs} sequences "
-                f"at once and a request's samples run together: ask for at most {self.max_num_seqs}",
-                name,
+                f"n is {num}, but a beam search's beams run together and the engine runs at most "
+                f"max_num_seqs={self.max_num_seqs} sequences at once: ask for a width of at most {self.max_num_seqs}",
+                "n",
             )
 
     def check_beams_fit(self, num_prompt_tokens: int, params: SamplingParams) -> None:

@@ -232,7 +232,7 @@ class LLM:
         the n of the best_of samples with the highest cumulative logprob, best first); with
         `logprobs=k` each has one {token id: Logprob} per output token and `cumulative_logprob`;
         with `prompt_logprobs=k` the RequestOutput has one entry per prompt token (the first None).
-        n (or best_of) above max_num_seqs is refused: a request's samples run together."""
+        n (or best_of) above max_num_seqs runs in waves of max_num_seqs samples (up to MAX_SAMPLES)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)

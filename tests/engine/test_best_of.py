@@ -119,12 +119,17 @@ def test_n_streams_every_index_and_each_equals_its_seeded_request(mode, stop):
     assert len({tuple(outs[-1].outputs[i].token_ids) for i in range(n)}) == n  # the children differ
 
 
-def test_num_samples_past_max_num_seqs_is_refused_naming_the_field():
+def test_num_samples_past_max_num_seqs_are_accepted_up_to_max_samples():
+    from pagedllm.engine.input_processor import MAX_SAMPLES
+
     ip = InputProcessor(CharTokenizer(), 97, 64, 4, 64, max_num_seqs=4)
-    assert ip.process("a", PROMPT, SamplingParams(n=4)).params.n == 4
-    assert ip.process("b", PROMPT, SamplingParams(n=2, best_of=4)).params.best_of == 4
-    for params, name in [(SamplingParams(n=5), "n"), (SamplingParams(n=2, best_of=5), "best_of")]:
-        with pytest.raises(InvalidRequestError, match="max_num_seqs=4") as e:
+    assert ip.process("a", PROMPT, SamplingParams(n=9)).params.n == 9  # waves of 4 (engine/core.py)
+    assert ip.process("b", PROMPT, SamplingParams(n=2, best_of=9)).params.best_of == 9
+    for params, name in [
+        (SamplingParams(n=MAX_SAMPLES + 1), "n"),
+        (SamplingParams(n=2, best_of=MAX_SAMPLES + 1), "best_of"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=f"at most {MAX_SAMPLES}") as e:
             ip.process("c", PROMPT, params)
         assert e.value.param == name
     assert InputProcessor(CharTokenizer(), 97, 64, 4, 64).process("d", PROMPT, SamplingParams(n=300)).params.n == 300

@@ -10,6 +10,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.errors import InvalidRequestError
+from pagedllm.engine.sampling_params import BeamSearchParams
 from tests.model.hf_reference import hf_model
 
 PROMPT = "def fibonacci(n):"
@@ -88,11 +89,28 @@ def test_logprobs_and_prompt_logprobs_shapes(llm):
         )
 
 
-def test_more_samples_than_sequence_slots_are_refused(llm):
+def test_more_samples_than_sequence_slots_run_in_waves(llm, tiny_models):
+    """n (or best_of) past max_num_seqs=8 runs in waves of 8: each sample is the one a single wave
+    draws (seed + index, compared with an engine of 32 slots), the later waves' prompts come from the
+    prefix cache, and only n past MAX_SAMPLES or a beam width past max_num_seqs is refused."""
+    from pagedllm.engine.input_processor import MAX_SAMPLES
+
     assert llm.engine.input_processor.max_num_seqs == 8  # LLMEngine hands the scheduler's limit to the checks
-    for params, name in [(dict(n=9), "n"), (dict(n=2, best_of=9), "best_of")]:
+    long_prompt = PROMPT + " # the n-th Fibonacci number, computed iteratively in O(n) time" * 2  # > 2 blocks
+    hits = llm.get_metrics()["prefix_cache_hit_tokens"]
+    waves = gen(llm, long_prompt, n=20, seed=7)[0]
+    assert [o.index for o in waves.outputs] == list(range(20))
+    assert llm.get_metrics()["prefix_cache_hit_tokens"] > hits  # waves 2 and 3 found the prompt cached
+    with LLM(tiny_models["qwen3"], device="cpu", num_kv_blocks=256, block_size=8, max_num_seqs=32) as one:
+        single = gen(one, long_prompt, n=20, seed=7)[0]
+    assert [o.token_ids for o in waves.outputs] == [o.token_ids for o in single.outputs]
+    best = gen(llm, PROMPT, n=2, best_of=12, seed=3)[0]  # best_of over two waves keeps the 2 best
+    assert len(best.outputs) == 2 and best.outputs[0].cumulative_logprob >= best.outputs[1].cumulative_logprob
+    for params, name in [(dict(n=MAX_SAMPLES + 1), "n"), (dict(n=2, best_of=MAX_SAMPLES + 1), "best_of")]:
         with pytest.raises(InvalidRequestError) as e:
             gen(llm, PROMPT, **params)
         assert e.value.param == name
+    with pytest.raises(InvalidRequestError, match="max_num_seqs=8") as e:
+        llm.beam_search([PROMPT], BeamSearchParams(beam_width=9, max_tokens=2))
+    assert e.value.param == "n"
     assert not llm.engine.has_unfinished_requests()
-    assert len(gen(llm, PROMPT, n=8, seed=1, max_tokens=2)[0].outputs) == 8
