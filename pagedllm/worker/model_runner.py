@@ -28,7 +28,6 @@ from pagedllm.ops.copy_blocks import copy_blocks, copy_blocks_ref
 from pagedllm.ops.kernels import kernels_for
 from pagedllm.ops.kv_quant import is_fp8
 from pagedllm.worker.device import (
-    GiB,
     available_ram_bytes,
     check_kernel_shapes,
     kv_cache_dtype_name,
@@ -44,7 +43,7 @@ from pagedllm.worker.sampler import sample, sampling_tensors
 from pagedllm.worker.staging import Staging, pad_to
 from pagedllm.worker.step_handle import LaunchedStep, StepHandle
 from pagedllm.worker.step_inputs import BlockTableRows, StepInputs, build_step_inputs
-from pagedllm.worker.warm_up import warm_up_kernels
+from pagedllm.worker.warm_up import forward_without_kv, profile_kv_blocks, warm_up_kernels
 
 if TYPE_CHECKING:
     from pagedllm.worker.cuda_graphs import DecodeGraphs
@@ -196,62 +195,13 @@ class ModelRunner:
         if kv_cache_memory_bytes is not None:
             return max(1, int(kv_cache_memory_bytes) // self.block_bytes)
         if self.device.type == "cuda":
-            return self._profile_kv_blocks(gpu_memory_utilization)
+            blocks, self.peak_activation_bytes = profile_kv_blocks(self, gpu_memory_utilization)
+            return blocks
         # CPU: a tenth of available RAM, no more than max_num_seqs full-length sequences need
         one = blocks_per_sequence(
             self.kv_cache_groups, self.max_model_len, self.block_size, self.max_num_batched_tokens
         )
         return max(one, min(self.max_num_seqs * one, available_ram_bytes() // 10 // self.block_bytes))
-
-    @torch.inference_mode()
-    def _profile_kv_blocks(self, utilization: float) -> int:
-        """KV sizing (docs/architecture.md): total * utilization - used - peak + current, after a warm-up forward
-        at the largest batch the scheduler can form."""
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        n = min(self.max_num_batched_tokens, self.max_num_seqs * self.max_model_len)
-        num_seqs = min(self.max_num_seqs, n)
-        self._forward_without_kv(n, num_seqs, np.random.default_rng(self.seed), logits=True)
-        torch.cuda.synchronize(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        used = total - free
-        stats = torch.cuda.memory_stats(self.device)
-        peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
-        self.peak_activation_bytes = peak - current
-        budget = total * utilization - used - peak + current
-        blocks = int(budget // self.block_bytes)
-        if blocks < 1:
-            raise ValueError(
-                f"no GPU memory left for the KV cache (budget {budget / GiB:.2f} GiB); raise "
-                "gpu_memory_utilization or lower max_num_batched_tokens"
-            )
-        return blocks
-
-    @torch.inference_mode()
-    def _forward_without_kv(self, n: int, num_seqs: int, rng: np.random.Generator, logits: bool = False) -> None:
-        """One forward over n random tokens in num_seqs sequences with no KV bound (the new tokens
-        attend to each other only): the profile run, and the fp8 scales' calibration."""
-        per_seq = n // num_seqs
-        lens = np.full(num_seqs, per_seq, dtype=np.int64)
-        lens[: n - per_seq * num_seqs] += 1
-        cu = np.zeros(num_seqs + 1, dtype=np.int32)
-        np.cumsum(lens, out=cu[1:])
-        positions = np.concatenate([np.arange(k) for k in lens])
-        ids = rng.integers(0, self.vocab_size, size=n)
-        meta, _ = self._metadata_from(
-            slot_mapping=np.full(n, PAD_SLOT_ID),
-            block_tables=np.zeros((num_seqs, 1), np.int32),  # unused: no KV is bound yet
-            cu=cu,
-            seq_lens=lens.astype(np.int32),
-            max_q=int(lens.max()),
-            max_k=int(lens.max()),
-            decode_only=False,
-            no_history=True,
-        )
-        hidden = self.model(torch.from_numpy(ids).to(self.device), torch.from_numpy(positions).to(self.device), meta)
-        if logits:
-            self.model.compute_logits(hidden[cu[1:] - 1])
 
     def _calibration_forward(self) -> None:
         """The forward whose K/V ranges size the fp8 scales (worker/kv_scales.py): seeded, and the
@@ -259,7 +209,7 @@ class ModelRunner:
         differ only in those limits store the same bytes."""
         seq_len = min(CALIBRATION_SEQ_LEN, self.max_model_len)
         num_seqs = -(-CALIBRATION_TOKENS // seq_len)
-        self._forward_without_kv(num_seqs * seq_len, num_seqs, np.random.default_rng(self.seed))
+        forward_without_kv(self, num_seqs * seq_len, num_seqs, np.random.default_rng(self.seed))
 
     def _allocate_kv_cache(self) -> None:
         groups = self.kv_cache_groups

@@ -34,13 +34,19 @@ class GraphRunner(Protocol):
 
 
 class WarmUpRunner(GraphRunner, Protocol):
-    """The warm-up forward also builds metadata, moves inputs, samples and copies blocks."""
+    """The start-up forwards (warm_up.py) also build metadata, move inputs, sample, copy blocks and
+    size the KV cache."""
 
     num_kv_blocks: int
+    seed: int
+    vocab_size: int
     is_driver: bool
     philox_sampling: bool
     kv_cache: Any
     _copy_blocks: Any
+
+    @property
+    def block_bytes(self) -> int: ...
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor: ...
 
