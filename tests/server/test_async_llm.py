@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from pagedllm import SamplingParams
+from pagedllm.engine.input_processor import MAX_SAMPLES
 from pagedllm.entrypoints.async_llm import AsyncLLM, EngineShutdownError, QueueFullError
 from tests.server.helpers import lockstep, pid_alive
 
@@ -110,7 +111,8 @@ def test_stop_strings_match_the_engine(engine, llm):
 
 def test_parallel_sampling_matches_the_engine_and_stops_one_sample(engine, llm):
     """n=3: every output holds the three sequences (as LLM's); a stop string in one sample ends
-    that sample only; max_num_seqs bounds n and best_of; the group frees its blocks."""
+    that sample only; MAX_SAMPLES bounds n and best_of (more than max_num_seqs run in waves,
+    tests/model/test_parallel_sampling.py); the group frees its blocks."""
     kw = dict(temperature=1.0, top_k=50, max_tokens=10, ignore_eos=True, seed=4, n=3)
     params = SamplingParams(**kw)
     offline = llm.generate(["def fib"], params, use_tqdm=False)[0].outputs
@@ -124,11 +126,11 @@ def test_parallel_sampling_matches_the_engine_and_stops_one_sample(engine, llm):
     async def run():
         outs = [o async for o in engine.generate("def fib", params)]
         cut = [o async for o in engine.generate("def fib", stopped)]
-        with pytest.raises(ValueError, match="max_num_seqs") as e:
-            engine.add_request("x", SamplingParams(n=engine.max_num_seqs + 1))
+        with pytest.raises(ValueError, match=f"at most {MAX_SAMPLES}") as e:
+            engine.add_request("x", SamplingParams(n=MAX_SAMPLES + 1))
         assert e.value.param == "n"
-        with pytest.raises(ValueError, match="max_num_seqs") as e:
-            engine.add_request("x", SamplingParams(n=2, best_of=engine.max_num_seqs + 1))
+        with pytest.raises(ValueError, match=f"at most {MAX_SAMPLES}") as e:
+            engine.add_request("x", SamplingParams(n=2, best_of=MAX_SAMPLES + 1))
         assert e.value.param == "best_of"
         return outs, cut, await _idle(engine)
 
