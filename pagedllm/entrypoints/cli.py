@@ -1,4 +1,4 @@
-"""The `pagedllm` command line: `generate`, `serve`, `bench throughput`, `bench serve`.
+"""The `pagedllm` command line: `generate`, `serve`, `bench throughput`, `bench serve`, `trace view`.
 
 Flags follow vLLM's spellings. stdout carries only results (completions, JSON lines);
 logs, progress bars and errors go to stderr. An error is one line, `pagedllm: error: ...`,
@@ -53,6 +53,7 @@ _OPTIONAL = {
     ("bench", "throughput"): ("pagedllm.bench.throughput", None, "add_args", "main", False),
     ("bench", "serve"): ("pagedllm.bench.serving", "serve", "add_args", "main", False),
     ("bench", "sharing"): ("pagedllm.bench.sharing_cli", None, "add_args", "main", False),
+    ("trace", "view"): ("pagedllm.entrypoints.cli_trace", None, "add_args", "run", False),
 }
 
 
@@ -98,7 +99,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         epilog="Run 'pagedllm COMMAND --help' for a command's flags.",
     )
     parser.add_argument("--version", action="version", version=f"pagedllm {__version__}")
-    parser.help_prog = " ".join(["pagedllm"] + wanted[: 1 if wanted[:1] != ["bench"] else 2])
+    parser.help_prog = " ".join(["pagedllm"] + wanted[: 2 if wanted[:1] in (["bench"], ["trace"]) else 1])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     g = sub.add_parser(
@@ -144,6 +145,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     )
     _fill_optional(bsh, ("bench", "sharing"), wanted)
     b.set_defaults(_help=b)
+
+    t = sub.add_parser("trace", parents=[debug], help="KV block traces (--trace-blocks): view")
+    tsub = t.add_subparsers(dest="trace_command", metavar="ACTION", parser_class=_Parser)
+    tv = tsub.add_parser("view", parents=[debug], help="draw a block trace as a timeline (HTML, SVG, PNG)")
+    _fill_optional(tv, ("trace", "view"), wanted)
+    t.set_defaults(_help=t)
     return parser
 
 
@@ -169,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         parser = build_parser(argv)
         args = parser.parse_args(argv)
         setup_logging(debug)
-        if getattr(args, "_help", None) is not None and getattr(args, "bench_command", None) is None:
+        if getattr(args, "_help", None) is not None and getattr(args, "_run", None) is None:  # `bench`, `trace`
             args._help.print_help()
             return USAGE_ERROR
         if getattr(args, "_run", None) is None:
