@@ -158,8 +158,9 @@ FLAG_HELP: dict[str, FlagHelp] = {
         choices=("auto", "safetensors", "dummy"),
     ),
     "quantization": FlagHelp(
-        "weights quantized at load: fp8 = every decoder linear layer's weight in e4m3 with per-channel scales, "
-        "activations per token at run time (vLLM's on-the-fly FP8); default: the checkpoint's dtype",
+        "fp8 = every decoder linear layer's weight quantized to e4m3 at load with per-channel scales, "
+        "activations per token at run time (vLLM's on-the-fly FP8); an FP8 checkpoint is read from its "
+        "quantization_config (fp8 or compressed-tensors may name its method); default: the checkpoint's own",
         "none",
         choices=QUANTIZATION_METHODS,
     ),

@@ -111,8 +111,8 @@ class LLM:
             )
         if quantization is not None and quantization not in QUANTIZATION_METHODS:
             raise InvalidRequestError(
-                f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (on-the-fly FP8 of an unquantized "
-                f"checkpoint) or None, got {quantization!r}",
+                f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} ('fp8' quantizes an unquantized "
+                f"checkpoint at load; either may name an FP8 checkpoint's own method) or None, got {quantization!r}",
                 "quantization",
             )
         if kv_cache_dtype not in KV_CACHE_DTYPES:  # the config also takes resolved names; a user gives these

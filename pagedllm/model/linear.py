@@ -8,6 +8,8 @@ that stores the packed matrix (Phi-3) is cut into the same shards first.
 
 `quantize_fp8()` (quantization="fp8", after loading) turns a layer's weight into e4m3 with one
 scale per output channel; its forward then quantizes each token's activations (ops/fp8_linear.py).
+An FP8 checkpoint (model/quant_config.py) is loaded into e4m3 weights made by `prepare_fp8()`, its
+scales through `load_scale()` (per output row, or per tensor spread over the shard's rows).
 """
 
 from __future__ import annotations
@@ -17,23 +19,65 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.model.parallel import ShardedModule, all_reduce, divide, tp_rank, tp_size
-from pagedllm.ops.fp8_linear import fp8_linear, quantize_weight
+from pagedllm.ops.fp8_linear import FP8, fp8_linear, fp8_linear_static, quantize_weight
 
 
 class QuantizableLinear(ShardedModule):
-    """A linear layer whose weight may be quantized to fp8 once loaded (`weight_scale` set)."""
+    """A linear layer whose weight may be fp8 (`weight_scale` set): quantized once loaded
+    (`quantize_fp8`), or loaded so from an FP8 checkpoint (`prepare_fp8` before loading, then
+    `load_scale` for its scales; model/quant_config.py)."""
 
     weight: nn.Parameter
-    weight_scale: torch.Tensor | None = None
+    weight_scale: nn.Parameter | None  # float32 [this rank's output rows]
+    input_scale: nn.Parameter | None  # static activations: the checkpoint's per-tensor scale
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_parameter("weight_scale", None)  # parameters, so an FP8 checkpoint's scales load by name
+        self.register_parameter("input_scale", None)
 
     def quantize_fp8(self) -> None:
         wq, scale = quantize_weight(self.weight.data)
         self.weight = nn.Parameter(wq, requires_grad=False)
-        self.weight_scale = scale  # made on the weight's device; never moved afterwards
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)  # on the weight's device; never moved afterwards
+
+    def prepare_fp8(self, static_activations: bool) -> None:
+        """An e4m3 weight and float32 scales (per output row) for an FP8 checkpoint to load into."""
+        w = self.weight
+        self.weight = nn.Parameter(torch.empty(w.shape, dtype=FP8, device=w.device), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.zeros(w.shape[0], device=w.device), requires_grad=False)
+        if static_activations:  # the max over the checkpoint's shards (q/k/v see the same input)
+            self.input_scale = nn.Parameter(torch.zeros((), device=w.device), requires_grad=False)
+
+    def scale_rows(self, shard_id: int | str | None) -> list[tuple[int, int, int, int]]:
+        """Where a checkpoint tensor's per-output-row scales go: (offset here, rows here, rows in the
+        checkpoint tensor, this rank's first row in it) per part (a packed matrix has several)."""
+        raise NotImplementedError
+
+    def load_scale(self, name: str, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+        """`weight_scale` (one per output row, or one per tensor: then every row of the shard takes
+        it) or `input_scale` (static activations; the largest of the shards')."""
+        values = loaded.float().reshape(-1)
+        if name == "input_scale":
+            assert self.input_scale is not None and values.numel() == 1, (name, loaded.shape)
+            self.input_scale.data.copy_(torch.maximum(self.input_scale.data, values[0].to(self.input_scale.device)))
+            return
+        assert name == "weight_scale" and self.weight_scale is not None, name
+        parts = self.scale_rows(shard_id)
+        total = sum(p[2] for p in parts)
+        if values.numel() not in (1, total):
+            raise ValueError(f"{name} has {values.numel()} values for {total} output rows (per tensor: 1)")
+        start = 0
+        for offset, size, rows, first in parts:
+            dst = self.weight_scale.data.narrow(0, offset, size)
+            dst.copy_(values.expand(size) if values.numel() == 1 else values.narrow(0, start + first, size))
+            start += rows
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight_scale is None:
             return F.linear(x, self.weight, bias)
+        if self.input_scale is not None:
+            return fp8_linear_static(x, self.weight, self.weight_scale, self.input_scale, bias)
         return fp8_linear(x, self.weight, self.weight_scale, bias)
 
 
@@ -49,6 +93,10 @@ class ColumnParallelLinear(QuantizableLinear):
         param = self.get_parameter(name)
         n = param.shape[0]
         param.data.copy_(loaded.narrow(0, self.tp_rank * n, n))
+
+    def scale_rows(self, shard_id: int | str | None) -> list[tuple[int, int, int, int]]:
+        n = self.out_per_rank
+        return [(0, n, n * self.tp_size, self.tp_rank * n)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -77,6 +125,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                 self._load_shard(name, part, index)
         else:
             self._load_shard(name, loaded, self.shard_index(shard_id))
+
+    def scale_rows(self, shard_id: int | str | None) -> list[tuple[int, int, int, int]]:
+        """One part per shard the checkpoint tensor holds: all of them for a packed matrix (None)."""
+        indexes = range(len(self.output_sizes)) if shard_id is None else [self.shard_index(shard_id)]
+        parts = []
+        for index in indexes:
+            offset, size = self.shard_range(index)
+            parts.append((offset, size, self.output_sizes[index], self.tp_rank * size))
+        return parts
 
     def _load_shard(self, name: str, loaded: torch.Tensor, index: int) -> None:
         if loaded.shape[0] != self.output_sizes[index]:
@@ -113,6 +170,10 @@ class RowParallelLinear(QuantizableLinear):
             return
         n = param.shape[1]
         param.data.copy_(loaded.narrow(1, self.tp_rank * n, n))
+
+    def scale_rows(self, shard_id: int | str | None) -> list[tuple[int, int, int, int]]:
+        n = self.weight.shape[0]  # every rank holds every output row
+        return [(0, n, n, 0)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, None)

@@ -18,13 +18,18 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
+from pagedllm.engine.errors import InvalidRequestError
 from pagedllm.model.attention import Attention
+from pagedllm.model.linear import QuantizableLinear
 from pagedllm.model.moe import FusedExperts, expert_target
 from pagedllm.model.norm import RMSNorm
 from pagedllm.model.parallel import ShardedModule
 
 if TYPE_CHECKING:
     from pagedllm.model.decoder import DecoderForCausalLM
+
+
+QUANT_SCALE_NAMES = ("weight_scale", "input_scale")  # an FP8 checkpoint's scales (model/quant_config.py)
 
 
 def checkpoint_files(model_dir: str) -> list[str]:
@@ -90,12 +95,21 @@ def load_weights(model: DecoderForCausalLM, model_dir: str) -> dict[int, dict[st
                             break
                 param = params.get(target)
                 if param is None:
+                    if name.rpartition(".")[2] in QUANT_SCALE_NAMES:  # a quantized layer the model keeps unquantized
+                        raise InvalidRequestError(
+                            f"checkpoint tensor {name!r}: its layer is quantized, but pagedllm quantizes only the "
+                            "decoder layers' linear layers (not embeddings, the LM head or experts); list it in "
+                            "quantization_config's ignore list only if its weight is unquantized",
+                            "quantization_config",
+                        )
                     raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
                 tensor = f.get_tensor(name)
                 owner_name, _, param_name = target.rpartition(".")
                 owner = model.get_submodule(owner_name)
                 with torch.no_grad():
-                    if isinstance(owner, ShardedModule):  # this rank's slice / the packed shard
+                    if param_name in QUANT_SCALE_NAMES and isinstance(owner, QuantizableLinear):
+                        owner.load_scale(param_name, tensor, shard)
+                    elif isinstance(owner, ShardedModule):  # this rank's slice / the packed shard
                         owner.load_weight(param_name, tensor, shard)
                     else:  # replicated (norms)
                         param.data.copy_(tensor)

@@ -5,8 +5,9 @@ one scale per output channel, as vLLM's on-the-fly FP8 does; embeddings, norms a
 stay in the model's dtype. Activations are quantized per token at run time (ops/fp8_linear.py).
 What it cannot do exactly is refused naming the argument: a mixture of experts (the fused-MoE
 kernel takes unquantized experts) and a GPU without fp8 tensor cores (compute capability < 8.9).
-Checkpoints that are already quantized (config.json's quantization_config) are refused in
-registry.check_supported.
+A checkpoint that is already quantized (config.json's quantization_config, read by
+model/quant_config.py) is loaded as it is: `prepare_checkpoint_fp8` makes its layers e4m3 before
+the weights load into them (model/loader.py), its `ignore` list's layers staying unquantized.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pagedllm.engine.config import QUANTIZATION_METHODS
 from pagedllm.engine.errors import InvalidRequestError
 from pagedllm.model.linear import QuantizableLinear
 from pagedllm.model.moe import SparseMoeBlock
+from pagedllm.model.quant_config import CheckpointQuant
 
 
 def quantize_linears(model: nn.Module, method: str, device: torch.device) -> int:
@@ -40,3 +42,39 @@ def quantize_linears(model: nn.Module, method: str, device: torch.device) -> int
     for m in layers:
         m.quantize_fp8()
     return len(layers)
+
+
+def prepare_checkpoint_fp8(model: nn.Module, quant: CheckpointQuant, device: torch.device) -> int:
+    """Before loading an FP8 checkpoint: every decoder linear layer it quantized gets an e4m3 weight
+    and scales to load into; returns how many. A packed layer (qkv, gate_up) whose checkpoint parts
+    are quantized and not is refused, as are a mixture of experts and a GPU without fp8 tensor cores."""
+    if any(isinstance(m, SparseMoeBlock) for m in model.modules()):
+        raise InvalidRequestError(
+            f"an FP8 checkpoint ({quant.method}) of a mixture of experts: the fused-MoE kernel takes unquantized "
+            "experts",
+            "quantization_config",
+        )
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise InvalidRequestError(
+            f"an FP8 checkpoint needs fp8 tensor cores (compute capability >= 8.9); this GPU has "
+            f"{torch.cuda.get_device_capability(device)}",
+            "quantization_config",
+        )
+    packed = getattr(model, "packed_modules", {})
+    count = 0
+    for name, m in model.named_modules():
+        if not isinstance(m, QuantizableLinear):
+            continue
+        owner, _, leaf = name.rpartition(".")
+        parts = [f"{owner}.{ckpt}" for ckpt, (packed_part, _) in packed.items() if packed_part == leaf] or [name]
+        ignored = {quant.ignores(p) for p in parts}
+        if ignored == {True, False}:
+            raise InvalidRequestError(
+                f"quantization_config.ignore={list(quant.ignore)!r} leaves part of the packed layer {name} "
+                f"unquantized ({', '.join(p for p in parts if quant.ignores(p))}): its parts must be quantized alike",
+                "quantization_config.ignore",
+            )
+        if ignored == {False}:
+            m.prepare_fp8(quant.static_activations)
+            count += 1
+    return count

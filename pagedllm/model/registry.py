@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pagedllm.model.decoder import ACTIVATIONS, DecoderForCausalLM, FamilyTraits
 from pagedllm.model.moe import num_experts_of
+from pagedllm.model.quant_config import read_quant_config
 from pagedllm.model.rotary import check_rope_scaling
 from pagedllm.ops.kernels import Kernels
 
@@ -60,14 +61,7 @@ def check_supported(cfg, traits: FamilyTraits) -> None:
     types (model/rotary.py), partial rotary outside Phi-3 (HF's other families' default rope
     ignores partial_rotary_factor, their scaled ropes break on it), attention variants (chunked,
     bidirectional, layer kinds other than full and sliding)."""
-    quant = getattr(cfg, "quantization_config", None)
-    if quant:  # a quantized checkpoint: its weights would load as raw integers/fp8 with no scales applied
-        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
-        _refuse(
-            "quantization_config.quant_method",
-            str(getattr(method, "value", method)),
-            "pagedllm loads unquantized (bf16, fp16, fp32) weights only",
-        )
+    read_quant_config(cfg)  # a quantized checkpoint: refused naming the field unless it is an FP8 one pagedllm loads
     act = getattr(cfg, traits.activation_field, None) or "silu"
     if act not in ACTIVATIONS:
         _refuse(traits.activation_field, act, f"supported activations: {', '.join(ACTIVATIONS)}")

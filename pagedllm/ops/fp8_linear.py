@@ -99,3 +99,29 @@ def fp8_linear(
     if bias is not None:
         y = y + bias
     return y.to(x.dtype).view(*shape[:-1], wq.shape[0])
+
+
+def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [R, K] -> e4m3 with one given per-tensor scale (a checkpoint's `input_scale`)."""
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def fp8_linear_static(
+    x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, x_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`fp8_linear` with static activations: every token quantized with the one scale `x_scale`."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    xq = quantize_static(x2, x_scale)
+    rows = x_scale.reshape(1, 1).expand(x2.shape[0], 1)
+    if x.device.type != "cuda":
+        y = (xq.float() * rows) @ (wq.float() * w_scale[:, None]).t()
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype).view(*shape[:-1], wq.shape[0])
+    y = torch._scaled_mm(
+        xq, wq.t(), scale_a=rows.contiguous(), scale_b=w_scale.view(1, -1), bias=None, out_dtype=torch.bfloat16
+    )
+    if bias is not None:
+        y = y + bias
+    return y.to(x.dtype).view(*shape[:-1], wq.shape[0])

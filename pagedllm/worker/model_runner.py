@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from pagedllm import envs
+from pagedllm.engine.errors import InvalidRequestError
 from pagedllm.engine.kv_cache_groups import blocks_per_sequence
 from pagedllm.engine.scheduler_output import PLACEHOLDER, SchedulerOutput
 from pagedllm.engine.startup_times import StartupTimes
@@ -20,7 +21,8 @@ from pagedllm.engine.structured_output import grammar_bitmask
 from pagedllm.model.loader import init_dummy_weights, load_weights
 from pagedllm.model.moe import SparseMoeBlock
 from pagedllm.model.parallel import agree_min, tp_rank
-from pagedllm.model.quantization import quantize_linears
+from pagedllm.model.quant_config import read_quant_config
+from pagedllm.model.quantization import prepare_checkpoint_fp8, quantize_linears
 from pagedllm.model.registry import build_model
 from pagedllm.ops import PAD_SLOT_ID
 from pagedllm.ops.attention_metadata import AttentionMetadata
@@ -114,6 +116,26 @@ class ModelRunner:
                 self.model = build_model(hf_config, kernels_for(device), max_model_len)
         finally:
             torch.set_default_dtype(default_dtype)
+        checkpoint_quant = read_quant_config(hf_config)  # refuses what it cannot load, naming the field
+        if checkpoint_quant is not None:
+            if quantization is not None and quantization != checkpoint_quant.method:
+                raise InvalidRequestError(
+                    f"quantization={quantization!r} does not match the checkpoint's quantization_config "
+                    f"(quant_method {checkpoint_quant.method!r}): leave it unset or pass {checkpoint_quant.method!r}",
+                    "quantization",
+                )
+            if load_format == "dummy":
+                raise InvalidRequestError(
+                    "load_format='dummy' cannot make up an FP8 checkpoint's weights", "load_format"
+                )
+            prepare_checkpoint_fp8(self.model, checkpoint_quant, device)
+            quantization = None  # loaded quantized: nothing to quantize after loading
+        elif quantization is not None and quantization != "fp8":
+            raise InvalidRequestError(
+                f"quantization={quantization!r} names a checkpoint format, and this checkpoint has no "
+                "quantization_config; quantization='fp8' quantizes an unquantized checkpoint at load",
+                "quantization",
+            )
         with self.startup.phase("weights"):
             if load_format == "dummy":
                 checkpoint_kv_scales: dict[int, dict[str, float]] = init_dummy_weights(self.model, seed)

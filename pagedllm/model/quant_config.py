@@ -1,0 +1,129 @@
+"""A checkpoint's own quantization (config.json's `quantization_config`), read into one spec.
+
+Loaded: FP8 weights (e4m3) with one scale per output channel or one per tensor, and activations
+quantized at run time, dynamically per token or statically with the checkpoint's per-tensor
+`input_scale`, in the two layouts that publish them:
+
+- `quant_method: "fp8"` (HF transformers' and vLLM's FP8 config) without `weight_block_size`:
+  `activation_scheme` "dynamic" or "static", `weight_scale` per tensor; `ignored_layers` /
+  `modules_to_not_convert` stay in the model's dtype;
+- `quant_method: "compressed-tensors"` with `format: "float-quantized"` (the "-FP8-dynamic" and
+  "-FP8" checkpoints): one config group of 8-bit float weights, `strategy` "channel" or "tensor",
+  symmetric; `input_activations` dynamic per token or static per tensor; `ignore` stays unquantized.
+
+Everything else is refused at start-up naming the field and its value (an `InvalidRequestError`
+whose `param` is the field's path), never loaded to compute something else: block-wise FP8
+(`weight_block_size`), weight-only FP8, group/block strategies, AWQ, GPTQ and the other methods.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from pagedllm.engine.errors import InvalidRequestError
+
+LOADED_METHODS = ("fp8", "compressed-tensors")  # the quant_method values read here
+
+
+@dataclass(frozen=True)
+class CheckpointQuant:
+    method: str  # "fp8" or "compressed-tensors"
+    per_tensor_weights: bool  # else one scale per output channel
+    static_activations: bool  # else dynamic, one scale per token
+    ignore: tuple[str, ...] = ()  # checkpoint module names (or "re:" patterns) left unquantized
+
+    def ignores(self, module: str) -> bool:
+        """Is this checkpoint module (e.g. "model.layers.0.self_attn.q_proj") left unquantized?"""
+        for pat in self.ignore:
+            if pat.startswith("re:"):
+                if re.fullmatch(pat[3:], module):
+                    return True
+            elif module == pat or module.endswith("." + pat) or pat == module.rpartition(".")[2]:
+                return True
+        return False
+
+
+def _refuse(field: str, value: Any, why: str) -> None:
+    raise InvalidRequestError(
+        f"quantization_config.{field}={value!r} is not supported: {why}", f"quantization_config.{field}"
+    )
+
+
+def _as_dict(quant: Any) -> dict[str, Any]:
+    if isinstance(quant, dict):
+        return quant
+    to_dict = getattr(quant, "to_dict", None)
+    return dict(to_dict()) if callable(to_dict) else dict(vars(quant))
+
+
+def read_quant_config(cfg: Any) -> CheckpointQuant | None:
+    """The checkpoint's quantization, or None for an unquantized checkpoint. InvalidRequestError
+    naming `quantization_config.<field>` for what cannot be loaded exactly."""
+    quant = getattr(cfg, "quantization_config", None)
+    if not quant:
+        return None
+    q = _as_dict(quant)
+    method = q.get("quant_method")
+    method = str(getattr(method, "value", method))
+    if method == "fp8":
+        return _read_fp8(q)
+    if method == "compressed-tensors":
+        return _read_compressed_tensors(q)
+    _refuse("quant_method", method, f"pagedllm loads {', '.join(LOADED_METHODS)} checkpoints and unquantized weights")
+    return None  # unreachable
+
+
+def _read_fp8(q: dict[str, Any]) -> CheckpointQuant:
+    if q.get("weight_block_size"):
+        _refuse("weight_block_size", q["weight_block_size"], "block-wise FP8 scales are not implemented yet")
+    if q.get("fmt", "e4m3") != "e4m3":
+        _refuse("fmt", q.get("fmt"), "FP8 weights are read as e4m3")
+    scheme = q.get("activation_scheme", "dynamic")
+    if scheme not in ("dynamic", "static"):
+        _refuse("activation_scheme", scheme, "activations are quantized dynamically (per token) or statically")
+    ignore = tuple(q.get("ignored_layers") or q.get("modules_to_not_convert") or ())
+    return CheckpointQuant("fp8", per_tensor_weights=True, static_activations=scheme == "static", ignore=ignore)
+
+
+def _read_compressed_tensors(q: dict[str, Any]) -> CheckpointQuant:
+    fmt = q.get("format")
+    if fmt != "float-quantized":
+        _refuse("format", fmt, "compressed-tensors checkpoints are read in the float-quantized (FP8) format")
+    groups = q.get("config_groups") or {}
+    if len(groups) != 1:
+        _refuse("config_groups", sorted(groups), "one config group (one scheme for every Linear) is supported")
+    name, group = next(iter(groups.items()))
+    at = f"config_groups.{name}"
+    targets = group.get("targets") or []
+    if targets != ["Linear"]:
+        _refuse(f"{at}.targets", targets, 'the scheme must target every "Linear"')
+    w = group.get("weights") or {}
+    if w.get("num_bits") != 8 or w.get("type") != "float":
+        _refuse(f"{at}.weights", {k: w.get(k) for k in ("num_bits", "type")}, "8-bit float weights (FP8 e4m3) only")
+    if w.get("strategy") not in ("channel", "tensor"):
+        _refuse(f"{at}.weights.strategy", w.get("strategy"), 'one scale per output "channel" or per "tensor"')
+    if w.get("symmetric") is False:
+        _refuse(f"{at}.weights.symmetric", False, "FP8 weights are symmetric (no zero point)")
+    if w.get("dynamic"):
+        _refuse(f"{at}.weights.dynamic", True, "weight scales are read from the checkpoint")
+    a = group.get("input_activations")
+    if not a:
+        _refuse(f"{at}.input_activations", a, "weight-only FP8 is not implemented: activations must be FP8 too")
+    if a.get("num_bits") != 8 or a.get("type") != "float":
+        _refuse(f"{at}.input_activations", {k: a.get(k) for k in ("num_bits", "type")}, "8-bit float activations only")
+    if a.get("dynamic"):
+        if a.get("strategy") not in ("token", None):
+            _refuse(f"{at}.input_activations.strategy", a.get("strategy"), 'dynamic activations are scaled per "token"')
+        static = False
+    else:
+        if a.get("strategy") != "tensor":
+            _refuse(f"{at}.input_activations.strategy", a.get("strategy"), 'static activations have one "tensor" scale')
+        static = True
+    return CheckpointQuant(
+        "compressed-tensors",
+        per_tensor_weights=w["strategy"] == "tensor",
+        static_activations=static,
+        ignore=tuple(q.get("ignore") or ()),
+    )
