@@ -304,8 +304,7 @@ def accepts(llm: LLM, schema: dict, text: str) -> bool:
 
     from pagedllm.engine.grammar import grammar_key, grammar_spec
 
-    manager = llm.engine.core.structured_output
-    assert manager is not None
+    manager = llm.engine.core._grammar_manager()  # made on the first structured request: maybe not yet on this worker
     tok = manager.tokenizer()
     matcher = LLMatcher(tok, grammar_spec(grammar_key(SO(json=schema))), log_level=0)
     assert not matcher.is_error(), matcher.get_error()
@@ -364,8 +363,7 @@ def test_sampled_json_never_adds_an_unlisted_key(llm):
     whose string ran to max_tokens): each stops, and is valid against the strict schema."""
     from pagedllm.engine.grammar import strict_schema
 
-    manager = llm.engine.core.structured_output
-    assert manager is not None
+    manager = llm.engine.core._grammar_manager()  # made on the first structured request: maybe not yet on this worker
     before = manager.num_compiled
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=MAX_TOKENS, structured_outputs=SO(json=OPEN)) for s in range(10)]  # fmt: skip
     for out in llm.generate([PROMPT] * len(params), params, use_tqdm=False):
