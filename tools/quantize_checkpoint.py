@@ -12,7 +12,10 @@ constant `--input-scale` (no calibration run: a test value, not a tuned one).
         [--weights channel|tensor] [--activations dynamic|static] [--input-scale 0.05]
 
 `--format fp8` writes HF transformers' / vLLM's `quant_method: "fp8"` layout, which has per-tensor
-weight scales only.
+weight scales only. `--format awq|gptq` writes 4-bit weights with a scale and zero point per
+`--group-size` input rows (round to nearest, no calibration): AWQ's "gemm" layout, or GPTQ's
+original one (`--sym`, `--desc-act` for a permuted group order with its g_idx); the packing is
+model/int4_weights.py's, read backwards.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble k of an AWQ int32 holds output column AWQ_ORDER[k]
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
 FP8 = torch.float8_e4m3fn
 
@@ -40,12 +44,71 @@ def quantize(w: torch.Tensor, per_tensor: bool) -> tuple[torch.Tensor, torch.Ten
     return q.contiguous(), scale.reshape(1) if per_tensor else scale
 
 
+def int4_groups(w: torch.Tensor, group: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """W [out, in] -> (q [in, out] 0..15, zeros [groups, out], scales [groups, out]), groups of `group`
+    consecutive input rows: asymmetric scale = (max - min) / 15, zero = round(-min / scale); symmetric
+    scale = max|W| / 7.5, zero 8 (GPTQ's)."""
+    wt = w.float().t()  # [in, out]
+    rows, out = wt.shape
+    g = wt.reshape(rows // group, group, out)
+    if sym:
+        scale = (g.abs().amax(dim=1) / 7.5).clamp(min=1e-8)
+        zero = torch.full_like(scale, 8.0)
+    else:
+        lo, hi = g.amin(dim=1).clamp(max=0), g.amax(dim=1).clamp(min=0)
+        scale = ((hi - lo) / 15.0).clamp(min=1e-8)
+        zero = torch.round(-lo / scale).clamp(0, 15)
+    q = torch.round(g / scale[:, None] + zero[:, None]).clamp(0, 15).reshape(rows, out)
+    return q.to(torch.int32), zero.to(torch.int32), scale.half()
+
+
+def pack_cols(v: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+    """int [rows, cols] -> int32 [rows, cols / 8]: nibble k of each int32 holds column order[k] of its eight."""
+    v = v.reshape(v.shape[0], -1, 8)[..., list(order)].to(torch.int64)
+    packed = sum(v[..., k] << (4 * k) for k in range(8))
+    return (packed - ((packed >> 31) & 1) * (1 << 32)).to(torch.int32)  # the two's-complement int32
+
+
+def pack_rows(v: torch.Tensor) -> torch.Tensor:
+    """int [rows, cols] -> int32 [rows / 8, cols]: row i at bits 4 (i % 8) (GPTQ's qweight)."""
+    return pack_cols(v.t().contiguous(), tuple(range(8))).t().contiguous()
+
+
+def int4_tensors(w: torch.Tensor, fmt: str, group: int, sym: bool, desc_act: bool) -> dict[str, torch.Tensor]:
+    """A linear weight's AWQ ("gemm") or GPTQ (original format: zeros stored minus one) tensors."""
+    rows = w.shape[1]
+    group = rows if group == -1 else group
+    if fmt == "awq":
+        q, zero, scale = int4_groups(w, group, sym=False)
+        return {"qweight": pack_cols(q, AWQ_ORDER), "qzeros": pack_cols(zero, AWQ_ORDER), "scales": scale}
+    perm = torch.randperm(rows, generator=torch.Generator().manual_seed(rows)) if desc_act else torch.arange(rows)
+    q_p, zero, scale = int4_groups(w[:, perm], group, sym)  # groups of consecutive rows in the permuted order
+    q = torch.empty_like(q_p)
+    q[perm] = q_p  # back in the input's order; each row keeps its group
+    g_idx = torch.empty(rows, dtype=torch.int32)
+    g_idx[perm] = (torch.arange(rows) // group).to(torch.int32)
+    return {"qweight": pack_rows(q), "qzeros": pack_cols(zero - 1, tuple(range(8))), "scales": scale, "g_idx": g_idx}
+
+
 def is_linear(name: str) -> bool:
     parts = name.split(".")
     return len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in LINEARS and ".layers." in name
 
 
-def quantization_config(fmt: str, per_tensor: bool, static: bool) -> dict:
+def quantization_config(
+    fmt: str, per_tensor: bool, static: bool, group: int = 128, sym: bool = False, desc_act: bool = False
+) -> dict:
+    if fmt == "awq":
+        return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
+    if fmt == "gptq":
+        return {
+            "quant_method": "gptq",
+            "bits": 4,
+            "group_size": group,
+            "desc_act": desc_act,
+            "sym": sym,
+            "checkpoint_format": "gptq",
+        }
     if fmt == "fp8":
         return {
             "quant_method": "fp8",
@@ -81,7 +144,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--format", choices=["compressed-tensors", "fp8"], default="compressed-tensors")
+    ap.add_argument("--format", choices=["compressed-tensors", "fp8", "awq", "gptq"], default="compressed-tensors")
+    ap.add_argument("--group-size", type=int, default=128, help="awq/gptq: input rows a scale covers (-1: all)")
+    ap.add_argument("--sym", action="store_true", help="gptq: symmetric (zero point 8)")
+    ap.add_argument("--desc-act", action="store_true", help="gptq: groups over a permutation of the input rows (g_idx)")
     ap.add_argument("--weights", choices=["channel", "tensor"], default="channel")
     ap.add_argument("--activations", choices=["dynamic", "static"], default="dynamic")
     ap.add_argument("--input-scale", type=float, default=0.05)
@@ -98,8 +164,12 @@ def main() -> None:
                 if not is_linear(name):
                     out[name] = t
                     continue
-                q, scale = quantize(t, per_tensor)
                 base = name[: -len("weight")]
+                if args.format in ("awq", "gptq"):
+                    for part, v in int4_tensors(t, args.format, args.group_size, args.sym, args.desc_act).items():
+                        out[base + part] = v.contiguous()
+                    continue
+                q, scale = quantize(t, per_tensor)
                 out[name] = q
                 out[base + "weight_scale"] = scale.reshape(()) if per_tensor and args.format == "fp8" else scale
                 if static:
@@ -112,10 +182,12 @@ def main() -> None:
             shutil.copy(path, os.path.join(args.out, name))
     with open(os.path.join(args.model, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
-    config["quantization_config"] = quantization_config(args.format, per_tensor, static)
+    config["quantization_config"] = quantization_config(
+        args.format, per_tensor, static, args.group_size, args.sym, args.desc_act
+    )
     with open(os.path.join(args.out, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
-    print(f"wrote {args.format} ({args.weights} weights, {args.activations} activations) to {args.out}")
+    print(f"wrote {args.format} to {args.out}")
 
 
 if __name__ == "__main__":

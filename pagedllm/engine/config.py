@@ -9,7 +9,12 @@ from pagedllm.engine.errors import InvalidRequestError
 PREFIX_CACHING_HASH_ALGOS = ("xxhash", "sha256")
 # kv_cache_dtype as users spell it (vLLM's names; "fp8" is e4m3), and what "auto" resolves to: the model's dtype
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
-QUANTIZATION_METHODS = ("fp8", "compressed-tensors")  # `quantization` (vLLM's names): "fp8" quantizes at load an
+QUANTIZATION_METHODS = (
+    "fp8",
+    "compressed-tensors",
+    "awq",
+    "gptq",
+)  # `quantization` (vLLM's names): "fp8" quantizes at load an
 # unquantized checkpoint (model/quantization.py) or names an FP8 checkpoint; both must agree with the checkpoint's own
 # quantization_config (model/quant_config.py)
 RESOLVED_KV_CACHE_DTYPES = ("float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")

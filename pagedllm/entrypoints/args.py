@@ -159,8 +159,8 @@ FLAG_HELP: dict[str, FlagHelp] = {
     ),
     "quantization": FlagHelp(
         "fp8 = every decoder linear layer's weight quantized to e4m3 at load with per-channel scales, "
-        "activations per token at run time (vLLM's on-the-fly FP8); an FP8 checkpoint is read from its "
-        "quantization_config (fp8 or compressed-tensors may name its method); default: the checkpoint's own",
+        "activations per token at run time (vLLM's on-the-fly FP8); a quantized checkpoint (FP8, AWQ, GPTQ) is "
+        "read from its quantization_config, and this may name its method; default: the checkpoint's own",
         "none",
         choices=QUANTIZATION_METHODS,
     ),

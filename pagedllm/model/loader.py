@@ -20,10 +20,13 @@ from safetensors import safe_open
 
 from pagedllm.engine.errors import InvalidRequestError
 from pagedllm.model.attention import Attention
+from pagedllm.model.int4_weights import PARTS as INT4_PARTS
+from pagedllm.model.int4_weights import dequantize_awq, dequantize_gptq
 from pagedllm.model.linear import QuantizableLinear
 from pagedllm.model.moe import FusedExperts, expert_target
 from pagedllm.model.norm import RMSNorm
 from pagedllm.model.parallel import ShardedModule
+from pagedllm.model.quant_config import CheckpointQuant
 
 if TYPE_CHECKING:
     from pagedllm.model.decoder import DecoderForCausalLM
@@ -62,58 +65,40 @@ def _kv_scale(
     return layer_of[attn], KV_SCALE_NAMES[kind], float(tensor.float().reshape(()))
 
 
-def load_weights(model: DecoderForCausalLM, model_dir: str) -> dict[int, dict[str, float]]:
-    """Load every weight; returns the checkpoint's KV scales, attention layer index -> {"k_scale": .., "v_scale": ..}."""
+def load_weights(
+    model: DecoderForCausalLM, model_dir: str, quant: CheckpointQuant | None = None
+) -> dict[int, dict[str, float]]:
+    """Load every weight; returns the checkpoint's KV scales, attention layer index -> {"k_scale": .., "v_scale": ..}.
+    quant: the checkpoint's quantization (model/quant_config.py); a 4-bit layer's packed tensors are
+    gathered and loaded as the weight they mean (model/int4_weights.py)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = model.packed_modules
     loaded: set[str] = set()
     kv_scales: dict[int, dict[str, float]] = {}
     layer_of = {a: i for i, a in enumerate(model.attention_layers())}
-    shard: int | str | None
     expert_shards: dict[str, set[int | None]] = {}  # stacked experts' parameter -> the shards loaded into it
-    for path in checkpoint_files(model_dir):
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if "rotary_emb.inv_freq" in name:
-                    continue
-                if name.rpartition(".")[2] in KV_SCALE_NAMES:
-                    layer, kinds, value = _kv_scale(model, layer_of, name, f.get_tensor(name))
-                    for kind in kinds:
-                        kv_scales.setdefault(layer, {})[kind] = value
-                    continue
-                if name == "lm_head.weight" and model.tie_word_embeddings:
-                    continue
-                target, shard = name, None
-                expert = expert_target(name)  # MoE: one expert's matrix (or all, packed) into the stacked experts
-                if expert is not None:
-                    target, shard = expert
-                    expert_shards.setdefault(target, set()).add(expert[1])
-                else:
-                    for ckpt_part, (packed_part, shard_id) in packed.items():
-                        if f".{ckpt_part}." in name:
-                            target, shard = name.replace(f".{ckpt_part}.", f".{packed_part}."), shard_id
-                            break
-                param = params.get(target)
-                if param is None:
-                    if name.rpartition(".")[2] in QUANT_SCALE_NAMES:  # a quantized layer the model keeps unquantized
-                        raise InvalidRequestError(
-                            f"checkpoint tensor {name!r}: its layer is quantized, but pagedllm quantizes only the "
-                            "decoder layers' linear layers (not embeddings, the LM head or experts); list it in "
-                            "quantization_config's ignore list only if its weight is unquantized",
-                            "quantization_config",
-                        )
-                    raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-                tensor = f.get_tensor(name)
-                owner_name, _, param_name = target.rpartition(".")
-                owner = model.get_submodule(owner_name)
-                with torch.no_grad():
-                    if param_name in QUANT_SCALE_NAMES and isinstance(owner, QuantizableLinear):
-                        owner.load_scale(param_name, tensor, shard)
-                    elif isinstance(owner, ShardedModule):  # this rank's slice / the packed shard
-                        owner.load_weight(param_name, tensor, shard)
-                    else:  # replicated (norms)
-                        param.data.copy_(tensor)
-                loaded.add(target)
+    int4: dict[str, dict[str, torch.Tensor]] = {}  # layer -> its packed parts (AWQ, GPTQ)
+    tensors = _checkpoint_tensors(model_dir)
+    for name, get in tensors:
+        if quant is not None and quant.int4 and name.rpartition(".")[2] in INT4_PARTS:
+            prefix, _, part = name.rpartition(".")
+            int4.setdefault(prefix, {})[part] = get()
+            continue
+        if "rotary_emb.inv_freq" in name:
+            continue
+        _place(model, params, packed, layer_of, loaded, kv_scales, expert_shards, name, get)
+    if quant is not None and quant.int4 and not int4:
+        raise InvalidRequestError(
+            f"the checkpoint's quantization_config.quant_method={quant.method!r}, but it holds no 4-bit weights "
+            "(qweight, qzeros, scales): its config and its tensors disagree",
+            "quantization_config",
+        )
+    for prefix, parts in int4.items():
+        assert quant is not None
+        weight = _dequantize(prefix, parts, quant)
+        _place(
+            model, params, packed, layer_of, loaded, kv_scales, expert_shards, prefix + ".weight", lambda w=weight: w
+        )
     missing = {n for n in params if n not in loaded}
     for target, shards in expert_shards.items():  # every expert's every matrix, or the packed tensor
         owner_name, _, param_name = target.rpartition(".")
@@ -125,6 +110,68 @@ def load_weights(model: DecoderForCausalLM, model_dir: str) -> dict[int, dict[st
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks weights for {sorted(missing)[:5]}")
     return kv_scales
+
+
+def _checkpoint_tensors(model_dir: str):
+    """(name, a function that reads it) for every tensor of the checkpoint, file by file (the file
+    stays open while its names are handed out)."""
+    for path in checkpoint_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, (lambda f=f, name=name: f.get_tensor(name))
+
+
+def _dequantize(prefix: str, parts: dict[str, torch.Tensor], quant: CheckpointQuant) -> torch.Tensor:
+    """A 4-bit layer's weight [out, in] from its packed parts (model/int4_weights.py)."""
+    missing = [p for p in ("qweight", "qzeros", "scales") if p not in parts]
+    if missing:
+        raise ValueError(f"checkpoint layer {prefix!r} lacks {', '.join(missing)} of its {quant.method} weight")
+    if quant.method == "awq":
+        return dequantize_awq(parts["qweight"], parts["qzeros"], parts["scales"])
+    return dequantize_gptq(parts["qweight"], parts["qzeros"], parts["scales"], parts.get("g_idx"), quant.zero_offset)
+
+
+def _place(model, params, packed, layer_of, loaded, kv_scales, expert_shards, name: str, get) -> None:
+    """One checkpoint tensor into its place: a KV scale, a (packed, sharded, stacked-expert) weight, or a
+    quantized layer's scale."""
+    if name.rpartition(".")[2] in KV_SCALE_NAMES:
+        layer, kinds, value = _kv_scale(model, layer_of, name, get())
+        for kind in kinds:
+            kv_scales.setdefault(layer, {})[kind] = value
+        return
+    if name == "lm_head.weight" and model.tie_word_embeddings:
+        return
+    target, shard = name, None
+    expert = expert_target(name)  # MoE: one expert's matrix (or all, packed) into the stacked experts
+    if expert is not None:
+        target, shard = expert
+        expert_shards.setdefault(target, set()).add(expert[1])
+    else:
+        for ckpt_part, (packed_part, shard_id) in packed.items():
+            if f".{ckpt_part}." in name:
+                target, shard = name.replace(f".{ckpt_part}.", f".{packed_part}."), shard_id
+                break
+    param = params.get(target)
+    if param is None:
+        if name.rpartition(".")[2] in QUANT_SCALE_NAMES:  # a quantized layer the model keeps unquantized
+            raise InvalidRequestError(
+                f"checkpoint tensor {name!r}: its layer is quantized, but pagedllm quantizes only the "
+                "decoder layers' linear layers (not embeddings, the LM head or experts); list it in "
+                "quantization_config's ignore list only if its weight is unquantized",
+                "quantization_config",
+            )
+        raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+    tensor = get()
+    owner_name, _, param_name = target.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    with torch.no_grad():
+        if param_name in QUANT_SCALE_NAMES and isinstance(owner, QuantizableLinear):
+            owner.load_scale(param_name, tensor, shard)
+        elif isinstance(owner, ShardedModule):  # this rank's slice / the packed shard
+            owner.load_weight(param_name, tensor, shard)
+        else:  # replicated (norms)
+            param.data.copy_(tensor)
+    loaded.add(target)
 
 
 def init_dummy_weights(model: DecoderForCausalLM, seed: int, std: float = 0.02) -> dict[int, dict[str, float]]:

@@ -11,9 +11,14 @@ quantized at run time, dynamically per token or statically with the checkpoint's
   "-FP8" checkpoints): one config group of 8-bit float weights, `strategy` "channel" or "tensor",
   symmetric; `input_activations` dynamic per token or static per tensor; `ignore` stays unquantized.
 
+4-bit AWQ (`version: "gemm"`, with zero points) and GPTQ (`checkpoint_format` "gptq" or "gptq_v2",
+`desc_act` and `sym` either way), any group size: their weights are dequantized at load
+(model/int4_weights.py).
+
 Everything else is refused at start-up naming the field and its value (an `InvalidRequestError`
 whose `param` is the field's path), never loaded to compute something else: block-wise FP8
-(`weight_block_size`), weight-only FP8, group/block strategies, AWQ, GPTQ and the other methods.
+(`weight_block_size`), weight-only FP8, group/block FP8 strategies, other bit widths and the other
+methods.
 """
 
 from __future__ import annotations
@@ -24,15 +29,17 @@ from typing import Any
 
 from pagedllm.engine.errors import InvalidRequestError
 
-LOADED_METHODS = ("fp8", "compressed-tensors")  # the quant_method values read here
+LOADED_METHODS = ("fp8", "compressed-tensors", "awq", "gptq")  # the quant_method values read here
 
 
 @dataclass(frozen=True)
 class CheckpointQuant:
-    method: str  # "fp8" or "compressed-tensors"
-    per_tensor_weights: bool  # else one scale per output channel
-    static_activations: bool  # else dynamic, one scale per token
+    method: str  # "fp8", "compressed-tensors", "awq" or "gptq"
+    per_tensor_weights: bool = False  # FP8: else one scale per output channel
+    static_activations: bool = False  # FP8: else dynamic, one scale per token
     ignore: tuple[str, ...] = ()  # checkpoint module names (or "re:" patterns) left unquantized
+    int4: bool = False  # AWQ / GPTQ: 4-bit weights dequantized at load (model/int4_weights.py)
+    zero_offset: int = 0  # GPTQ's original format stores zero points minus one
 
     def ignores(self, module: str) -> bool:
         """Is this checkpoint module (e.g. "model.layers.0.self_attn.q_proj") left unquantized?"""
@@ -71,6 +78,8 @@ def read_quant_config(cfg: Any) -> CheckpointQuant | None:
         return _read_fp8(q)
     if method == "compressed-tensors":
         return _read_compressed_tensors(q)
+    if method in ("awq", "gptq"):
+        return _read_int4(method, q)
     _refuse("quant_method", method, f"pagedllm loads {', '.join(LOADED_METHODS)} checkpoints and unquantized weights")
     return None  # unreachable
 
@@ -126,4 +135,25 @@ def _read_compressed_tensors(q: dict[str, Any]) -> CheckpointQuant:
         per_tensor_weights=w["strategy"] == "tensor",
         static_activations=static,
         ignore=tuple(q.get("ignore") or ()),
+    )
+
+
+def _read_int4(method: str, q: dict[str, Any]) -> CheckpointQuant:
+    bits = q.get("bits", q.get("w_bit"))
+    if bits != 4:
+        _refuse("bits", bits, "4-bit AWQ and GPTQ weights only")
+    group = q.get("group_size", q.get("q_group_size"))
+    if not isinstance(group, int) or (group < 1 and group != -1):
+        _refuse("group_size", group, "a positive group size, or -1 (one group over the whole input)")
+    if method == "awq":
+        if str(q.get("version", "gemm")).lower() != "gemm":
+            _refuse("version", q.get("version"), 'the AWQ "gemm" layout only')
+        if q.get("zero_point") is False:
+            _refuse("zero_point", False, "AWQ checkpoints with zero points only")
+        return CheckpointQuant("awq", int4=True, ignore=tuple(q.get("modules_to_not_convert") or ()))
+    fmt = q.get("checkpoint_format", "gptq")
+    if fmt not in ("gptq", "gptq_v2"):
+        _refuse("checkpoint_format", fmt, 'the "gptq" and "gptq_v2" layouts only')
+    return CheckpointQuant(
+        "gptq", int4=True, zero_offset=1 if fmt == "gptq" else 0, ignore=tuple(q.get("modules_to_not_convert") or ())
     )

@@ -126,9 +126,10 @@ class ModelRunner:
                 )
             if load_format == "dummy":
                 raise InvalidRequestError(
-                    "load_format='dummy' cannot make up an FP8 checkpoint's weights", "load_format"
+                    "load_format='dummy' cannot make up a quantized checkpoint's weights", "load_format"
                 )
-            prepare_checkpoint_fp8(self.model, checkpoint_quant, device)
+            if not checkpoint_quant.int4:  # 4-bit weights are dequantized into the weights as they load
+                prepare_checkpoint_fp8(self.model, checkpoint_quant, device)
             quantization = None  # loaded quantized: nothing to quantize after loading
         elif quantization is not None and quantization != "fp8":
             raise InvalidRequestError(
@@ -140,7 +141,7 @@ class ModelRunner:
             if load_format == "dummy":
                 checkpoint_kv_scales: dict[int, dict[str, float]] = init_dummy_weights(self.model, seed)
             else:
-                checkpoint_kv_scales = load_weights(self.model, model_dir)
+                checkpoint_kv_scales = load_weights(self.model, model_dir, checkpoint_quant)
         self.model.eval()
         if quantization is not None:
             with self.startup.phase("fp8 weights"):

@@ -198,15 +198,16 @@ REFUSED_FIELD = {
 @pytest.mark.parametrize("method", list(QUANTIZED))
 def test_a_quantized_checkpoint_it_cannot_load_is_refused_naming_the_field(family_models, tmp_path, method):
     """A checkpoint whose quantization_config pagedllm cannot load exactly (block-wise FP8, a
-    compressed-tensors config without its scheme, AWQ, GPTQ) fails at start-up naming the field and
-    value, never computing with raw quantized weights (the FP8 layouts it loads:
-    tests/model/test_fp8_checkpoints.py)."""
+    compressed-tensors config without its scheme), or whose tensors disagree with its config (AWQ and
+    GPTQ configs over unquantized weights), fails at start-up naming the field and value, never
+    computing with the wrong weights (the layouts it loads: tests/model/test_fp8_checkpoints.py,
+    tests/model/test_int4_checkpoints.py)."""
     from pagedllm.engine.errors import InvalidRequestError
 
     path = edited(family_models["qwen2"], tmp_path, quantization_config=QUANTIZED[method])
     with pytest.raises(InvalidRequestError, match=re.escape(REFUSED_FIELD[method])) as e:
         LLM(path, num_kv_blocks=8, max_model_len=WINDOW)
-    assert e.value.param == "model"
+    assert e.value.param in ("model", "quantization_config")
 
 
 def test_phi3_partial_rotary_matches_hf(tmp_path):

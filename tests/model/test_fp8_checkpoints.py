@@ -126,8 +126,8 @@ def edit_config(ckpt: str, **changes) -> None:
     [
         ("fp8", {"weight_block_size": [128, 128]}, "quantization_config.weight_block_size"),
         ("fp8", {"activation_scheme": "sometimes"}, "quantization_config.activation_scheme"),
-        ("fp8", {"quant_method": "awq"}, "quantization_config.quant_method"),
-        ("fp8", {"quant_method": "gptq"}, "quantization_config.quant_method"),
+        ("fp8", {"quant_method": "bitsandbytes"}, "quantization_config.quant_method"),
+        ("fp8", {"quant_method": "awq"}, "quantization_config.bits"),  # an AWQ config must say its bits
         ("compressed-tensors", {"format": "pack-quantized"}, "quantization_config.format"),
         (
             "compressed-tensors",
