@@ -256,3 +256,27 @@ def test_stream_interval_sends_the_first_token_then_n_at_a_time(llm, tiny_models
     for outs in (kept_up, free):
         assert [t for o in outs for t in o.delta_token_ids] == want.token_ids
         assert "".join(o.delta_text for o in outs) == want.text == outs[-1].text
+
+
+def test_more_samples_than_sequence_slots_stream_in_waves(tiny_models, llm):
+    """The server's engine path (AsyncLLM over an engine-core process) with max_num_seqs=4 and n=10:
+    three waves, every sample streamed under its index, each equal to the sample an engine with room
+    for all ten draws (seed + index), and every block free afterwards."""
+    params = SamplingParams(temperature=1.0, top_k=50, max_tokens=6, ignore_eos=True, seed=11, n=10)
+    want = [o.token_ids for o in llm.generate(["def fib"], params, use_tqdm=False)[0].outputs]  # 256 slots: one wave
+    small = AsyncLLM(tiny_models["qwen3"], **LLM_ARGS, max_num_seqs=4)
+    try:
+
+        async def run():
+            outs = [o async for o in small.generate("def fib", params)]
+            return outs, await _idle(small)
+
+        outs, m = asyncio.run(run())
+    finally:
+        small.shutdown()
+    final = outs[-1]
+    assert final.finished and [c.index for c in final.outputs] == list(range(10))
+    assert [c.token_ids for c in final.outputs] == want
+    for i in range(10):  # the deltas add up to each sample, whichever wave it ran in
+        assert [t for o in outs for t in o.outputs[i].delta_token_ids] == want[i]
+    assert m["num_free_kv_blocks"] == m["num_kv_blocks"]
