@@ -22,22 +22,28 @@ from pagedllm.model.moe import SparseMoeBlock
 from pagedllm.model.quant_config import CheckpointQuant
 
 
+def check_fp8_runs(model: nn.Module, device: torch.device, what: str, param: str) -> None:
+    """FP8 linear layers need what they run on: refused (InvalidRequestError naming `param`) for a
+    mixture of experts (the fused-MoE kernel takes unquantized experts) and a GPU without fp8 tensor
+    cores (compute capability < 8.9)."""
+    if any(isinstance(m, SparseMoeBlock) for m in model.modules()):
+        raise InvalidRequestError(
+            f"{what} on a mixture of experts: the fused-MoE kernel takes unquantized experts", param
+        )
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise InvalidRequestError(
+            f"{what} needs fp8 tensor cores (compute capability >= 8.9); this GPU has "
+            f"{torch.cuda.get_device_capability(device)}",
+            param,
+        )
+
+
 def quantize_linears(model: nn.Module, method: str, device: torch.device) -> int:
     """Quantize the model's decoder linear layers in place; returns how many. InvalidRequestError
     (param "quantization") for a method or a model it cannot quantize exactly."""
     if method not in QUANTIZATION_METHODS:
         raise InvalidRequestError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}", "quantization")
-    if any(isinstance(m, SparseMoeBlock) for m in model.modules()):
-        raise InvalidRequestError(
-            "quantization='fp8' on a mixture of experts: the fused-MoE kernel takes unquantized experts",
-            "quantization",
-        )
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        raise InvalidRequestError(
-            f"quantization='fp8' needs fp8 tensor cores (compute capability >= 8.9); this GPU has "
-            f"{torch.cuda.get_device_capability(device)}",
-            "quantization",
-        )
+    check_fp8_runs(model, device, "quantization='fp8'", "quantization")
     layers = [m for m in model.modules() if isinstance(m, QuantizableLinear)]
     for m in layers:
         m.quantize_fp8()
@@ -48,18 +54,7 @@ def prepare_checkpoint_fp8(model: nn.Module, quant: CheckpointQuant, device: tor
     """Before loading an FP8 checkpoint: every decoder linear layer it quantized gets an e4m3 weight
     and scales to load into; returns how many. A packed layer (qkv, gate_up) whose checkpoint parts
     are quantized and not is refused, as are a mixture of experts and a GPU without fp8 tensor cores."""
-    if any(isinstance(m, SparseMoeBlock) for m in model.modules()):
-        raise InvalidRequestError(
-            f"an FP8 checkpoint ({quant.method}) of a mixture of experts: the fused-MoE kernel takes unquantized "
-            "experts",
-            "quantization_config",
-        )
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        raise InvalidRequestError(
-            f"an FP8 checkpoint needs fp8 tensor cores (compute capability >= 8.9); this GPU has "
-            f"{torch.cuda.get_device_capability(device)}",
-            "quantization_config",
-        )
+    check_fp8_runs(model, device, f"an FP8 checkpoint ({quant.method})", "quantization_config")
     packed = getattr(model, "packed_modules", {})
     count = 0
     for name, m in model.named_modules():

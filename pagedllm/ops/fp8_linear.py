@@ -67,16 +67,42 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return wq.contiguous(), scale.view(-1)
 
 
+def _product(
+    x: torch.Tensor,
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    wq: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    scaled_mm: bool,
+) -> torch.Tensor:
+    """(xq * x_scale) @ (wq * w_scale)^T (+ bias) in x's dtype and shape: xq [M, K] e4m3 with row scales
+    x_scale [M, 1]; `torch._scaled_mm` (an fp8 tensor-core GEMM, bf16 out) or float32 from the dequantized
+    operands (the reference)."""
+    if scaled_mm:
+        y = torch._scaled_mm(
+            xq,
+            wq.t(),  # column-major [K, N], as the kernel wants its second operand
+            scale_a=x_scale,
+            scale_b=w_scale.view(1, -1),
+            bias=None,
+            out_dtype=torch.bfloat16,  # row-wise scaling writes bf16; cast below for fp16/fp32 models
+        )
+        if bias is not None:
+            y = y + bias
+    else:
+        y = (xq.float() * x_scale) @ (wq.float() * w_scale[:, None]).t()
+        if bias is not None:
+            y = y + bias.float()
+    return y.to(x.dtype).view(*x.shape[:-1], wq.shape[0])
+
+
 def fp8_linear_ref(
     x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The product in float32 from the dequantized operands, in x's dtype: [..., K] -> [..., N]."""
-    shape = x.shape
-    xq, x_scale = quantize_rows(x.reshape(-1, shape[-1]))
-    y = (xq.float() * x_scale) @ (wq.float() * w_scale[:, None]).t()
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype).view(*shape[:-1], wq.shape[0])
+    xq, x_scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+    return _product(x, xq, x_scale, wq, w_scale, bias, scaled_mm=False)
 
 
 def fp8_linear(
@@ -85,20 +111,9 @@ def fp8_linear(
     """y = x W^T (+ bias) with W in fp8: `torch._scaled_mm` on CUDA, the reference elsewhere."""
     if x.device.type != "cuda":
         return fp8_linear_ref(x, wq, w_scale, bias)
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
+    x2 = x.reshape(-1, x.shape[-1])
     xq, x_scale = quantize_rows_triton(x2) if HAS_TRITON and x2.stride(-1) == 1 else quantize_rows(x2)
-    y = torch._scaled_mm(
-        xq,
-        wq.t(),  # column-major [K, N], as the kernel wants its second operand
-        scale_a=x_scale,
-        scale_b=w_scale.view(1, -1),
-        bias=None,
-        out_dtype=torch.bfloat16,  # row-wise scaling writes bf16; cast below for fp16/fp32 models
-    )
-    if bias is not None:
-        y = y + bias
-    return y.to(x.dtype).view(*shape[:-1], wq.shape[0])
+    return _product(x, xq, x_scale, wq, w_scale, bias, scaled_mm=True)
 
 
 def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -110,18 +125,6 @@ def fp8_linear_static(
     x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, x_scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """`fp8_linear` with static activations: every token quantized with the one scale `x_scale`."""
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    xq = quantize_static(x2, x_scale)
-    rows = x_scale.reshape(1, 1).expand(x2.shape[0], 1)
-    if x.device.type != "cuda":
-        y = (xq.float() * rows) @ (wq.float() * w_scale[:, None]).t()
-        if bias is not None:
-            y = y + bias.float()
-        return y.to(x.dtype).view(*shape[:-1], wq.shape[0])
-    y = torch._scaled_mm(
-        xq, wq.t(), scale_a=rows.contiguous(), scale_b=w_scale.view(1, -1), bias=None, out_dtype=torch.bfloat16
-    )
-    if bias is not None:
-        y = y + bias
-    return y.to(x.dtype).view(*shape[:-1], wq.shape[0])
+    x2 = x.reshape(-1, x.shape[-1])
+    rows = x_scale.reshape(1, 1).expand(x2.shape[0], 1).contiguous()  # the per-tensor scale as row scales
+    return _product(x, quantize_static(x2, x_scale), rows, wq, w_scale, bias, scaled_mm=x.device.type == "cuda")

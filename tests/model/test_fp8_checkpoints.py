@@ -35,16 +35,22 @@ def per_token(x: torch.Tensor) -> torch.Tensor:
     return (x / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * scale
 
 
-def reference(src: str, ckpt: str):
-    """HF's float32 model of the unquantized checkpoint with the FP8 checkpoint's weights, dequantized."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(src, attn_implementation="eager").float().eval()
+def checkpoint_tensors(ckpt: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory, by name."""
     tensors = {}
     for path in sorted(os.listdir(ckpt)):
         if path.endswith(".safetensors"):
             with safe_open(os.path.join(ckpt, path), framework="pt") as f:
                 tensors.update({k: f.get_tensor(k) for k in f.keys()})
+    return tensors
+
+
+def reference(src: str, ckpt: str):
+    """HF's float32 model of the unquantized checkpoint with the FP8 checkpoint's weights, dequantized."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, attn_implementation="eager").float().eval()
+    tensors = checkpoint_tensors(ckpt)
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.split(".")[-1] in LINEARS:
             scale = tensors[f"{name}.weight_scale"].float()

@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,9 +16,7 @@ from safetensors import safe_open
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.errors import InvalidRequestError
 from pagedllm.model.int4_weights import dequantize_gptq, unpack_awq, unpack_gptq_cols, unpack_gptq_rows
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from tests.model.test_fp8_checkpoints import LINEARS, checkpoint_tensors, reference_greedy, write
 
 
 def int32(nibbles: list[int]) -> int:
@@ -74,21 +70,11 @@ def reference_weight(t: dict[str, torch.Tensor], method: str) -> torch.Tensor:
     return w.t()
 
 
-def write(src: str, out: str, *flags: str) -> str:
-    cmd = [sys.executable, os.path.join(ROOT, "tools", "quantize_checkpoint.py"), "--model", src, "--out", out, *flags]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
-    return out
-
-
 def reference_model(src: str, ckpt: str, method: str):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(src, attn_implementation="eager").float().eval()
-    tensors: dict[str, torch.Tensor] = {}
-    for f in os.listdir(ckpt):
-        if f.endswith(".safetensors"):
-            with safe_open(os.path.join(ckpt, f), framework="pt") as s:
-                tensors.update({k: s.get_tensor(k) for k in s.keys()})
+    tensors = checkpoint_tensors(ckpt)
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.split(".")[-1] in LINEARS:
             parts = {
@@ -96,14 +82,6 @@ def reference_model(src: str, ckpt: str, method: str):
             }
             module.weight.data = reference_weight(parts, method)
     return model
-
-
-@torch.inference_mode()
-def greedy(model, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
 
 
 @pytest.mark.parametrize(
@@ -122,7 +100,7 @@ def test_int4_checkpoint_matches_the_weights_it_means(tiny_models, tmp_path, fmt
         use_tqdm=False,
     )
     for p, out in zip(prompts, outs, strict=True):
-        assert out.outputs[0].token_ids == greedy(ref, p, 10)
+        assert out.outputs[0].token_ids == reference_greedy(ref, p, 10)
     # not a no-op: the 4-bit weights differ from the original ones
     with safe_open(os.path.join(src, "model.safetensors"), framework="pt") as s:
         original = s.get_tensor("model.layers.0.self_attn.o_proj.weight").float()
