@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import dataclasses
-import enum
 import itertools
 import logging
 import threading
@@ -42,7 +41,8 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.outputs import RequestOutput
 from pagedllm.engine.sampling_params import SamplingParams, sampling_params_with_defaults
 from pagedllm.engine.timeline import timeline_from_env
-from pagedllm.entrypoints.core_client import EngineCoreClient
+from pagedllm.entrypoints.core_client import CoreAttachment, EngineCoreClient
+from pagedllm.entrypoints.engine_state import EngineShutdownError, EngineState, EngineStepError, QueueFullError
 from pagedllm.entrypoints.output_handler import OutputHandler
 from pagedllm.entrypoints.streams import RequestStream, StreamRegistry
 
@@ -51,26 +51,6 @@ __all__ = ["AsyncLLM", "EngineShutdownError", "EngineState", "EngineStepError", 
 logger = logging.getLogger("pagedllm")
 
 LOG_INTERVAL_S = 10.0
-
-
-class QueueFullError(RuntimeError):
-    """More requests are waiting than max_queue_len allows (the server answers 429)."""
-
-
-class EngineShutdownError(RuntimeError):
-    """The engine is shutting down, stopped, or its process died: no new requests, and open
-    streams end with this error (the server answers 503)."""
-
-
-class EngineStepError(RuntimeError):
-    """The engine raised while running this request (a bug, not the caller's mistake)."""
-
-
-class EngineState(enum.Enum):
-    RUNNING = "running"
-    STOPPING = "stopping"  # asked to stop; the core has not said Bye yet
-    STOPPED = "stopped"  # the core is gone, as asked
-    DEAD = "dead"  # the core is gone unasked
 
 
 @dataclasses.dataclass
@@ -106,6 +86,7 @@ class AsyncLLM:
         log_requests: bool = False,
         engine_process: bool | None = None,
         startup_timeout: float | None = None,
+        attach: CoreAttachment | None = None,
         **llm_kwargs: Any,
     ):
         if max_queue_len is not None and (not isinstance(max_queue_len, int) or max_queue_len < 0):
@@ -113,6 +94,8 @@ class AsyncLLM:
         if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
             raise ValueError(f"stream_interval must be an integer >= 1, got {stream_interval!r}")
         self._owns_llm = False
+        if attach is not None and (llm is not None or model is None):
+            raise ValueError("attach= takes the model (for its tokenizer), not llm=")
         if llm is not None:
             if model is not None or llm_kwargs:
                 raise ValueError("pass either llm= or the LLM arguments, not both")
@@ -126,7 +109,7 @@ class AsyncLLM:
                 from pagedllm import default_model_path
 
                 model = default_model_path()
-            if engine_process is False:
+            if engine_process is False and attach is None:
                 from pagedllm.entrypoints.llm import LLM
 
                 llm = LLM(model, **llm_kwargs)
@@ -147,7 +130,10 @@ class AsyncLLM:
             self.generation_defaults: dict[str, Any] = llm.generation_defaults
         else:
             assert model is not None
-            self.core = EngineCoreClient(llm_kwargs={"model": model, **llm_kwargs})
+            if attach is None:
+                self.core = EngineCoreClient(llm_kwargs={"model": model, **llm_kwargs})
+            else:  # another process spawned the core and read its Ready (api_processes.py)
+                self.core = EngineCoreClient.attach(attach.pipes, attach.core_pid)
             try:  # meanwhile the core loads the model
                 from pagedllm.entrypoints.model_dir import generation_defaults, load_tokenizer
 
@@ -158,7 +144,7 @@ class AsyncLLM:
                 self.core.send(Shutdown())
                 self.core.close(10)
                 raise
-        info = self.core.wait_ready(startup_timeout)
+        info = attach.info if attach is not None else self.core.wait_ready(startup_timeout)
         self.core_pid = self.core.pid
         self.model_path = info.model_path or model
         self.max_model_len = info.max_model_len
@@ -187,6 +173,11 @@ class AsyncLLM:
         self.registry = StreamRegistry(
             OutputProcessor(self.tokenizer), self._abort_in_core, self._stop_in_core, stream_interval
         )
+        # several API processes over one core: core ids unique across them, the queue counted over all
+        self._id_prefix = "" if attach is None else f"{attach.index}."
+        self._board = None if attach is None else attach.waiting
+        if attach is not None and attach.waiting is not None:
+            self.registry.publish_waiting = attach.publish_waiting
         self.finish_callbacks: list[Callable[[RequestOutput], None]] = self.registry.finish_callbacks
         self.state = EngineState.RUNNING
         self._dead_reason: str | None = None
@@ -222,8 +213,11 @@ class AsyncLLM:
         return self._dead_reason
 
     def num_waiting(self) -> int:
-        """Requests sent to the engine that have no token yet (queued or prefilling)."""
-        return self.registry.num_waiting
+        """Requests sent to the engine that have no token yet (queued or prefilling), by every API
+        process of the server (each publishes its own count; the others' are a moment old)."""
+        if self._board is None:
+            return self.registry.num_waiting
+        return int(sum(self._board))
 
     def add_request(
         self, prompt: Any, params: SamplingParams | None = None, request_id: str | None = None, *, stream: bool = True
@@ -247,7 +241,7 @@ class AsyncLLM:
         if self.state is not EngineState.RUNNING:
             raise EngineShutdownError(self._dead_reason or "the engine is shutting down")
         self.output_handler.own(loop)
-        if self.max_queue_len is not None and self.registry.num_waiting >= self.max_queue_len:
+        if self.max_queue_len is not None and self.num_waiting() >= self.max_queue_len:
             raise QueueFullError(f"the request queue is full ({self.max_queue_len} waiting); retry later")
         if self.log_requests:  # vLLM's per-request line; the prompt's text stays out of the log
             logger.info(
@@ -256,7 +250,7 @@ class AsyncLLM:
                 len(request.prompt_token_ids),
                 params,
             )
-        core_id = str(next(self._core_ids))
+        core_id = f"{self._id_prefix}{next(self._core_ids)}"
         handle = self.registry.register(request, core_id, stream, loop)  # before sending: outputs may come at once
         try:
             self.core.send(dataclasses.replace(request, request_id=core_id, prompt=None))
@@ -361,7 +355,7 @@ class AsyncLLM:
                 code = self.core.exitcode()
                 self._dead_reason = (
                     "the engine core process died" + (f" (exit code {code})" if code is not None else "")
-                    if self.core.proc is not None
+                    if self.core.spawned
                     else "the engine thread stopped"
                 )
             self.state = EngineState.STOPPED if expected else EngineState.DEAD

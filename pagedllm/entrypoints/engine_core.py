@@ -21,6 +21,7 @@ import signal
 import sys
 import threading
 import time
+from multiprocessing.connection import wait
 from typing import Any
 
 from pagedllm.engine.errors import InvalidRequestError
@@ -30,6 +31,7 @@ from pagedllm.engine.messages import (
     CoreEvent,
     CoreInput,
     EngineCoreInfo,
+    EngineCoreOutput,
     EngineCoreRequest,
     Failed,
     Metrics,
@@ -42,6 +44,7 @@ from pagedllm.engine.messages import (
     StopSequences,
 )
 from pagedllm.engine.timeline import timeline_from_env
+from pagedllm.entrypoints.proc_name import set_process_name
 
 logger = logging.getLogger("pagedllm")
 
@@ -50,14 +53,31 @@ IDLE_POLL_S = 1.0  # how often an idle core checks that its parent is still ther
 PIPE_BYTES = 1 << 20  # pipe buffer (Linux default 64 KiB): a burst of adds never blocks the sender
 
 
-class EngineCoreProc:
-    """The loop: drain requests and aborts, step while work exists, send each step's outputs."""
+class CoreClient:
+    """One API process's two pipes, and the requests it sent that the core still holds."""
 
-    def __init__(self, llm: Any, conn_in: Any, conn_out: Any, parent_pid: int | None = None):
-        self.llm = llm
-        self.core = llm.engine.core  # the EngineCore only: no output processing here
+    def __init__(self, index: int, conn_in: Any, conn_out: Any):
+        self.index = index
         self.conn_in = conn_in
         self.conn_out = conn_out
+        self.request_ids: set[str] = set()
+
+
+class EngineCoreProc:
+    """The loop: drain requests and aborts, step while work exists, send each step's outputs.
+
+    It serves one API process or several (`pagedllm serve --api-server-count N`), each over its
+    own pair of pipes. Invariant: `self.route[rid]` is the client that sent request `rid`, for
+    every request the core holds (the ids are unique across clients: each API process prefixes
+    its own); a step's outputs go to the clients of their requests, the metrics to every client.
+    A client that says Shutdown, or whose pipe ends, loses its requests (aborted: their blocks
+    freed) and is dropped; the loop returns once no client is left."""
+
+    def __init__(self, llm: Any, clients: list[tuple[Any, Any]], parent_pid: int | None = None):
+        self.llm = llm
+        self.core = llm.engine.core  # the EngineCore only: no output processing here
+        self.clients = [CoreClient(i, conn_in, conn_out) for i, (conn_in, conn_out) in enumerate(clients)]
+        self.route: dict[str, CoreClient] = {}
         self.parent_pid = parent_pid
         self.last_stats = 0.0
         self.timeline = timeline_from_env("core")  # PAGEDLLM_TIMELINE: the latency breakdown's core half
@@ -79,63 +99,113 @@ class EngineCoreProc:
             eos_token_ids=tuple(sorted(core.scheduler.eos_token_ids)),
         )
 
+    def send_ready(self) -> None:
+        ready = Ready(self.info())
+        for client in list(self.clients):
+            self._send(client, ready)
+
     def run(self) -> None:
-        """Until Shutdown or the parent goes away. Returns normally in both cases."""
+        """Until every client said Shutdown or went away, or the parent went away. Returns
+        normally in every case."""
         core = self.core
         try:
-            while True:
+            while self.clients:
                 if not core.has_unfinished_requests():
-                    self._send(Stats(self._stats()))
-                    while not self.conn_in.poll(IDLE_POLL_S):
+                    self._forget_all()  # a request that ended without an output: no stale route
+                    self._broadcast_stats()
+                    while self.clients and not wait([c.conn_in for c in self.clients], IDLE_POLL_S):
                         if self._orphaned():
                             return
-                while self.conn_in.poll():  # everything that arrived, then one step
-                    if not self._handle(self.conn_in.recv()):
-                        return
+                for client in list(self.clients):  # everything that arrived, then one step
+                    self._drain(client)
                 if core.has_unfinished_requests():
                     self._step()
-        except (EOFError, BrokenPipeError, ConnectionResetError):
-            return  # the API process is gone
         finally:
             self._abort_all()  # leave no blocks behind (thread mode reuses the LLM)
             if self.timeline is not None:
                 self.timeline.close()
                 self.core.timeline = None
 
+    def _drain(self, client: CoreClient) -> None:
+        try:
+            while client in self.clients and client.conn_in.poll():
+                self._handle(client, client.conn_in.recv())
+        except (EOFError, OSError):  # that API process is gone
+            self._drop(client)
+
+    def _drop(self, client: CoreClient) -> None:
+        """Forget a client: abort its requests (their blocks freed), close its pipes."""
+        if client not in self.clients:
+            return
+        self.clients.remove(client)
+        for rid in list(client.request_ids):
+            self._abort(rid)
+        for conn in (client.conn_in, client.conn_out):
+            try:
+                conn.close()
+            except OSError:
+                pass
+
+    def _abort(self, rid: str) -> None:
+        client = self.route.pop(rid, None)
+        if client is not None:
+            client.request_ids.discard(rid)
+        try:
+            self.core.abort_request(rid)
+        except Exception:
+            logger.exception("engine abort_request failed")
+
     def _abort_all(self) -> list[str]:
         ids = self.core.request_ids()
         for rid in ids:
-            try:
-                self.core.abort_request(rid)
-            except Exception:
-                logger.exception("engine abort_request failed")
+            self._abort(rid)
         return ids
 
     # ---- inputs --------------------------------------------------------------------------
-    def _handle(self, msg: CoreInput) -> bool:
+    def _handle(self, client: CoreClient, msg: CoreInput) -> None:
         if isinstance(msg, EngineCoreRequest):
+            rid = msg.request_id
             if self.timeline is not None:
-                self.timeline.event("core_recv", rid=msg.request_id)
+                self.timeline.event("core_recv", rid=rid)
             try:
                 self.core.add_request(msg)
             except InvalidRequestError as e:  # checked by the API process: only a reused id lands here
-                self._send(Rejected(msg.request_id, e))
+                self._send(client, Rejected(rid, e))
+                return
             except Exception as e:  # an engine bug: fail this request, keep serving
                 logger.exception("engine add_request failed")
-                self._send(Failed([msg.request_id], f"engine add_request failed: {e!r}"))
+                self._send(client, Failed([rid], f"engine add_request failed: {e!r}"))
+                return
+            self.route[rid] = client
+            client.request_ids.add(rid)
         elif isinstance(msg, Abort):
             for rid in msg.request_ids:
-                self.core.abort_request(rid)
+                if self.route.get(rid) is client:
+                    self._abort(rid)
         elif isinstance(msg, StopSequences):
             for rid, index in msg.sequences:
-                self.core.stop_sequence(rid, index)
+                if self.route.get(rid) is client:
+                    self.core.stop_sequence(rid, index)
+                    if rid not in self.core.requests:  # that was its last sequence
+                        self._forget(rid)
         elif isinstance(msg, Shutdown):
-            self._abort_all()
-            self._send(Bye())
-            return False
+            for rid in list(client.request_ids):
+                self._abort(rid)
+            self._send(client, Bye())
+            self._drop(client)
         else:
             logger.error("engine core: unknown message %r", type(msg).__name__)
-        return True
+
+    def _forget(self, rid: str) -> None:
+        client = self.route.pop(rid, None)
+        if client is not None:
+            client.request_ids.discard(rid)
+
+    def _forget_all(self) -> None:
+        if self.route:
+            self.route.clear()
+            for client in self.clients:
+                client.request_ids.clear()
 
     def _orphaned(self) -> bool:
         return self.parent_pid is not None and os.getppid() != self.parent_pid
@@ -146,21 +216,62 @@ class EngineCoreProc:
             outputs = self.core.step()
         except Exception as e:  # an engine bug: fail what is in flight, keep serving
             logger.exception("engine step failed; failing %d request(s)", len(self.core.requests))
-            self._send(Failed(self._abort_all(), f"engine step failed: {e!r}"))
+            failed: dict[int, list[str]] = {}
+            for rid in self.core.request_ids():
+                client = self.route.get(rid)
+                if client is not None:
+                    failed.setdefault(client.index, []).append(rid)
+            self._abort_all()
+            for client in list(self.clients):
+                if client.index in failed:
+                    self._send(client, Failed(failed[client.index], f"engine step failed: {e!r}"))
             return
         now = time.monotonic()
         stats = self._stats(now) if now - self.last_stats >= STATS_INTERVAL_S else None
-        if outputs or stats is not None:
-            if self.timeline is not None and outputs:
-                self.timeline.event("sent", rids=[o.request_id for o in outputs])
-            self._send(Step(outputs, stats))
+        if self.timeline is not None and outputs:
+            self.timeline.event("sent", rids=[o.request_id for o in outputs])
+        requests = self.core.requests
+        if len(self.clients) == 1:  # the usual case: no sorting
+            client = self.clients[0]
+            for o in outputs:
+                if o.finish_reason is not None and o.request_id not in requests:
+                    self._forget(o.request_id)
+            if outputs or stats is not None:
+                self._send(client, Step(outputs, stats))
+            return
+        by_client: dict[int, list[EngineCoreOutput]] = {}
+        route = self.route
+        ended = []
+        for o in outputs:
+            owner = route.get(o.request_id)
+            if owner is None:
+                continue
+            by_client.setdefault(owner.index, []).append(o)
+            if o.finish_reason is not None and o.request_id not in requests:
+                ended.append(o.request_id)  # after the loop: its other sequences may end in this step too
+        for rid in ended:
+            self._forget(rid)
+        for client in list(self.clients):
+            mine = by_client.get(client.index)
+            if mine:
+                self._send(client, Step(mine, stats))
+            elif stats is not None:
+                self._send(client, Stats(stats))
+
+    def _broadcast_stats(self) -> None:
+        stats = Stats(self._stats())
+        for client in list(self.clients):
+            self._send(client, stats)
 
     def _stats(self, now: float | None = None) -> Metrics:
         self.last_stats = time.monotonic() if now is None else now
         return self.core.get_metrics()
 
-    def _send(self, msg: CoreEvent) -> None:
-        self.conn_out.send(msg)
+    def _send(self, client: CoreClient, msg: CoreEvent) -> None:
+        try:
+            client.conn_out.send(msg)
+        except (OSError, ValueError):  # that API process is gone (BrokenPipeError) or its pipe closed
+            self._drop(client)
 
 
 # ---- running it -------------------------------------------------------------------------------
@@ -189,9 +300,13 @@ def _watch_parent(parent_pid: int, stop: threading.Event) -> None:
             os._exit(1)
 
 
-def core_process_main(conn_in: Any, conn_out: Any, llm_kwargs: dict, parent_pid: int, log_level: int) -> None:
-    """Entry point of the spawned core process."""
+def core_process_main(
+    clients: list[tuple[Any, Any]], llm_kwargs: dict, parent_pid: int, log_level: int, name: str = "pagedllm-core"
+) -> None:
+    """Entry point of the spawned core process: `clients` holds each API process's (input, output)
+    pipe ends, one pair per API process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
+    set_process_name(name)
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(
@@ -213,10 +328,11 @@ def core_process_main(conn_in: Any, conn_out: Any, llm_kwargs: dict, parent_pid:
     except BaseException as e:  # noqa: BLE001  (reported to the parent)
         if not isinstance(e, ValueError):
             logger.exception("engine core start-up failed")
-        try:
-            conn_out.send(StartupError(_picklable(e)))
-        except Exception:
-            pass
+        for _, conn_out in clients:
+            try:
+                conn_out.send(StartupError(_picklable(e)))
+            except Exception:
+                pass
         sys.exit(1)
     started.set()
     # This process lives as long as its engine: the start-up heap (modules, tokenizer, KV bookkeeping)
@@ -225,11 +341,9 @@ def core_process_main(conn_in: Any, conn_out: Any, llm_kwargs: dict, parent_pid:
     gc.collect()
     gc.freeze()
     try:
-        proc = EngineCoreProc(llm, conn_in, conn_out, parent_pid)
-        proc._send(Ready(proc.info()))
+        proc = EngineCoreProc(llm, clients, parent_pid)
+        proc.send_ready()
         proc.run()
-    except (EOFError, BrokenPipeError, ConnectionResetError):
-        pass
     finally:
         llm.close()
 
@@ -238,11 +352,9 @@ def core_thread_main(llm: Any, conn_in: Any, conn_out: Any) -> None:
     """The same loop on a thread of this process, over an existing LLM (whose engine keeps its
     output processor: `llm.generate` still works beside it, one at a time)."""
     try:
-        proc = EngineCoreProc(llm, conn_in, conn_out)
-        proc._send(Ready(proc.info()))
+        proc = EngineCoreProc(llm, [(conn_in, conn_out)])
+        proc.send_ready()
         proc.run()
-    except (EOFError, BrokenPipeError, ConnectionResetError, OSError):
-        pass
     except Exception:
         logger.exception("engine core thread crashed")
     finally:

@@ -102,11 +102,23 @@ class StreamRegistry:
         self._stop_in_core = stop_in_core
         self.by_request_id: dict[str, RequestStream] = {}
         self.by_core_id: dict[str, RequestStream] = {}
-        self.num_waiting = 0
+        self._num_waiting = 0
+        # several API processes (api_processes.py): each process's count, published where the others read it
+        self.publish_waiting: Callable[[int], None] | None = None
         self.finish_callbacks: list[Callable[[RequestOutput], None]] = []  # each finished request's final output
 
     def __len__(self) -> int:
         return len(self.by_core_id)
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    @num_waiting.setter
+    def num_waiting(self, value: int) -> None:
+        self._num_waiting = value
+        if self.publish_waiting is not None:
+            self.publish_waiting(value)
 
     def register(
         self, request: EngineCoreRequest, core_id: str, stream: bool, loop: asyncio.AbstractEventLoop

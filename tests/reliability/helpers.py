@@ -39,6 +39,15 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+def process_name(pid: int) -> str:
+    """/proc/PID/comm: what pagedllm's processes call themselves (entrypoints/proc_name.py)."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def descendants(pid: int) -> list[int]:
     """Every live process below `pid` (children, their children, ...)."""
     out, todo = [], [pid]
@@ -117,8 +126,9 @@ class ServeProcess:
         return self.proc.pid
 
     def core_pid(self) -> int:
-        """The engine core: the child that multiprocessing spawned (not its resource tracker)."""
-        cores = [p for p in child_pids(self.pid) if "spawn_main" in cmdline(p)]
+        """The engine core: the child named pagedllm-core (not an API process, not multiprocessing's
+        resource tracker)."""
+        cores = [p for p in child_pids(self.pid) if process_name(p) == "pagedllm-core"]
         assert len(cores) == 1, f"expected one engine core below {self.pid}, found {cores}"
         return cores[0]
 

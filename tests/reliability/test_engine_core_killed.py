@@ -43,9 +43,10 @@ def _server(model: str, tmp_path_factory, *extra: str):
         srv.stop()
 
 
-@pytest.fixture(scope="module")
-def server(reliability_model, tmp_path_factory):
-    yield from _server(reliability_model, tmp_path_factory)
+@pytest.fixture(scope="module", params=[1, 2], ids=["api-servers-1", "api-servers-2"])
+def server(reliability_model, tmp_path_factory, request):
+    """One API process, and two over one engine core: every one of them must end its streams."""
+    yield from _server(reliability_model, tmp_path_factory, "--api-server-count", str(request.param))
 
 
 @pytest.fixture(scope="module")

@@ -39,10 +39,12 @@ CANCELLED_TOKENS = 1000  # a cancelled stream would run this long if its cancel 
 IDLE_CLOSE_BOUND_S = 60.0  # idle connections closed by the server within this (keep-alive: 5 s; a bound for a hang)
 
 
-@pytest.fixture(scope="module")
-def server(reliability_model, tmp_path_factory):
+@pytest.fixture(scope="module", params=[1, 2], ids=["api-servers-1", "api-servers-2"])
+def server(reliability_model, tmp_path_factory, request):
+    """One API process, and two over one engine core (--api-server-count 2): the connections spread
+    over both, so a cancel or a disconnect is handled by either, and the gauges are the core's."""
     log = tmp_path_factory.mktemp("serve_under_load") / "server.log"
-    srv = ServeProcess(reliability_model, str(log), 4096, MAX_NUM_SEQS)
+    srv = ServeProcess(reliability_model, str(log), 4096, MAX_NUM_SEQS, "--api-server-count", str(request.param))
     yield srv.start()
     srv.stop()
 

@@ -158,11 +158,15 @@ def start_serve(args: list[str], log, env: dict | None = None, timeout: float = 
 
 
 def engine_core_pid(server_pid: int) -> int:
-    """The engine core among a server's children (multiprocessing's resource tracker is another)."""
+    """The engine core among a server's children (named pagedllm-core: entrypoints/proc_name.py;
+    the API processes of --api-server-count and multiprocessing's resource tracker are others)."""
     for pid in child_pids(server_pid):
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"spawn_main" in f.read():
-                return pid
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() == "pagedllm-core":
+                    return pid
+        except OSError:
+            continue
     raise LookupError(f"process {server_pid} has no engine core child")
 
 

@@ -22,10 +22,13 @@ from tests.server.helpers import ROOT, child_pids, metric, pid_alive, scrape, st
 KEY = "sk-from-env"
 
 
-@pytest.fixture(scope="module")
-def proc_server(long_context_model, tmp_path_factory):
+@pytest.fixture(scope="module", params=[1, 2], ids=["api-servers-1", "api-servers-2"])
+def proc_server(long_context_model, tmp_path_factory, request):
+    """`pagedllm serve` with one API process, and with two over one engine core (--api-server-count):
+    every check below holds for the whole server either way (the queue is counted over both)."""
     env = dict(os.environ, PAGEDLLM_API_KEY=KEY)
     args = ["--model", long_context_model, "--device", "cpu", "--num-kv-blocks", "2100", "--max-num-seqs", "1"]
+    args += ["--api-server-count", str(request.param)]
     args += ["--kv-cache-dtype", "fp8"]  # the server's path to an fp8 cache (the checks below do not depend on it)
     args += ["--max-queue-len", "1", "--served-model-name", "tiny", "--log-level", "warning"]
     args += ["--allowed-hosts", "gpu-box.lan", "--max-request-body-size", "1MiB"]

@@ -5,10 +5,16 @@ with its outputs (at most ~20 ms old while busy, fresh when it goes idle), so sc
 touches the engine; the latency histograms are observed on the event loop when a request's
 final output arrives, from the core's timestamps (arrival, first token, finish: one monotonic
 clock across processes). Each server has its own CollectorRegistry.
+
+With several API processes (`--api-server-count N`, api_processes.py) the request metrics of all
+of them are added up through prometheus_client's multiprocess mode: each process writes its
+histograms and counters to files under $PROMETHEUS_MULTIPROC_DIR and a scrape of any process
+reads them all; the engine's gauges and counters come from the core, the same in every process.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -171,33 +177,40 @@ class ServerMetrics:
     def __init__(self, async_llm, model_name: str):
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineCollector(async_llm.get_metrics, model_name))
+        shared = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        own: CollectorRegistry | None = self.registry
+        if shared:  # every API process's files, read at each scrape; this process's values live there too
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            MultiProcessCollector(self.registry, path=shared)
+            own = None
         labels = ["model_name"]
         self.ttft = Histogram(
             "pagedllm:time_to_first_token_seconds",
             "Time from arrival to the first token.",
             labels,
             buckets=TTFT_BUCKETS,
-            registry=self.registry,
+            registry=own,
         ).labels(model_name)
         self.tpot = Histogram(
             "pagedllm:time_per_output_token_seconds",
             "Mean time per output token after the first, per request.",
             labels,
             buckets=TPOT_BUCKETS,
-            registry=self.registry,
+            registry=own,
         ).labels(model_name)
         self.e2e = Histogram(
             "pagedllm:e2e_request_latency_seconds",
             "Time from arrival to the last token.",
             labels,
             buckets=E2E_BUCKETS,
-            registry=self.registry,
+            registry=own,
         ).labels(model_name)
         self.finished = Counter(
             "pagedllm:request_success",
             "Finished requests by finish reason (stop, length, abort, error).",
             ["model_name", "finished_reason"],
-            registry=self.registry,
+            registry=own,
         )
         self.model_name = model_name
         async_llm.finish_callbacks.append(self.observe_finished)
