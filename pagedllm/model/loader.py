@@ -32,7 +32,9 @@ if TYPE_CHECKING:
     from pagedllm.model.decoder import DecoderForCausalLM
 
 
-QUANT_SCALE_NAMES = ("weight_scale", "input_scale")  # an FP8 checkpoint's scales (model/quant_config.py)
+# an FP8 checkpoint's scales (model/quant_config.py); block-wise `quant_method: "fp8"` names its
+# weight scales `weight_scale_inv` (multipliers all the same), loaded into the layer's `weight_scale`
+QUANT_SCALE_NAMES = ("weight_scale", "input_scale", "weight_scale_inv")
 
 
 def checkpoint_files(model_dir: str) -> list[str]:
@@ -151,7 +153,8 @@ def _place(model, params, packed, layer_of, loaded, kv_scales, expert_shards, na
             if f".{ckpt_part}." in name:
                 target, shard = name.replace(f".{ckpt_part}.", f".{packed_part}."), shard_id
                 break
-    param = params.get(target)
+    key = target.removesuffix("_inv") if target.endswith(".weight_scale_inv") else target  # the parameter
+    param = params.get(key)
     if param is None:
         if name.rpartition(".")[2] in QUANT_SCALE_NAMES:  # a quantized layer the model keeps unquantized
             raise InvalidRequestError(
@@ -171,7 +174,7 @@ def _place(model, params, packed, layer_of, loaded, kv_scales, expert_shards, na
             owner.load_weight(param_name, tensor, shard)
         else:  # replicated (norms)
             param.data.copy_(tensor)
-    loaded.add(target)
+    loaded.add(key)
 
 
 def init_dummy_weights(model: DecoderForCausalLM, seed: int, std: float = 0.02) -> dict[int, dict[str, float]]:
