@@ -165,6 +165,12 @@ def _place(model, params, packed, layer_of, loaded, kv_scales, expert_shards, na
             )
         raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
     tensor = get()
+    if param.dtype == torch.float8_e4m3fn and tensor.dtype != param.dtype:  # a copy would quantize it unscaled
+        raise InvalidRequestError(
+            f"checkpoint tensor {name!r} is {tensor.dtype}, but the checkpoint's quantization_config makes "
+            "its layer e4m3: its config and its tensors disagree",
+            "quantization_config",
+        )
     owner_name, _, param_name = target.rpartition(".")
     owner = model.get_submodule(owner_name)
     with torch.no_grad():
