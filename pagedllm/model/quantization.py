@@ -83,7 +83,7 @@ def prepare_checkpoint_fp8(model: nn.Module, quant: CheckpointQuant, device: tor
 def check_blocks(name: str, m: QuantizableLinear, block: tuple[int, int], field: str, device: torch.device) -> None:
     """Whole blocks only: each checkpoint part's rows a multiple of bn and its columns of bk
     (InvalidRequestError naming `field`); this rank's shard of them too (naming tensor_parallel_size);
-    on CUDA a K tile of at least 16 (the kernel's fp8 dot)."""
+    on CUDA a K tile of at least 32 (an fp8 tensor-core dot's K)."""
     bn, bk = block
     parts, k, by_rows = m.checkpoint_parts()
     tp = getattr(m, "tp_size", 1)
@@ -101,7 +101,7 @@ def check_blocks(name: str, m: QuantizableLinear, block: tuple[int, int], field:
                 f"each rank would hold {shard}, not a multiple of the block",
                 "tensor_parallel_size",
             )
-    if device.type == "cuda" and block_k_tile(bk) < 16:
+    if device.type == "cuda" and block_k_tile(bk) < 32:
         raise InvalidRequestError(
-            f"{field}={list(block)!r}: the GPU kernel needs the block's columns (bk) divisible by 16", field
+            f"{field}={list(block)!r}: the GPU kernel needs the block's columns (bk) divisible by 32", field
         )

@@ -84,7 +84,7 @@ def fp8_block_linear(
 
 def block_k_tile(bk: int) -> int:
     """The kernel's K tile: the largest power of two that divides bk, at most 128 (one activation
-    scale per row and tile); a tensor-core dot needs at least 16."""
+    scale per row and tile); an fp8 tensor-core dot needs at least 32 (refused below: model/quantization.py)."""
     return min(bk & -bk, 128)
 
 
