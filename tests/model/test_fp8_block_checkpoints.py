@@ -247,6 +247,29 @@ def test_missing_block_scales_fail_the_load(tiny_models, tmp_path):
         LLM(ckpt, num_kv_blocks=8)
 
 
+def test_modules_to_not_convert_stay_in_the_model_dtype(tiny_models, tmp_path):
+    """o_proj left unquantized (its original weight, no scale) and listed: it loads as it is, the rest
+    block-wise; the engine's logits then match HF's with o_proj unquantized."""
+    from safetensors.torch import save_file
+
+    src = tiny_models["qwen3"]
+    ckpt = write(src, str(tmp_path / "q"), *block_flags("fp8-block", (16, 16)))
+    original = checkpoint_tensors(src)
+    tensors = {k: v for k, v in checkpoint_tensors(ckpt).items() if not k.endswith("o_proj.weight_scale_inv")}
+    tensors.update({k: v for k, v in original.items() if k.endswith("o_proj.weight")})
+    save_file(tensors, os.path.join(ckpt, "model.safetensors"))
+    edit_config(ckpt, modules_to_not_convert=["lm_head", "o_proj"])
+    with LLM(ckpt, dtype="float32", num_kv_blocks=16, block_size=8) as llm:
+        attn = llm.runner.model.model.layers[0].self_attn
+        assert attn.o_proj.weight.dtype == torch.float32 and attn.o_proj.weight_block is None
+        assert attn.qkv_proj.weight_block == (16, 16)
+        _, rows = run_with_logits(llm, PROMPTS[:1])
+    ref = reference(src, ckpt)  # o_proj: its scale is absent, so HF keeps the original weight unhooked
+    with torch.no_grad():
+        hf = ref(torch.tensor([PROMPTS[0]])).logits[0, -1]
+    assert float((rows[0][0] - hf).abs().max()) < LOGIT_ATOL
+
+
 @pytest.mark.parametrize("kind", ["fp8-block", "fp8-channel", "awq", "gptq"])
 def test_make_random_model_writes_each_format_through_the_tool(tmp_path, kind):
     """tools/make_random_model.py --quantize: the random model quantized by quantize_checkpoint.py's

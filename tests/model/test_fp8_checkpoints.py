@@ -78,6 +78,8 @@ def reference(src: str, ckpt: str):
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.split(".")[-1] in LINEARS and block is not None:
             scale = tensors.get(f"{name}.weight_scale_inv", tensors.get(f"{name}.weight_scale"))
+            if scale is None:  # a layer the checkpoint left unquantized: its original weight, unhooked
+                continue
             module.weight.data = block_dequantized(tensors[f"{name}.weight"], scale, block)
             module.register_forward_pre_hook(lambda _m, args, g=block[1]: (per_token_group(args[0], g),))
         elif isinstance(module, torch.nn.Linear) and name.split(".")[-1] in LINEARS:
