@@ -3,7 +3,7 @@
 # GPU tests, the HF side-by-side and the kernel benchmark, each under its own time limit (about
 # 7 minutes in all on an H200, inside the device tool's 10-minute command limit).
 # Writes logs and JSON under $OUT (default ./gpu_out; at most 8 files come back from the device tool:
-# the benchmark rows all go to one $OUT/<gpu>.json). Usage: bash scripts/gpu_check.sh [full|bench|tests|check|conformance|memcheck|startup|decode|attention]
+# the benchmark rows all go to one $OUT/<gpu>.json). Usage: bash scripts/gpu_check.sh [full|bench|tests|check|conformance|memcheck|startup|decode|attention|quant]
 # (check = bench + tests, without the HF side-by-side and the kernel benchmark)
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
@@ -47,6 +47,17 @@ if [ "$MODE" = attention ]; then
         --kv-cache-dtype $kv --label "$v ${LABEL:-}" --results-dir "$OUT" 2>&1 | grep -v -i warn | tail -4
   done
   exit 0
+fi
+# quant: the block-wise FP8 GEMM's GPU tests (the kernel against the reference at Qwen3-8B's shapes, the group
+# quantizer's bytes, a CUDA-graph replay; log in $OUT/quant_tests.log), then its benchmark against bf16 torch.matmul
+# (benchmarks/fp8_block_gemm.py, rows in $OUT/fp8-block-gemm.json; SWEEP=1 adds the tile sweep at four M)
+if [ "$MODE" = quant ]; then
+  timeout ${T_TESTS:-240} python3 -m pytest -q -m gpu tests/ops/test_fp8_block_linear.py tests/ops/test_fp8_linear.py \
+      -p no:cacheprovider > "$OUT/quant_tests.log" 2>&1
+  rc=$?; grep -E "Error|error:|FAILED|passed|failed" "$OUT/quant_tests.log" | head -20
+  sweep=''; [ "${SWEEP:-0}" = 1 ] && sweep='--sweep --m 1 16 256 2048'
+  OUT="$OUT" timeout ${T_BENCH:-300} python3 benchmarks/fp8_block_gemm.py $sweep 2>&1 | grep -v -i warn | tail -30
+  exit $rc
 fi
 # memcheck: every kernel family once under compute-sanitizer (benchmarks/memcheck.py); log in $OUT/memcheck.log
 if [ "$MODE" = memcheck ]; then

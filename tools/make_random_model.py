@@ -6,6 +6,13 @@ Mixtral-shaped), for benchmarks without downloads.
     python tools/make_random_model.py --out /tmp/gemma3-1b-random --shape gemma3-1b
     python tools/make_random_model.py --out /tmp/qwen3-30b-a3b --shape qwen3-30b-a3b --config-only
 
+--quantize fp8-block|fp8-channel|awq|gptq writes the random model, then quantizes it with
+tools/quantize_checkpoint.py's own code (`quantize_dir`) into --out: block-wise FP8 (blocks of
+--quant-block square), compressed-tensors FP8 per channel, or 4-bit AWQ / GPTQ (groups of
+--quant-block input rows); the tiny shapes need --quant-block 32 or less.
+
+    python tools/make_random_model.py --out /tmp/tiny-fp8-block --shape tiny --quantize fp8-block --quant-block 32
+
 --config-only writes config.json, generation_config.json and the tokenizer, no weights: run it
 with LLM(..., load_format="dummy") (random weights made on the device), for shapes whose
 checkpoint would take too long to write (Qwen3-30B-A3B: 57 GiB). MoE checkpoints name every
@@ -21,10 +28,12 @@ shape takes seconds on a GPU). The tokenizer files are copied from the bundled d
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 
 SHAPES = {
@@ -305,6 +314,24 @@ def copy_tokenizer(src: str, out: str) -> tuple[int | None, int | None]:
     return tok.eos_token_id, tok.bos_token_id
 
 
+QUANTIZE = ("fp8-block", "fp8-channel", "awq", "gptq")  # --quantize: tools/quantize_checkpoint.py's formats
+
+
+def quantize_into(src: str, out: str, kind: str, block: int) -> None:
+    """src's checkpoint quantized as `kind` (QUANTIZE) into out, by tools/quantize_checkpoint.py."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "quantize_checkpoint.py")
+    spec = importlib.util.spec_from_file_location("quantize_checkpoint", path)
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    if kind == "fp8-block":
+        tool.quantize_dir(src, out, "fp8-block", block=(block, block))
+    elif kind == "fp8-channel":
+        tool.quantize_dir(src, out, "compressed-tensors", weights="channel")
+    else:
+        tool.quantize_dir(src, out, kind, group_size=block)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="directory to write (created)")
@@ -319,7 +346,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help='config and tokenizer, no weights: for LLM(..., load_format="dummy")',
     )
+    p.add_argument("--quantize", choices=QUANTIZE, default=None, help="write the checkpoint quantized (see above)")
+    p.add_argument("--quant-block", type=int, default=128, help="--quantize: fp8 block side, awq/gptq group size")
     args = p.parse_args(argv)
+    if args.quantize and args.config_only:
+        p.error("--quantize needs the weights: drop --config-only")
     import torch
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
@@ -328,6 +359,9 @@ def main(argv: list[str] | None = None) -> int:
 
         args.tokenizer = default_model_path()
     os.makedirs(args.out, exist_ok=True)
+    final = args.out
+    if args.quantize:  # the random model goes to a scratch directory beside --out, quantized into --out
+        args.out = tempfile.mkdtemp(prefix=".unquantized-", dir=os.path.dirname(os.path.abspath(final)))
     t0 = time.time()
     eos, bos = copy_tokenizer(args.tokenizer, args.out)
     config = hf_config(with_layers(args.shape, args.layers), eos, bos)
@@ -341,9 +375,14 @@ def main(argv: list[str] | None = None) -> int:
               f"to {args.out}; load it with load_format='dummy'", file=sys.stderr)  # fmt: skip
         return 0
     total = write_weights(args.out, config, device, args.seed, int(args.max_shard_gib * 2**30))
+    if args.quantize:
+        try:
+            quantize_into(args.out, final, args.quantize, args.quant_block)
+        finally:
+            shutil.rmtree(args.out)
     print(
-        f"wrote {args.shape} ({total / 2**30:.2f} GiB bf16) to {args.out} in {time.time() - t0:.1f} s "
-        f"(weights generated on {device})",
+        f"wrote {args.shape} ({total / 2**30:.2f} GiB bf16{', quantized ' + args.quantize if args.quantize else ''}) "
+        f"to {final} in {time.time() - t0:.1f} s (weights generated on {device})",
         file=sys.stderr,
     )
     return 0

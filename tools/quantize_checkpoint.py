@@ -8,11 +8,15 @@ and the LM head stay as they are (listed in the config's ignore list). `--activa
 quantizes activations per token at run time; `static` stores one `input_scale` per layer, the
 constant `--input-scale` (no calibration run: a test value, not a tuned one).
 
-    python tools/quantize_checkpoint.py --model DIR --out DIR [--format compressed-tensors|fp8]
-        [--weights channel|tensor] [--activations dynamic|static] [--input-scale 0.05]
+    python tools/quantize_checkpoint.py --model DIR --out DIR [--format compressed-tensors|fp8|fp8-block]
+        [--weights channel|tensor|block] [--block-size 128 [128]] [--activations dynamic|static] [--input-scale 0.05]
 
 `--format fp8` writes HF transformers' / vLLM's `quant_method: "fp8"` layout, which has per-tensor
-weight scales only. `--format awq|gptq` writes 4-bit weights with a scale and zero point per
+weight scales only. `--format fp8-block` writes the block-wise one of Qwen3-*-FP8 and DeepSeek-V3
+(`weight_block_size: [bn, bk]` from `--block-size`, one scale per block, stored as
+`weight_scale_inv` [ceil(N / bn), ceil(K / bk)], the multiplier; dynamic activations only), and
+`--weights block` the same blocks in compressed-tensors' layout (`weight_scale`, per-token-group
+activations). `--format awq|gptq` writes 4-bit weights with a scale and zero point per
 `--group-size` input rows (round to nearest, no calibration): AWQ's "gemm" layout, or GPTQ's
 original one (`--sym`, `--desc-act` for a permuted group order with its g_idx); the packing is
 model/int4_weights.py's, read backwards.
@@ -27,6 +31,7 @@ import os
 import shutil
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -42,6 +47,17 @@ def quantize(w: torch.Tensor, per_tensor: bool) -> tuple[torch.Tensor, torch.Ten
     scale = (amax / 448.0).clamp(min=1e-12)
     q = (wf / scale).clamp(-448.0, 448.0).to(FP8)
     return q.contiguous(), scale.reshape(1) if per_tensor else scale
+
+
+def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, float32 scale [ceil(N / bn), ceil(K / bk)]): scale = max|W| / 448 over each block
+    (a partial last block over the rows and columns it has)."""
+    (bn, bk), (n, k) = block, w.shape
+    padded = F.pad(w.float(), (0, -k % bk, 0, -n % bn))  # zeros leave every block's max as it is
+    tiles = padded.view(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk)
+    scale = (tiles.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)
+    q = (tiles / scale[:, None, :, None]).clamp(-448.0, 448.0).to(FP8).view(padded.shape)[:n, :k]
+    return q.contiguous(), scale
 
 
 def int4_groups(w: torch.Tensor, group: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -96,8 +112,22 @@ def is_linear(name: str) -> bool:
 
 
 def quantization_config(
-    fmt: str, per_tensor: bool, static: bool, group: int = 128, sym: bool = False, desc_act: bool = False
+    fmt: str,
+    weights: str,
+    static: bool,
+    group: int = 128,
+    sym: bool = False,
+    desc_act: bool = False,
+    block: tuple[int, int] = (128, 128),
 ) -> dict:
+    if fmt == "fp8-block":
+        return {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": list(block),
+            "modules_to_not_convert": ["lm_head"],
+        }
     if fmt == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
     if fmt == "gptq":
@@ -120,19 +150,18 @@ def quantization_config(
         if static
         else {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True, "symmetric": True}
     )
+    w = {"num_bits": 8, "type": "float", "strategy": weights, "dynamic": False, "symmetric": True}
+    if weights == "block":
+        w["block_structure"] = list(block)
+        acts = {"num_bits": 8, "type": "float", "strategy": "group", "group_size": block[1], "dynamic": True}
+        acts["symmetric"] = True
     return {
         "quant_method": "compressed-tensors",
         "format": "float-quantized",
         "config_groups": {
             "group_0": {
                 "targets": ["Linear"],
-                "weights": {
-                    "num_bits": 8,
-                    "type": "float",
-                    "strategy": "tensor" if per_tensor else "channel",
-                    "dynamic": False,
-                    "symmetric": True,
-                },
+                "weights": w,
                 "input_activations": acts,
             }
         },
@@ -140,53 +169,95 @@ def quantization_config(
     }
 
 
+def quantize_dir(
+    model: str,
+    out: str,
+    fmt: str = "compressed-tensors",
+    weights: str = "channel",
+    activations: str = "dynamic",
+    input_scale: float = 0.05,
+    group_size: int = 128,
+    sym: bool = False,
+    desc_act: bool = False,
+    block: tuple[int, int] = (128, 128),
+) -> None:
+    """Write `model`'s checkpoint quantized as `fmt` to another directory `out` (the module's docstring)."""
+    static = activations == "static"
+    assert os.path.abspath(model) != os.path.abspath(out), "write the quantized checkpoint elsewhere"
+    os.makedirs(out, exist_ok=True)
+    for path in sorted(glob.glob(os.path.join(model, "*.safetensors"))):
+        tensors: dict[str, torch.Tensor] = {}
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                t = f.get_tensor(name)
+                if not is_linear(name):
+                    tensors[name] = t
+                    continue
+                base = name[: -len("weight")]
+                if fmt in ("awq", "gptq"):
+                    for part, v in int4_tensors(t, fmt, group_size, sym, desc_act).items():
+                        tensors[base + part] = v.contiguous()
+                    continue
+                if fmt == "fp8-block" or weights == "block":
+                    tensors[name], scale = quantize_blocks(t, block)
+                    tensors[base + ("weight_scale_inv" if fmt == "fp8-block" else "weight_scale")] = scale
+                    continue
+                q, scale = quantize(t, weights == "tensor")
+                tensors[name] = q
+                tensors[base + "weight_scale"] = scale.reshape(()) if weights == "tensor" and fmt == "fp8" else scale
+                if static:
+                    tensors[base + "input_scale"] = torch.tensor(input_scale, dtype=torch.float32)
+        save_file(tensors, os.path.join(out, os.path.basename(path)), metadata={"format": "pt"})
+    for path in glob.glob(os.path.join(model, "*")):
+        name = os.path.basename(path)
+        skip = name.endswith((".safetensors", ".index.json")) or name == "config.json"  # the index names old tensors
+        if os.path.isfile(path) and not skip:
+            shutil.copy(path, os.path.join(out, name))
+    with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    config["quantization_config"] = quantization_config(fmt, weights, static, group_size, sym, desc_act, block)
+    with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--format", choices=["compressed-tensors", "fp8", "awq", "gptq"], default="compressed-tensors")
+    ap.add_argument(
+        "--format", choices=["compressed-tensors", "fp8", "fp8-block", "awq", "gptq"], default="compressed-tensors"
+    )
     ap.add_argument("--group-size", type=int, default=128, help="awq/gptq: input rows a scale covers (-1: all)")
     ap.add_argument("--sym", action="store_true", help="gptq: symmetric (zero point 8)")
     ap.add_argument("--desc-act", action="store_true", help="gptq: groups over a permutation of the input rows (g_idx)")
-    ap.add_argument("--weights", choices=["channel", "tensor"], default="channel")
+    ap.add_argument("--weights", choices=["channel", "tensor", "block"], default="channel")
+    ap.add_argument(
+        "--block-size", type=int, nargs="+", default=[128, 128], help="fp8-block / --weights block: bn [bk] (bk = bn)"
+    )
     ap.add_argument("--activations", choices=["dynamic", "static"], default="dynamic")
     ap.add_argument("--input-scale", type=float, default=0.05)
     args = ap.parse_args()
     if args.format == "fp8" and args.weights != "tensor":
         ap.error("--format fp8 stores per-tensor weight scales: pass --weights tensor")
-    per_tensor, static = args.weights == "tensor", args.activations == "static"
-    os.makedirs(args.out, exist_ok=True)
-    for path in sorted(glob.glob(os.path.join(args.model, "*.safetensors"))):
-        out: dict[str, torch.Tensor] = {}
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                t = f.get_tensor(name)
-                if not is_linear(name):
-                    out[name] = t
-                    continue
-                base = name[: -len("weight")]
-                if args.format in ("awq", "gptq"):
-                    for part, v in int4_tensors(t, args.format, args.group_size, args.sym, args.desc_act).items():
-                        out[base + part] = v.contiguous()
-                    continue
-                q, scale = quantize(t, per_tensor)
-                out[name] = q
-                out[base + "weight_scale"] = scale.reshape(()) if per_tensor and args.format == "fp8" else scale
-                if static:
-                    out[base + "input_scale"] = torch.tensor(args.input_scale, dtype=torch.float32)
-        save_file(out, os.path.join(args.out, os.path.basename(path)), metadata={"format": "pt"})
-    for path in glob.glob(os.path.join(args.model, "*")):
-        name = os.path.basename(path)
-        skip = name.endswith((".safetensors", ".index.json")) or name == "config.json"  # the index names old tensors
-        if os.path.isfile(path) and not skip:
-            shutil.copy(path, os.path.join(args.out, name))
-    with open(os.path.join(args.model, "config.json"), encoding="utf-8") as f:
-        config = json.load(f)
-    config["quantization_config"] = quantization_config(
-        args.format, per_tensor, static, args.group_size, args.sym, args.desc_act
+    if (args.format == "fp8-block" or args.weights == "block") and args.activations != "dynamic":
+        ap.error("block-wise FP8 quantizes activations dynamically (per token group): --activations dynamic")
+    if args.weights == "block" and args.format != "compressed-tensors":
+        ap.error("--weights block is compressed-tensors' block layout; --format fp8-block writes quant_method fp8's")
+    if len(args.block_size) not in (1, 2):
+        ap.error("--block-size takes bn or bn bk")
+    block = (args.block_size[0], args.block_size[-1])
+    quantize_dir(
+        args.model,
+        args.out,
+        args.format,
+        args.weights,
+        args.activations,
+        args.input_scale,
+        args.group_size,
+        args.sym,
+        args.desc_act,
+        block,
     )
-    with open(os.path.join(args.out, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(config, f, indent=2)
     print(f"wrote {args.format} to {args.out}")
 
 

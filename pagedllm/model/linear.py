@@ -9,7 +9,8 @@ that stores the packed matrix (Phi-3) is cut into the same shards first.
 `quantize_fp8()` (quantization="fp8", after loading) turns a layer's weight into e4m3 with one
 scale per output channel; its forward then quantizes each token's activations (ops/fp8_linear.py).
 An FP8 checkpoint (model/quant_config.py) is loaded into e4m3 weights made by `prepare_fp8()`, its
-scales through `load_scale()` (per output row, or per tensor spread over the shard's rows).
+scales through `load_scale()` (per output row, or per tensor spread over the shard's rows; block-wise:
+[rows / bn, columns / bk], this rank's blocks of its shard's rows or columns).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.model.parallel import ShardedModule, all_reduce, divide, tp_rank, tp_size
+from pagedllm.ops.fp8_block_linear import fp8_block_linear
 from pagedllm.ops.fp8_linear import FP8, fp8_linear, fp8_linear_static, quantize_weight
 
 
@@ -28,24 +30,29 @@ class QuantizableLinear(ShardedModule):
     `load_scale` for its scales; model/quant_config.py)."""
 
     weight: nn.Parameter
-    weight_scale: nn.Parameter | None  # float32 [this rank's output rows]
+    weight_scale: nn.Parameter | None  # float32 [this rank's output rows]; block-wise [rows / bn, columns / bk]
     input_scale: nn.Parameter | None  # static activations: the checkpoint's per-tensor scale
+    weight_block: tuple[int, int] | None  # block-wise FP8: [bn, bk], one weight scale per block
 
     def __init__(self) -> None:
         super().__init__()
         self.register_parameter("weight_scale", None)  # parameters, so an FP8 checkpoint's scales load by name
         self.register_parameter("input_scale", None)
+        self.weight_block = None
 
     def quantize_fp8(self) -> None:
         wq, scale = quantize_weight(self.weight.data)
         self.weight = nn.Parameter(wq, requires_grad=False)
         self.weight_scale = nn.Parameter(scale, requires_grad=False)  # on the weight's device; never moved afterwards
 
-    def prepare_fp8(self, static_activations: bool) -> None:
-        """An e4m3 weight and float32 scales (per output row) for an FP8 checkpoint to load into."""
+    def prepare_fp8(self, static_activations: bool, block: tuple[int, int] | None = None) -> None:
+        """An e4m3 weight and float32 scales (per output row, or per block: this rank's rows and
+        columns must be multiples of it, model/quantization.py) for an FP8 checkpoint to load into."""
         w = self.weight
         self.weight = nn.Parameter(torch.empty(w.shape, dtype=FP8, device=w.device), requires_grad=False)
-        self.weight_scale = nn.Parameter(torch.zeros(w.shape[0], device=w.device), requires_grad=False)
+        shape = (w.shape[0],) if block is None else (w.shape[0] // block[0], w.shape[1] // block[1])
+        self.weight_scale = nn.Parameter(torch.zeros(shape, device=w.device), requires_grad=False)
+        self.weight_block = block
         if static_activations:  # the max over the checkpoint's shards (q/k/v see the same input)
             self.input_scale = nn.Parameter(torch.zeros((), device=w.device), requires_grad=False)
 
@@ -54,9 +61,24 @@ class QuantizableLinear(ShardedModule):
         checkpoint tensor, this rank's first row in it) per part (a packed matrix has several)."""
         raise NotImplementedError
 
+    def scale_cols(self) -> tuple[int, int, int]:
+        """This rank's input columns: (how many, the first, columns in the checkpoint tensor)."""
+        k = self.weight.shape[1]
+        return k, 0, k
+
+    def checkpoint_parts(self) -> tuple[list[int], int, bool]:
+        """(output rows of each checkpoint tensor packed here, input columns, split by rows: column-parallel)."""
+        raise NotImplementedError
+
     def load_scale(self, name: str, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
         """`weight_scale` (one per output row, or one per tensor: then every row of the shard takes
-        it) or `input_scale` (static activations; the largest of the shards')."""
+        it; block-wise, also named `weight_scale_inv`: one per block) or `input_scale` (static
+        activations; the largest of the shards')."""
+        if self.weight_block is not None:
+            self._load_block_scale(name, loaded, shard_id)
+            return
+        if name == "weight_scale_inv":
+            raise ValueError(f"{name} holds block-wise scales, and the checkpoint's config has no weight_block_size")
         values = loaded.float().reshape(-1)
         if name == "input_scale":
             assert self.input_scale is not None and values.numel() == 1, (name, loaded.shape)
@@ -73,9 +95,28 @@ class QuantizableLinear(ShardedModule):
             dst.copy_(values.expand(size) if values.numel() == 1 else values.narrow(0, start + first, size))
             start += rows
 
+    def _load_block_scale(self, name: str, loaded: torch.Tensor, shard_id: int | str | None) -> None:
+        """[rows / bn, columns / bk] of the checkpoint tensor: this rank's blocks of each part."""
+        assert self.weight_block is not None and self.weight_scale is not None
+        assert name in ("weight_scale", "weight_scale_inv"), name
+        bn, bk = self.weight_block
+        parts = self.scale_rows(shard_id)
+        k_here, k_first, k_total = self.scale_cols()
+        want = (sum(p[2] for p in parts) // bn, k_total // bk)
+        if tuple(loaded.shape) != want:
+            raise ValueError(f"{name} has shape {tuple(loaded.shape)}, expected {want} (blocks of {bn}x{bk})")
+        cols = loaded.float().narrow(1, k_first // bk, k_here // bk)
+        start = 0
+        for offset, size, rows, first in parts:
+            dst = self.weight_scale.data.narrow(0, offset // bn, size // bn)
+            dst.copy_(cols.narrow(0, (start + first) // bn, size // bn))
+            start += rows
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight_scale is None:
             return F.linear(x, self.weight, bias)
+        if self.weight_block is not None:
+            return fp8_block_linear(x, self.weight, self.weight_scale, self.weight_block, bias)
         if self.input_scale is not None:
             return fp8_linear_static(x, self.weight, self.weight_scale, self.input_scale, bias)
         return fp8_linear(x, self.weight, self.weight_scale, bias)
@@ -97,6 +138,9 @@ class ColumnParallelLinear(QuantizableLinear):
     def scale_rows(self, shard_id: int | str | None) -> list[tuple[int, int, int, int]]:
         n = self.out_per_rank
         return [(0, n, n * self.tp_size, self.tp_rank * n)]
+
+    def checkpoint_parts(self) -> tuple[list[int], int, bool]:
+        return [self.out_per_rank * self.tp_size], self.weight.shape[1], True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -134,6 +178,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             offset, size = self.shard_range(index)
             parts.append((offset, size, self.output_sizes[index], self.tp_rank * size))
         return parts
+
+    def checkpoint_parts(self) -> tuple[list[int], int, bool]:
+        return list(self.output_sizes), self.weight.shape[1], True
 
     def _load_shard(self, name: str, loaded: torch.Tensor, index: int) -> None:
         if loaded.shape[0] != self.output_sizes[index]:
@@ -174,6 +221,13 @@ class RowParallelLinear(QuantizableLinear):
     def scale_rows(self, shard_id: int | str | None) -> list[tuple[int, int, int, int]]:
         n = self.weight.shape[0]  # every rank holds every output row
         return [(0, n, n, 0)]
+
+    def scale_cols(self) -> tuple[int, int, int]:
+        k = self.in_per_rank
+        return k, self.tp_rank * k, k * self.tp_size
+
+    def checkpoint_parts(self) -> tuple[list[int], int, bool]:
+        return [self.weight.shape[0]], self.in_per_rank * self.tp_size, False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, None)

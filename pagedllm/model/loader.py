@@ -32,7 +32,9 @@ if TYPE_CHECKING:
     from pagedllm.model.decoder import DecoderForCausalLM
 
 
-QUANT_SCALE_NAMES = ("weight_scale", "input_scale")  # an FP8 checkpoint's scales (model/quant_config.py)
+# an FP8 checkpoint's scales (model/quant_config.py); block-wise `quant_method: "fp8"` names its
+# weight scales `weight_scale_inv` (multipliers all the same), loaded into the layer's `weight_scale`
+QUANT_SCALE_NAMES = ("weight_scale", "input_scale", "weight_scale_inv")
 
 
 def checkpoint_files(model_dir: str) -> list[str]:
@@ -151,7 +153,8 @@ def _place(model, params, packed, layer_of, loaded, kv_scales, expert_shards, na
             if f".{ckpt_part}." in name:
                 target, shard = name.replace(f".{ckpt_part}.", f".{packed_part}."), shard_id
                 break
-    param = params.get(target)
+    key = target.removesuffix("_inv") if target.endswith(".weight_scale_inv") else target  # the parameter
+    param = params.get(key)
     if param is None:
         if name.rpartition(".")[2] in QUANT_SCALE_NAMES:  # a quantized layer the model keeps unquantized
             raise InvalidRequestError(
@@ -162,6 +165,12 @@ def _place(model, params, packed, layer_of, loaded, kv_scales, expert_shards, na
             )
         raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
     tensor = get()
+    if param.dtype == torch.float8_e4m3fn and tensor.dtype != param.dtype:  # a copy would quantize it unscaled
+        raise InvalidRequestError(
+            f"checkpoint tensor {name!r} is {tensor.dtype}, but the checkpoint's quantization_config makes "
+            "its layer e4m3: its config and its tensors disagree",
+            "quantization_config",
+        )
     owner_name, _, param_name = target.rpartition(".")
     owner = model.get_submodule(owner_name)
     with torch.no_grad():
@@ -171,7 +180,7 @@ def _place(model, params, packed, layer_of, loaded, kv_scales, expert_shards, na
             owner.load_weight(param_name, tensor, shard)
         else:  # replicated (norms)
             param.data.copy_(tensor)
-    loaded.add(target)
+    loaded.add(key)
 
 
 def init_dummy_weights(model: DecoderForCausalLM, seed: int, std: float = 0.02) -> dict[int, dict[str, float]]:

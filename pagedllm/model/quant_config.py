@@ -11,14 +11,24 @@ quantized at run time, dynamically per token or statically with the checkpoint's
   "-FP8" checkpoints): one config group of 8-bit float weights, `strategy` "channel" or "tensor",
   symmetric; `input_activations` dynamic per token or static per tensor; `ignore` stays unquantized.
 
+Block-wise FP8 (ops/fp8_block_linear.py): e4m3 weights with one scale per [bn, bk] block and
+activations quantized dynamically per token and group of bk columns:
+
+- `quant_method: "fp8"` with `weight_block_size: [bn, bk]` (Qwen3-*-FP8, DeepSeek-V3): the scales
+  are `weight_scale_inv` [N / bn, K / bk] (the multiplier, despite the name); `activation_scheme`
+  must be "dynamic";
+- compressed-tensors with weights `strategy: "block"`, `block_structure: [bn, bk]` (`weight_scale`)
+  and `input_activations` dynamic, `strategy: "group"`, `group_size` bk.
+Every block layer's N and K (and TP shard) must be multiples of the block: model/quantization.py.
+
 4-bit AWQ (`version: "gemm"`, with zero points) and GPTQ (`checkpoint_format` "gptq" or "gptq_v2",
 `desc_act` and `sym` either way), any group size: their weights are dequantized at load
 (model/int4_weights.py).
 
 Everything else is refused at start-up naming the field and its value (an `InvalidRequestError`
-whose `param` is the field's path), never loaded to compute something else: block-wise FP8
-(`weight_block_size`), weight-only FP8, group/block FP8 strategies, other bit widths and the other
-methods.
+whose `param` is the field's path), never loaded to compute something else: weight-only FP8,
+group FP8 strategies, block sizes that are not two positive integers, other bit widths and the other
+methods; static activations with block-wise weights.
 """
 
 from __future__ import annotations
@@ -40,6 +50,8 @@ class CheckpointQuant:
     ignore: tuple[str, ...] = ()  # checkpoint module names (or "re:" patterns) left unquantized
     int4: bool = False  # AWQ / GPTQ: 4-bit weights dequantized at load (model/int4_weights.py)
     zero_offset: int = 0  # GPTQ's original format stores zero points minus one
+    weight_block: tuple[int, int] | None = None  # block-wise FP8: [bn, bk], one weight scale per block
+    block_field: str = ""  # the config field that says the block (for refusals naming it)
 
     def ignores(self, module: str) -> bool:
         """Is this checkpoint module (e.g. "model.layers.0.self_attn.q_proj") left unquantized?"""
@@ -84,15 +96,28 @@ def read_quant_config(cfg: Any) -> CheckpointQuant | None:
     return None  # unreachable
 
 
+def _block(field: str, value: Any) -> tuple[int, int]:
+    """[bn, bk]: two positive integers (rows of W per scale, columns of W per scale)."""
+    ok = isinstance(value, (list, tuple)) and len(value) == 2
+    if not ok or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value):
+        _refuse(field, value, "a block is two positive integers [rows, columns]")
+    return int(value[0]), int(value[1])
+
+
 def _read_fp8(q: dict[str, Any]) -> CheckpointQuant:
-    if q.get("weight_block_size"):
-        _refuse("weight_block_size", q["weight_block_size"], "block-wise FP8 scales are not implemented yet")
     if q.get("fmt", "e4m3") != "e4m3":
         _refuse("fmt", q.get("fmt"), "FP8 weights are read as e4m3")
     scheme = q.get("activation_scheme", "dynamic")
     if scheme not in ("dynamic", "static"):
         _refuse("activation_scheme", scheme, "activations are quantized dynamically (per token) or statically")
     ignore = tuple(q.get("ignored_layers") or q.get("modules_to_not_convert") or ())
+    if q.get("weight_block_size") is not None:
+        block = _block("weight_block_size", q["weight_block_size"])
+        if scheme != "dynamic":
+            _refuse("activation_scheme", scheme, "block-wise weights take dynamic activations (per token and group)")
+        return CheckpointQuant(
+            "fp8", ignore=ignore, weight_block=block, block_field="quantization_config.weight_block_size"
+        )
     return CheckpointQuant("fp8", per_tensor_weights=True, static_activations=scheme == "static", ignore=ignore)
 
 
@@ -111,8 +136,8 @@ def _read_compressed_tensors(q: dict[str, Any]) -> CheckpointQuant:
     w = group.get("weights") or {}
     if w.get("num_bits") != 8 or w.get("type") != "float":
         _refuse(f"{at}.weights", {k: w.get(k) for k in ("num_bits", "type")}, "8-bit float weights (FP8 e4m3) only")
-    if w.get("strategy") not in ("channel", "tensor"):
-        _refuse(f"{at}.weights.strategy", w.get("strategy"), 'one scale per output "channel" or per "tensor"')
+    if w.get("strategy") not in ("channel", "tensor", "block"):
+        _refuse(f"{at}.weights.strategy", w.get("strategy"), 'one scale per output "channel", "tensor" or "block"')
     if w.get("symmetric") is False:
         _refuse(f"{at}.weights.symmetric", False, "FP8 weights are symmetric (no zero point)")
     if w.get("dynamic"):
@@ -122,6 +147,8 @@ def _read_compressed_tensors(q: dict[str, Any]) -> CheckpointQuant:
         _refuse(f"{at}.input_activations", a, "weight-only FP8 is not implemented: activations must be FP8 too")
     if a.get("num_bits") != 8 or a.get("type") != "float":
         _refuse(f"{at}.input_activations", {k: a.get(k) for k in ("num_bits", "type")}, "8-bit float activations only")
+    if w["strategy"] == "block":
+        return _read_compressed_block(q, at, w, a)
     if a.get("dynamic"):
         if a.get("strategy") not in ("token", None):
             _refuse(f"{at}.input_activations.strategy", a.get("strategy"), 'dynamic activations are scaled per "token"')
@@ -135,6 +162,25 @@ def _read_compressed_tensors(q: dict[str, Any]) -> CheckpointQuant:
         per_tensor_weights=w["strategy"] == "tensor",
         static_activations=static,
         ignore=tuple(q.get("ignore") or ()),
+    )
+
+
+def _read_compressed_block(q: dict[str, Any], at: str, w: dict[str, Any], a: dict[str, Any]) -> CheckpointQuant:
+    """compressed-tensors' FP8 block scheme: weights per `block_structure`, activations per token group."""
+    block = _block(f"{at}.weights.block_structure", w.get("block_structure"))
+    if not a.get("dynamic"):
+        _refuse(f"{at}.input_activations.dynamic", a.get("dynamic"), "block-wise weights take dynamic activations")
+    if a.get("strategy") != "group":
+        _refuse(
+            f"{at}.input_activations.strategy", a.get("strategy"), 'block-wise weights take per-token "group" scales'
+        )
+    if a.get("group_size") != block[1]:
+        _refuse(f"{at}.input_activations.group_size", a.get("group_size"), f"the weight block's columns ({block[1]})")
+    return CheckpointQuant(
+        "compressed-tensors",
+        ignore=tuple(q.get("ignore") or ()),
+        weight_block=block,
+        block_field=f"quantization_config.{at}.weights.block_structure",
     )
 
 

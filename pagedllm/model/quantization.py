@@ -8,6 +8,8 @@ kernel takes unquantized experts) and a GPU without fp8 tensor cores (compute ca
 A checkpoint that is already quantized (config.json's quantization_config, read by
 model/quant_config.py) is loaded as it is: `prepare_checkpoint_fp8` makes its layers e4m3 before
 the weights load into them (model/loader.py), its `ignore` list's layers staying unquantized.
+Block-wise FP8 needs whole blocks: every part of a layer (q, k, v of a packed qkv), and each TP
+shard, a multiple of the block in the dimension it splits, else refused naming the layer.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pagedllm.engine.errors import InvalidRequestError
 from pagedllm.model.linear import QuantizableLinear
 from pagedllm.model.moe import SparseMoeBlock
 from pagedllm.model.quant_config import CheckpointQuant
+from pagedllm.ops.fp8_block_linear import block_k_tile
 
 
 def check_fp8_runs(model: nn.Module, device: torch.device, what: str, param: str) -> None:
@@ -70,6 +73,35 @@ def prepare_checkpoint_fp8(model: nn.Module, quant: CheckpointQuant, device: tor
                 "quantization_config.ignore",
             )
         if ignored == {False}:
-            m.prepare_fp8(quant.static_activations)
+            if quant.weight_block is not None:
+                check_blocks(name, m, quant.weight_block, quant.block_field, device)
+            m.prepare_fp8(quant.static_activations, quant.weight_block)
             count += 1
     return count
+
+
+def check_blocks(name: str, m: QuantizableLinear, block: tuple[int, int], field: str, device: torch.device) -> None:
+    """Whole blocks only: each checkpoint part's rows a multiple of bn and its columns of bk
+    (InvalidRequestError naming `field`); this rank's shard of them too (naming tensor_parallel_size);
+    on CUDA a K tile of at least 32 (an fp8 tensor-core dot's K)."""
+    bn, bk = block
+    parts, k, by_rows = m.checkpoint_parts()
+    tp = getattr(m, "tp_size", 1)
+    for rows in parts:
+        if rows % bn or k % bk:
+            raise InvalidRequestError(
+                f"{field}={list(block)!r} does not tile layer {name} (a part of {rows} output rows x {k} input "
+                "columns): pagedllm loads whole blocks only, rows a multiple of bn and columns of bk",
+                field,
+            )
+        if (by_rows and (rows // tp) % bn) or (not by_rows and (k // tp) % bk):
+            shard = f"{rows // tp} rows" if by_rows else f"{k // tp} columns"
+            raise InvalidRequestError(
+                f"tensor_parallel_size={tp} splits the {list(block)!r} blocks of {field} in layer {name}: "
+                f"each rank would hold {shard}, not a multiple of the block",
+                "tensor_parallel_size",
+            )
+    if device.type == "cuda" and block_k_tile(bk) < 32:
+        raise InvalidRequestError(
+            f"{field}={list(block)!r}: the GPU kernel needs the block's columns (bk) divisible by 32", field
+        )

@@ -188,7 +188,7 @@ QUANTIZED = {
 
 # the field each refusal names: what pagedllm loads (model/quant_config.py) stops at the first field it cannot
 REFUSED_FIELD = {
-    "fp8": "quantization_config.weight_block_size=[64, 64]",
+    "fp8": "quantization_config.activation_scheme='static'",  # block-wise weights take dynamic activations
     "compressed-tensors": "quantization_config.config_groups=[]",
     "awq": "quantization_config.quant_method='awq'",
     "gptq": "quantization_config.quant_method='gptq'",
@@ -197,7 +197,8 @@ REFUSED_FIELD = {
 
 @pytest.mark.parametrize("method", list(QUANTIZED))
 def test_a_quantized_checkpoint_it_cannot_load_is_refused_naming_the_field(family_models, tmp_path, method):
-    """A checkpoint whose quantization_config pagedllm cannot load exactly (block-wise FP8, a
+    """A checkpoint whose quantization_config pagedllm cannot load exactly (block-wise FP8 with static
+    activations, a
     compressed-tensors config without its scheme), or whose tensors disagree with its config (AWQ and
     GPTQ configs over unquantized weights), fails at start-up naming the field and value, never
     computing with the wrong weights (the layouts it loads: tests/model/test_fp8_checkpoints.py,

@@ -1,8 +1,9 @@
 """FP8 checkpoints (config.json's quantization_config, model/quant_config.py) written by
 tools/quantize_checkpoint.py, against an independent reference: HF transformers' model with each
 decoder linear weight replaced by the checkpoint's own dequantized weight and its input quantized
-per token (dynamic) or with the checkpoint's input_scale (static), in plain torch ops. The layouts
-it cannot load are refused naming the field and its value."""
+per token (dynamic), per token and group of bk columns (block-wise weights) or with the checkpoint's
+input_scale (static), in plain torch ops. The layouts it cannot load are refused naming the field
+and its value. Block-wise checkpoints: tests/model/test_fp8_block_checkpoints.py."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.engine.errors import InvalidRequestError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
 
 
 def write(src: str, out: str, *flags: str) -> str:
@@ -33,6 +34,28 @@ def write(src: str, out: str, *flags: str) -> str:
 def per_token(x: torch.Tensor) -> torch.Tensor:
     scale = (x.abs().amax(dim=-1, keepdim=True) / 448.0).clamp(min=1e-12)
     return (x / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * scale
+
+
+def per_token_group(x: torch.Tensor, group: int) -> torch.Tensor:
+    return per_token(x.unflatten(-1, (-1, group))).flatten(-2)
+
+
+def weight_block(ckpt: str) -> tuple[int, int] | None:
+    """[bn, bk] of a block-wise checkpoint (either layout), else None."""
+    with open(os.path.join(ckpt, "config.json")) as f:
+        q = json.load(f)["quantization_config"]
+    if q.get("weight_block_size"):
+        return tuple(q["weight_block_size"])
+    weights = next(iter(q.get("config_groups", {}).values()), {}).get("weights", {})
+    return tuple(weights["block_structure"]) if weights.get("strategy") == "block" else None
+
+
+def block_dequantized(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """W [N, K] = q * the scale of its block, element by element (partial last blocks too)."""
+    (bn, bk), (n, k) = block, q.shape
+    rows = torch.arange(n)[:, None] // bn
+    cols = torch.arange(k)[None, :] // bk
+    return q.float() * scale.float()[rows, cols]
 
 
 def checkpoint_tensors(ckpt: str) -> dict[str, torch.Tensor]:
@@ -51,8 +74,15 @@ def reference(src: str, ckpt: str):
 
     model = AutoModelForCausalLM.from_pretrained(src, attn_implementation="eager").float().eval()
     tensors = checkpoint_tensors(ckpt)
+    block = weight_block(ckpt)
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.split(".")[-1] in LINEARS:
+        if isinstance(module, torch.nn.Linear) and name.split(".")[-1] in LINEARS and block is not None:
+            scale = tensors.get(f"{name}.weight_scale_inv", tensors.get(f"{name}.weight_scale"))
+            if scale is None:  # a layer the checkpoint left unquantized: its original weight, unhooked
+                continue
+            module.weight.data = block_dequantized(tensors[f"{name}.weight"], scale, block)
+            module.register_forward_pre_hook(lambda _m, args, g=block[1]: (per_token_group(args[0], g),))
+        elif isinstance(module, torch.nn.Linear) and name.split(".")[-1] in LINEARS:
             scale = tensors[f"{name}.weight_scale"].float()
             scale = scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(())
             module.weight.data = tensors[f"{name}.weight"].float() * scale
