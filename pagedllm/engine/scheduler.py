@@ -6,11 +6,8 @@ prefill. Then waiting sequences are admitted (preempted ones first, they sit at 
 while budget, sequence slots and blocks allow. When blocks run out, the most recently
 admitted running sequence is preempted by recompute: its blocks are freed and it goes back
 to the front of the waiting queue; on resume it re-hits its own cached prefix (a lookup the
-prefix-cache statistics count apart: kv_cache_manager.PrefixCacheStats). With
-preemption_mode="swap" its registered blocks are first written to the host tier and held there
-until it is admitted again, so its resume loads them instead of recomputing them
-(kv_cache_manager.swap_out; host_tier.py). A step's copies between the tiers travel in its
-SchedulerOutput; a schedule that launches nothing keeps them for the next one.
+prefix-cache statistics count apart: kv_cache_manager.PrefixCacheStats). preemption_mode="swap"
+first writes its blocks to the host tier, held there until its resume loads them (host_tier.py).
 
 A scheduled sequence's full blocks are registered in the prefix cache at once, so the
 sequences admitted after it in the same step, and in every later step, hit them
@@ -73,8 +70,7 @@ class Scheduler:
         self.preemption_mode = preemption_mode  # "recompute" or "swap" (SchedulerConfig checked it)
         self.num_swapped_out_sequences = 0  # preempted with at least one block held in the host tier
         self._preempted_at: dict[int, float] = {}  # seq_id -> when it was preempted (until resumed)
-        self.preempted_wait_s = 0.0  # summed time from preemption to resume (seconds; a counter)
-        self.num_resumed = 0
+        self.preempted_wait_s, self.num_resumed = 0.0, 0  # summed time from preemption to resume (s), resumes
         self.num_forked_sequences = 0  # children forked by parallel sampling (a counter, for metrics)
         # ended (finish_reason "error") by a grammar that failed to compile, and why
         self.grammar_failed: list[tuple[Sequence, str]] = []
@@ -150,10 +146,11 @@ class Scheduler:
             if not self.kv.allocate_slots(seq, num_new, computed):
                 break
             self.waiting.popleft()
-            preempted_at = self._preempted_at.pop(seq.seq_id, None)
-            if preempted_at is not None:
-                self.preempted_wait_s += time.monotonic() - preempted_at
-                self.num_resumed += 1
+            if (preempted_at := self._preempted_at.pop(seq.seq_id, None)) is not None:
+                self.preempted_wait_s, self.num_resumed = (
+                    self.preempted_wait_s + time.monotonic() - preempted_at,
+                    self.num_resumed + 1,
+                )
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             slots += self._reserved(seq)
