@@ -3,7 +3,7 @@
 # GPU tests, the HF side-by-side and the kernel benchmark, each under its own time limit (about
 # 7 minutes in all on an H200, inside the device tool's 10-minute command limit).
 # Writes logs and JSON under $OUT (default ./gpu_out; at most 8 files come back from the device tool:
-# the benchmark rows all go to one $OUT/<gpu>.json). Usage: bash scripts/gpu_check.sh [full|bench|tests|check|conformance|memcheck|startup|decode|attention|quant]
+# the benchmark rows all go to one $OUT/<gpu>.json). Usage: bash scripts/gpu_check.sh [full|bench|tests|check|conformance|memcheck|startup|decode|attention|quant|offload]
 # (check = bench + tests, without the HF side-by-side and the kernel benchmark)
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
@@ -25,6 +25,22 @@ if [ "$MODE" = conformance ]; then
   timeout ${T_CONF:-480} python3 benchmarks/conformance.py --out "$OUT" --workers ${WORKERS:-12} ${CONF_ARGS:-} 2>&1 \
       | grep -v -i -E "warn|Writing model" | tail -40
   exit ${PIPESTATUS[0]}
+fi
+# offload: the host KV tier (pagedllm bench offload, docs/features/host-kv-tier.md) on the Qwen3-0.6B shape
+# with the pool shrunk to 2,048 blocks (32k tokens): a multi-turn chat behind 8 shared 1,024-token system
+# prompts whose distinct prefix KV is ~2.5x the pool, with the tier off / 1x / 2x / 4x the pool (hit rate per
+# tier, ideal hit rate, mean TTFT, throughput); the copy bandwidth each way and a 2,048-token prefix's load
+# against its prefill; swap vs recompute under a 512-block pool that forces preemption. Rows in $OUT/offload.jsonl
+if [ "$MODE" = offload ]; then
+  [ -d $MODEL ] || python3 tools/make_random_model.py --shape qwen3-0.6b --out $MODEL 2>&1 | tail -1
+  O="--model $MODEL --max-model-len 4096 --max-num-seqs 64 --output-json $OUT/offload.jsonl"
+  timeout ${T_CHAT:-300} python3 -m pagedllm bench offload $O --num-kv-blocks 2048 --scenario chat --system-prompts 8 \
+      --system-len 1024 --conversations 96 --turns 4 --turn-len 128 --output-len 64 --tier-multiples 0 1 2 4 2>&1 | grep '^{'
+  timeout ${T_COPY:-120} python3 -m pagedllm bench offload $O --num-kv-blocks 2048 --scenario copy --prefix-len 2048 \
+      --tier-multiples 1 2>&1 | grep '^{'
+  timeout ${T_SWAP:-150} python3 -m pagedllm bench offload $O --num-kv-blocks 512 --scenario preemption \
+      --conversations 128 --turn-len 512 --output-len 512 --tier-multiples 4 2>&1 | grep '^{'
+  exit 0
 fi
 # decode: the decode attention kernels side by side against a device copy (benchmarks/decode_attention.py:
 # variant grids at 256 x 1,024, then batch/context/group/head-size shapes), $OUT/decode-attention.json

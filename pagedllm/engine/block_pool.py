@@ -30,6 +30,11 @@ Invariants (checked by `check_invariants`, exercised by the property tests):
 - KV-cache groups (kv_cache_groups.py): a block is held by one group at a time (`Block.group`,
   set when it is allocated; a hit never crosses groups: the hash table is keyed by group).
 - Allocation takes from the head of the free queue; freed blocks go to the tail.
+- Host tier (host_tier.py): a second pool of the same class over host memory. Its blocks adopt
+  the prefix ids of the GPU blocks they copy, and a GPU block registered while the host tier
+  holds a duplicate of it takes that duplicate's id (`peer`), so prefix ids name prefixes over
+  both tiers and one hit chain may run through both: the "one prefix, one id" rule holds in the
+  union. `on_evict` hears of a cached block just before it loses its hash to a reallocation.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import itertools
 import secrets
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
 
 import xxhash
 
@@ -85,9 +91,15 @@ class BlockHasher:
         return hash_block(self.root if parent is None else parent, token_ids, extra, algo=self.algo, seed=self.seed)
 
 
+class EvictionListener(Protocol):
+    def evicted(self, block: Block, seq_id: int | None) -> None:
+        """`block` (still registered) is about to be reallocated, for `seq_id`."""
+
+
 class Block:
     __slots__ = (
         "block_id",
+        "left_window",
         "ref_cnt",
         "block_hash",
         "token_ids",
@@ -109,6 +121,8 @@ class Block:
         self.prefix_id: int | None = None  # names the whole prefix this block ends (BlockPool's counter)
         self.parent_prefix_id: int | None = None  # the prefix it was computed after; None: a first block
         self.group = 0  # the KV-cache group that holds it (or held it last)
+        # given back because it left a sliding window: not worth keeping in the host tier
+        self.left_window = False
         self.prev: Block | None = None
         self.next: Block | None = None
 
@@ -169,6 +183,9 @@ ANY_PARENT = -1  # `lookup`: accept a block computed after any prefix (the first
 
 
 class BlockPool:
+    block_type: type[Block] = Block  # host_block_pool.HostBlock in the host tier
+    evict_event = "EVICT"
+
     def __init__(self, num_blocks: int, tracer: Tracer | None = None):
         assert num_blocks >= 1, num_blocks  # SchedulerConfig refuses other sizes at the edge
         self.num_blocks = num_blocks
@@ -182,6 +199,8 @@ class BlockPool:
         self.num_evictions = 0
         self.num_held_by_group: Counter[int] = Counter()  # group -> its blocks with ref_cnt > 0
         self._prefix_ids = itertools.count()  # Block.prefix_id: never reused
+        self.on_evict: EvictionListener | None = None  # the host tier offloads what is evicted here
+        self.peer: BlockPool | None = None  # the host tier: a duplicate there lends its prefix id
 
     @property
     def num_free_blocks(self) -> int:
@@ -215,15 +234,18 @@ class BlockPool:
     def allocate(self, seq_id: int | None = None, group: int = 0) -> Block:
         """ALLOCATE: the LRU head; a cached block found there is evicted now (lazy eviction)."""
         if len(self.blocks) < self.num_blocks:  # a never-used block: the head of the queue
-            block = Block(len(self.blocks))
+            block = self.block_type(len(self.blocks))
             self.blocks.append(block)
         else:
             block = self.free_queue.popleft()
         if block.block_hash is not None:
+            if self.on_evict is not None:
+                self.on_evict.evicted(block, seq_id)
             self._drop_hash(block)
             self.num_evictions += 1
             if self.tracer:
-                self._trace("EVICT", block, seq_id)
+                self._trace(self.evict_event, block, seq_id)
+        block.left_window = False
         block.ref_cnt = 1
         block.group = group
         self.num_held_by_group[group] += 1
@@ -236,6 +258,7 @@ class BlockPool:
         if block.ref_cnt == 0:
             self.free_queue.remove(block)
             self.num_held_by_group[block.group] += 1
+            block.left_window = False
             kind = "REACTIVATE"
         else:
             kind = "REUSE"
@@ -271,17 +294,23 @@ class BlockPool:
         token_ids: tuple[int, ...],
         extra: bytes,
         parent_prefix_id: int | None,
+        prefix_id: int | None = None,
     ) -> bool:
         """Make a held block findable under its hash (in its group) once a step that writes its KV
         is scheduled, remembering what the KV is computed from: token ids, extra keys and the
         prefix it follows, `parent_prefix_id` (the prefix_id of the block before it in the
-        caller's block table; None: a first block). A duplicate of a cached prefix takes that
-        prefix's id. False: it was registered already."""
+        caller's block table; None: a first block). A duplicate of a cached prefix (here, or in
+        `peer`) takes that prefix's id; `prefix_id` given: the id of the block whose KV this one
+        copies (a load from, or an offload to, the other tier). False: it was registered already."""
         if block.block_hash is not None:
             return False  # shared (fork) and registered by another holder: the same prefix
         assert block.ref_cnt > 0 and parent_prefix_id != ANY_PARENT, (block, parent_prefix_id)
-        same = self.lookup(block_hash, token_ids, extra, parent_prefix_id, block.group)
-        block.prefix_id = next(self._prefix_ids) if same is None else same.prefix_id
+        if prefix_id is None:
+            same = self.lookup(block_hash, token_ids, extra, parent_prefix_id, block.group)
+            if same is None and self.peer is not None:
+                same = self.peer.lookup(block_hash, token_ids, extra, parent_prefix_id, block.group)
+            prefix_id = next(self._prefix_ids) if same is None else same.prefix_id
+        block.prefix_id = prefix_id
         block.parent_prefix_id = parent_prefix_id
         block.block_hash = block_hash
         block.token_ids = token_ids
@@ -299,7 +328,9 @@ class BlockPool:
             if block.ref_cnt == 0 and block.block_hash is not None:
                 self._drop_hash(block)
 
-    def check_invariants(self, windowed_groups: frozenset[int] = frozenset()) -> None:
+    def check_invariants(self, windowed_groups: frozenset[int] = frozenset(), held_parents_held: bool = True) -> None:
+        """held_parents_held False: skip the held-parent rule (the host tier holds blocks only to
+        pin them while a copy is pending)."""
         in_queue = {b.block_id for b in self.free_queue}
         assert len(in_queue) == len(self.free_queue)
         prefix_of: dict[tuple[int, int | None, tuple[int, ...], bytes], int] = {}  # what a prefix id stands for
@@ -321,6 +352,6 @@ class BlockPool:
                 held_prefixes.add(b.prefix_id)
                 if b.parent_prefix_id is not None and b.group not in windowed_groups:
                     held_parents.add(b.parent_prefix_id)
-        assert held_parents <= held_prefixes, held_parents - held_prefixes
+        assert not held_parents_held or held_parents <= held_prefixes, held_parents - held_prefixes
         for (g, h), same in self.cached.items():
             assert same and all(b.block_hash == h and b.group == g and b.block_id == i for i, b in same.items()), same

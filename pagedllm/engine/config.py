@@ -18,6 +18,7 @@ QUANTIZATION_METHODS = (
 # unquantized checkpoint (model/quantization.py) or names an FP8 checkpoint; both must agree with the checkpoint's own
 # quantization_config (model/quant_config.py)
 RESOLVED_KV_CACHE_DTYPES = ("float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
+PREEMPTION_MODES = ("recompute", "swap")  # swap: through the host tier (engine/host_tier.py)
 
 
 @dataclass
@@ -32,12 +33,30 @@ class SchedulerConfig:
     prefix_caching_hash_algo: str = "xxhash"  # block hash: "xxhash" (xxh64, seeded per process) or "sha256"
     # the KV storage format: as given (KV_CACHE_DTYPES) or as the runner resolved it (reported in metrics)
     kv_cache_dtype: str = "auto"
+    num_host_kv_blocks: int = 0  # the host tier's blocks (kv_offloading_size over the block bytes); 0: no tier
+    preemption_mode: str = "recompute"
+    kv_block_bytes: int = 0  # one block id's KV bytes over every rank (metrics: bytes moved); 0: unknown
 
     def __post_init__(self) -> None:
         for name in ("num_kv_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}", name)
+        for name in ("num_host_kv_blocks", "kv_block_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidRequestError(f"{name} must be a non-negative integer, got {value!r}", name)
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise InvalidRequestError(
+                f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption_mode!r}",
+                "preemption_mode",
+            )
+        if self.preemption_mode == "swap" and not (self.num_host_kv_blocks and self.enable_prefix_caching):
+            raise InvalidRequestError(
+                "preemption_mode='swap' moves a preempted sequence's blocks to the host tier: it needs "
+                "kv_offloading_size > 0 and enable_prefix_caching",
+                "preemption_mode",
+            )
         if self.prefix_caching_hash_algo not in PREFIX_CACHING_HASH_ALGOS:
             raise InvalidRequestError(
                 f"prefix_caching_hash_algo must be one of {', '.join(PREFIX_CACHING_HASH_ALGOS)}, "

@@ -23,6 +23,7 @@ from typing import IO, TYPE_CHECKING
 
 from pagedllm.engine.beam_search import BeamSearch
 from pagedllm.engine.config import SchedulerConfig
+from pagedllm.engine.core_metrics import core_metrics
 from pagedllm.engine.errors import InvalidRequestError
 from pagedllm.engine.executor import Executor, StepHandle, TokenLogprobs
 from pagedllm.engine.kv_cache_manager import KVCacheManager
@@ -61,9 +62,15 @@ class EngineCore:
             tracer,
             hash_algo=config.prefix_caching_hash_algo,  # hash_seed: a secret of this process
             groups=executor.kv_cache_groups,
+            num_host_blocks=config.num_host_kv_blocks,
         )
         self.scheduler = Scheduler(
-            self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len, eos_token_ids
+            self.kv,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.max_model_len,
+            eos_token_ids,
+            config.preemption_mode,
         )
         # step N+1 is launched before step N's ids are on the host (needs an executor that offers it)
         self.async_scheduling = async_scheduling and executor.supports_async
@@ -77,6 +84,7 @@ class EngineCore:
         self.structured_output: StructuredOutputManager | None = None  # made on the first such request
         self.timeline: Timeline | None = None  # PAGEDLLM_TIMELINE: each step's schedule, launch and resolve times
         self._step_id = 0
+        self.kv_load_seconds = 0.0  # device time of host-tier loads, as the executor measured it (a counter)
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -194,8 +202,9 @@ class EngineCore:
             return self._grammar_failures()
         try:
             result = self.executor.execute(sched)
+            self.kv_load_seconds += result.kv_load_seconds
         except BaseException:
-            self.kv.uncache(sched.new_cached)
+            self.kv.uncache(sched.new_cached, sched.new_host_cached)
             raise
         if self.timeline is not None:
             step = self._note_launch(sched, t0)
@@ -217,10 +226,11 @@ class EngineCore:
         prev, handle = self._inflight
         try:
             result = handle.result()
+            self.kv_load_seconds += result.kv_load_seconds
             touched = self.scheduler.resolve(prev, result)
             outputs = self._outputs(touched, len(result.sampled), prev.finished_searches)
         except BaseException:
-            self.kv.uncache(prev.new_cached)
+            self.kv.uncache(prev.new_cached, prev.new_host_cached)
             self._inflight = None
             raise
         self._inflight = None
@@ -250,6 +260,7 @@ class EngineCore:
             if self._inflight is not None:
                 prev, handle = self._inflight
                 result = handle.result()
+                self.kv_load_seconds += result.kv_load_seconds
                 if self.timeline is not None:
                     self.timeline.event("resolve", step=prev.step_id)
                 touched = self.scheduler.resolve(prev, result, sched)
@@ -258,7 +269,7 @@ class EngineCore:
         except BaseException:
             for failed in (self._inflight[0] if self._inflight else None, sched):
                 if failed is not None:
-                    self.kv.uncache(failed.new_cached)
+                    self.kv.uncache(failed.new_cached, failed.new_host_cached)
             self._inflight = None
             raise
         self._inflight = launched
@@ -364,47 +375,8 @@ class EngineCore:
 
     # ---- metrics -----------------------------------------------------------------------
     def get_metrics(self) -> Metrics:
-        """Gauges and counters by name. The prefix_cache_* counters count each sequence's first
-        admission (queries, hits: tokens; the hit rate is theirs); its resumes after preemption
-        are counted apart, in prefix_cache_preempted_* (kv_cache_manager.PrefixCacheStats)."""
-        kv = self.kv
-        stats = kv.prefix_cache_stats
-        q, h = stats.queries, stats.hits
-        return {
-            "num_kv_blocks": kv.num_blocks,
-            "num_free_kv_blocks": kv.num_free_blocks,
-            "kv_cache_usage": kv.usage,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "prefix_cache_requests": stats.requests,
-            "prefix_cache_query_tokens": q,
-            "prefix_cache_hit_tokens": h,
-            "prefix_cache_hit_rate": h / q if q else 0.0,
-            "prefix_cache_preempted_requests": stats.preempted_requests,
-            "prefix_cache_preempted_query_tokens": stats.preempted_queries,
-            "prefix_cache_preempted_hit_tokens": stats.preempted_hits,
-            "num_prompt_tokens": self.num_prompt_tokens,
-            "num_generation_tokens": self.num_generation_tokens,
-            "num_requests_running": len({s.request_id for s in self.scheduler.running}),
-            "num_requests_waiting": len(
-                {s.request_id for s in self.scheduler.waiting} - {s.request_id for s in self.scheduler.running}
-            ),
-            "num_prefix_cache_evictions": kv.pool.num_evictions,
-            "num_forked_sequences": self.scheduler.num_forked_sequences,
-            "num_copy_on_write_blocks": kv.num_copy_on_writes,
-            "kv_cache_dtype": self.config.kv_cache_dtype,
-            "block_size": self.config.block_size,
-            # per KV-cache group: its attention kind, layers and the blocks it holds now
-            "kv_cache_groups": [
-                {
-                    "group": g,
-                    "kind": group.kind,
-                    "sliding_window": group.sliding_window,
-                    "num_layers": len(group.layer_ids),
-                    "num_blocks": held,
-                }
-                for g, (group, held) in enumerate(zip(kv.groups, kv.num_blocks_by_group(), strict=True))
-            ],
-        }
+        """Gauges and counters by name (core_metrics.py)."""
+        return core_metrics(self)
 
 
 def _history_bound(step: SchedulerOutput) -> bool:

@@ -31,6 +31,11 @@ blocks under them. A prefix hit is taken only
 at a length where every group has one (`get_computed_blocks`): a full-attention hit can be cut
 anywhere, a sliding-window hit only where its window's blocks are cached, so the length is
 lowered until all agree.
+
+Host tier (host_tier.py, `num_host_blocks` > 0): lookups continue into host memory where the
+GPU pool misses, a hit's host blocks are loaded into new GPU blocks (`Transfers`, drained by
+the scheduler into the step's SchedulerOutput), evicted GPU blocks are offloaded, and with
+preemption_mode="swap" a preempted sequence's blocks are written there (`swap_out`).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from pagedllm.engine.block_pool import Block, BlockHash, BlockHasher, BlockPool, HashFn
+from pagedllm.engine.host_tier import HostBlock, HostTier, Transfers
 from pagedllm.engine.kv_cache_groups import KVCacheGroup
 from pagedllm.engine.sequence import Sequence
 from pagedllm.engine.single_type_kv_cache_manager import FullAttentionManager, SlidingWindowManager, manager_for
@@ -51,24 +57,29 @@ class PrefixCacheStats:
     PrefixCacheStats). `queries` are the tokens of admitted sequences, `hits` those served from
     the cache. A sequence resumed after preemption re-hits the blocks it computed itself, so its
     lookups go to the preempted_* counters: queries and hits (and the hit rate) describe first
-    admissions only."""
+    admissions only. `host_hits` (and `preempted_host_hits`): the part of the hits loaded from
+    the host tier (a block position counts there when any group's block came from it)."""
 
     requests: int = 0
     queries: int = 0
     hits: int = 0
+    host_hits: int = 0
     preempted_requests: int = 0
     preempted_queries: int = 0
     preempted_hits: int = 0
+    preempted_host_hits: int = 0
 
-    def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
+    def record(self, num_tokens: int, num_hits: int, preempted: bool, num_host_hits: int = 0) -> None:
         if preempted:
             self.preempted_requests += 1
             self.preempted_queries += num_tokens
             self.preempted_hits += num_hits
+            self.preempted_host_hits += num_host_hits
         else:
             self.requests += 1
             self.queries += num_tokens
             self.hits += num_hits
+            self.host_hits += num_host_hits
 
 
 @dataclass
@@ -96,7 +107,7 @@ class KVCacheManager:
     """`hash_algo` ("xxhash" or "sha256", SchedulerConfig.prefix_caching_hash_algo) and `hash_seed`
     (None: a secret drawn at construction) make the block hash (BlockHasher); `hash_fn` replaces
     it (tests inject collisions with it). `groups`: the model's KV-cache groups (one full-attention
-    group when not given)."""
+    group when not given). `num_host_blocks`: the host tier's size (0: no tier)."""
 
     def __init__(
         self,
@@ -108,14 +119,18 @@ class KVCacheManager:
         hash_algo: str = "xxhash",
         hash_seed: int | None = None,
         groups: Seq[KVCacheGroup] = (),
+        num_host_blocks: int = 0,
     ) -> None:
         assert block_size >= 1, block_size  # SchedulerConfig refuses other sizes at the edge
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, tracer)
+        # the host tier extends the prefix cache: nothing to keep without it
+        self.host = HostTier(num_host_blocks, self.pool, tracer) if num_host_blocks and enable_prefix_caching else None
         self.groups = tuple(groups) or (KVCacheGroup((0,)),)
         self.managers: list[FullAttentionManager] = [
-            manager_for(self.pool, g, block_size, group.sliding_window) for g, group in enumerate(self.groups)
+            manager_for(self.pool, g, block_size, group.sliding_window, self.host)
+            for g, group in enumerate(self.groups)
         ]
         self.windowed_groups = frozenset(g for g, group in enumerate(self.groups) if group.sliding_window)
         # the window groups by window: the first of each answers has_skipped_blocks for all of them
@@ -226,11 +241,16 @@ class KVCacheManager:
         if seq.num_computed_tokens == 0 and not any(seq.block_tables):  # admitted: first time or resumed
             resumed = seq.num_preemptions > 0
             if self.enable_prefix_caching:
-                self.prefix_cache_stats.record(seq.num_tokens, num_cached, resumed)
+                from_host = sum(any(isinstance(h[i], HostBlock) for h in hits) for i in range(len(hit or ())))
+                self.prefix_cache_stats.record(seq.num_tokens, num_cached, resumed, from_host * self.block_size)
             if not resumed:
                 seq.num_cached_tokens = num_cached  # once: a resume re-hits blocks the sequence computed
         for m, h in zip(managers, hits, strict=True):
             m.take_hit(seq, h)  # every group's hit first: none may be allocated as another's new block
+        for m, h in zip(managers, hits, strict=True):
+            m.load_hits(seq, h)  # then the GPU blocks that host-tier hits are loaded into
+        if self.host is not None:
+            self.host.release_swapped(seq.seq_id)  # admitted: what it swapped out is hit or lost
         for m in managers:
             self.num_copy_on_writes += m.allocate(seq, total, num_new_tokens, self.blocks_to_copy)
         seq.block_tables_version += 1
@@ -256,14 +276,21 @@ class KVCacheManager:
         seq.num_registered_blocks = num_full
         return registered
 
-    def uncache(self, blocks: list[Block]) -> None:
+    def uncache(self, blocks: list[Block], host_blocks: Seq[Block] = ()) -> None:
         """Make blocks that a step which never ran had registered unfindable again (their KV was
-        never written). Blocks computed after them in the chain become unreachable with them."""
+        never written): GPU blocks, and the host blocks of its offloads. Blocks computed after
+        them in the chain become unreachable with them."""
         for block in blocks:
             self.pool.unregister(block)
+        if self.host is not None:
+            self.host.uncache(list(host_blocks))
 
     def free(self, seq: Sequence) -> None:
-        """Release the sequence's blocks, each group's tail-first (its prefix outlives its suffix)."""
+        """Release the sequence's blocks, each group's tail-first (its prefix outlives its suffix),
+        and the host blocks held for it while preempted (swap)."""
+        if self.host is not None:
+            self.host.release_swapped(seq.seq_id)
+        self._give_tables(seq)  # a sequence never looked up (aborted while waiting) has one table, not one per group
         for manager in self.managers:
             manager.free(seq)
         seq.block_tables_version += 1
@@ -283,12 +310,34 @@ class KVCacheManager:
         child.num_registered_blocks = parent.num_registered_blocks
         child.block_hashes = list(parent.block_hashes)
 
+    def swap_out(self, seq: Sequence) -> int:
+        """preemption_mode="swap": write the sequence's registered blocks (every group) to the host
+        tier and hold them there until it is admitted again; call before `free`. Returns the
+        blocks held (0 without a tier)."""
+        if self.host is None:
+            return 0
+        blocks = [
+            self.pool.blocks[b]
+            for table in seq.block_tables
+            for b in table
+            if b >= 0 and self.pool.blocks[b].block_hash is not None
+        ]
+        return self.host.swap_out(seq.seq_id, blocks)
+
+    def take_transfers(self) -> Transfers:
+        """The host-tier copies recorded for the step being scheduled (none without a tier)."""
+        return self.host.take_transfers() if self.host is not None else Transfers()
+
     def take_blocks_to_copy(self) -> list[tuple[int, int]]:
         out, self.blocks_to_copy = self.blocks_to_copy, []
         return out
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
+        if self.host is not None:
+            self.host.reset()
 
     def check_invariants(self) -> None:
         self.pool.check_invariants(self.windowed_groups)
+        if self.host is not None:
+            self.host.check_invariants(self.windowed_groups)

@@ -6,7 +6,8 @@ prefill. Then waiting sequences are admitted (preempted ones first, they sit at 
 while budget, sequence slots and blocks allow. When blocks run out, the most recently
 admitted running sequence is preempted by recompute: its blocks are freed and it goes back
 to the front of the waiting queue; on resume it re-hits its own cached prefix (a lookup the
-prefix-cache statistics count apart: kv_cache_manager.PrefixCacheStats).
+prefix-cache statistics count apart: kv_cache_manager.PrefixCacheStats). preemption_mode="swap"
+first writes its blocks to the host tier, held there until its resume loads them (host_tier.py).
 
 A scheduled sequence's full blocks are registered in the prefix cache at once, so the
 sequences admitted after it in the same step, and in every later step, hit them
@@ -54,6 +55,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: set[int] | frozenset[int] = frozenset(),
+        preemption_mode: str = "recompute",
     ):
         # preconditions, not validation: SchedulerConfig.__post_init__ refused non-positive sizes at the edge
         assert max_num_seqs >= 1 and max_num_batched_tokens >= 1, (max_num_seqs, max_num_batched_tokens)
@@ -65,6 +67,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.preemption_mode = preemption_mode  # "recompute" or "swap" (SchedulerConfig checked it)
+        self.num_swapped_out_sequences = 0  # preempted with at least one block held in the host tier
+        self._preempted_at: dict[int, float] = {}  # seq_id -> when it was preempted (until resumed)
+        self.preempted_wait_s, self.num_resumed = 0.0, 0  # summed time from preemption to resume (s), resumes
         self.num_forked_sequences = 0  # children forked by parallel sampling (a counter, for metrics)
         # ended (finish_reason "error") by a grammar that failed to compile, and why
         self.grammar_failed: list[tuple[Sequence, str]] = []
@@ -112,6 +118,11 @@ class Scheduler:
                     self._admit(out, budget, forked)
         self.running += forked
         out.blocks_to_copy = self.kv.take_blocks_to_copy()
+        if out.scheduled:  # a step that launches nothing keeps its copies for the next one
+            t = self.kv.take_transfers()
+            out.blocks_to_offload, out.blocks_to_load = t.offloads, t.loads
+            out.new_host_cached = t.new_host_cached
+            out.new_cached += t.loaded
         return out
 
     def _admit(self, out: SchedulerOutput, budget: int, forked: list[Sequence]) -> int:
@@ -135,6 +146,11 @@ class Scheduler:
             if not self.kv.allocate_slots(seq, num_new, computed):
                 break
             self.waiting.popleft()
+            if (preempted_at := self._preempted_at.pop(seq.seq_id, None)) is not None:
+                self.preempted_wait_s, self.num_resumed = (
+                    self.preempted_wait_s + time.monotonic() - preempted_at,
+                    self.num_resumed + 1,
+                )
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             slots += self._reserved(seq)
@@ -191,7 +207,10 @@ class Scheduler:
         return group
 
     def _preempt(self, seq: Sequence) -> None:
+        if self.preemption_mode == "swap" and self.kv.swap_out(seq):
+            self.num_swapped_out_sequences += 1
         self.kv.free(seq)
+        self._preempted_at[seq.seq_id] = time.monotonic()
         seq.beam_result = None  # a beam recomputes its last token, and its top-k with it
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
@@ -371,6 +390,7 @@ class Scheduler:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
+        self._preempted_at.pop(seq.seq_id, None)
         self.kv.free(seq)
         seq.grammar = None
         if seq.num_pending:  # tokens of a step launched meanwhile: never sampled

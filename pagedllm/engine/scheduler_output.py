@@ -1,5 +1,7 @@
 """What the scheduler hands the executor for one step: the scheduled sequences and their token
-counts, the blocks to copy (copy-on-write), the blocks registered at scheduling.
+counts, the blocks to copy (copy-on-write), the blocks registered at scheduling, and the copies
+between the GPU pool and the host tier (engine/host_tier.py). The executor runs the step's
+offloads, then its loads, then its copy-on-write copies, then its forward, in that order.
 
 A plain message module that the scheduler (which fills it) and the executors (which run it)
 both import, so neither imports the other (as vLLM v1's `sched/output.py`).
@@ -46,6 +48,9 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     num_preempted: int = 0
     new_cached: list[Block] = field(default_factory=list)  # registered at scheduling: uncached if it never runs
+    blocks_to_offload: list[tuple[int, int]] = field(default_factory=list)  # (GPU block, host block)
+    blocks_to_load: list[tuple[int, int]] = field(default_factory=list)  # (host block, GPU block)
+    new_host_cached: list[Block] = field(default_factory=list)  # host blocks its offloads registered
     finished_searches: list[BeamSearch[Sequence]] = field(
         default_factory=list
     )  # set by resolve: beam searches that ended

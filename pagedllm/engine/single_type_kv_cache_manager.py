@@ -23,6 +23,10 @@ trusted to the hash chain, which is keyed by a per-process secret (or sha256), s
 aim a collision at it. If a block of a window group was given back before its turn to be
 registered (a window shorter than a block), the group's chain is broken for that sequence and
 it registers nothing more (a lost hit, never wrong KV).
+
+Host tier (host_tier.py): a lookup that misses in the GPU pool asks the host tier, so a hit may
+hold host blocks (HostBlock) anywhere in its run; each takes a new GPU block that its KV is
+loaded into (`take_hit`, then `load_hits` once every group's GPU hits are held).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pagedllm.engine.block_pool import ANY_PARENT, Block, BlockHash, BlockPool
+from pagedllm.engine.host_tier import HostBlock, HostTier
 from pagedllm.engine.sequence import Sequence
 
 NULL_BLOCK = -1  # a table entry whose block a sliding-window group gave back; never read
@@ -41,8 +46,16 @@ BlockKey = Callable[[Sequence, int], tuple[tuple[int, ...], bytes]]  # (seq, i) 
 class FullAttentionManager:
     """Full attention reads every earlier position: it never gives a block back before the sequence ends."""
 
-    def __init__(self, pool: BlockPool, group: int, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, group: int, block_size: int, host: HostTier | None = None) -> None:
         self.pool, self.group, self.block_size = pool, group, block_size
+        self.host = host
+
+    def lookup(self, block_hash: BlockHash, tokens: tuple[int, ...], extra: bytes, parent: int | None) -> Block | None:
+        """A cached block of this group in the GPU pool, else in the host tier (block_pool.lookup)."""
+        block = self.pool.lookup(block_hash, tokens, extra, parent, self.group)
+        if block is None and self.host is not None:
+            block = self.host.pool.lookup(block_hash, tokens, extra, parent, self.group)
+        return block
 
     def find_longest_cache_hit(
         self, seq: Sequence, hashes: list[BlockHash], key: BlockKey, max_blocks: int
@@ -51,7 +64,7 @@ class FullAttentionManager:
         parent: int | None = None
         for i in range(max_blocks):
             tokens, extra = key(seq, i)
-            block = self.pool.lookup(hashes[i], tokens, extra, parent, self.group)
+            block = self.lookup(hashes[i], tokens, extra, parent)
             if block is None:
                 break
             hits.append(block)
@@ -62,11 +75,12 @@ class FullAttentionManager:
     def num_blocks_to_allocate(
         self, seq: Sequence, total_tokens: int, hit: list[Block | None], num_new_tokens: int
     ) -> int:
-        """Free-queue blocks that `allocate` takes: new ones, a copy-on-write copy, reactivated hits."""
+        """Free-queue blocks that `allocate` takes: new ones, a copy-on-write copy, reactivated hits,
+        a block for each host-tier hit to load."""
         table = seq.block_tables[self.group]
         new = max(0, -(-total_tokens // self.block_size) - len(table) - len(hit))
         cow = not hit and self.needs_copy_on_write(seq, num_new_tokens)
-        return new + cow + sum(1 for b in hit if b is not None and b.ref_cnt == 0)
+        return new + cow + sum(1 for b in hit if b is not None and (b.ref_cnt == 0 or isinstance(b, HostBlock)))
 
     def take_hit(self, seq: Sequence, hit: list[Block | None]) -> None:
         """Hold the blocks of a prefix hit (before any group allocates: a free hit block must not
@@ -75,12 +89,28 @@ class FullAttentionManager:
         for block in hit:
             if block is None:
                 table.append(NULL_BLOCK)
+            elif isinstance(block, HostBlock):
+                assert self.host is not None
+                self.host.pin(block, seq.seq_id)  # out of the host LRU: no offload may reuse it now
+                table.append(NULL_BLOCK)  # until load_hits gives it a GPU block
             else:
                 self.pool.touch(block, seq.seq_id)
                 table.append(block.block_id)
         if hit:
             last = next((b for b in reversed(hit) if b is not None), None)
             seq.chain_prefix_ids[self.group] = None if last is None else last.prefix_id
+
+    def load_hits(self, seq: Sequence, hit: list[Block | None]) -> None:
+        """A new GPU block for each host block of the hit (after every group took its GPU hits:
+        the allocation may evict any free block), its KV loaded before the step's forward."""
+        if self.host is None:
+            return
+        table = seq.block_tables[self.group]
+        for i, block in enumerate(hit):
+            if isinstance(block, HostBlock):
+                gpu = self.pool.allocate(seq.seq_id, self.group)
+                self.host.load(block, gpu, seq.seq_id)
+                table[i] = gpu.block_id
 
     def allocate(
         self, seq: Sequence, total_tokens: int, num_new_tokens: int, blocks_to_copy: list[tuple[int, int]]
@@ -159,8 +189,10 @@ class SlidingWindowManager(FullAttentionManager):
     shape (None before the window's run), so their tables' NULL_BLOCK entries always agree:
     `has_skipped_blocks` on one of them answers for all."""
 
-    def __init__(self, pool: BlockPool, group: int, block_size: int, sliding_window: int) -> None:
-        super().__init__(pool, group, block_size)
+    def __init__(
+        self, pool: BlockPool, group: int, block_size: int, sliding_window: int, host: HostTier | None = None
+    ) -> None:
+        super().__init__(pool, group, block_size, host)
         self.window = sliding_window
         # blocks before a hit's end that its next token reads
         self.hit_blocks = -(-(sliding_window - 1) // block_size)
@@ -182,7 +214,10 @@ class SlidingWindowManager(FullAttentionManager):
         for i in range(self._num_skipped(table, first_new_position) - 1, -1, -1):
             if table[i] == NULL_BLOCK:
                 break
-            self.pool.release(self.pool.blocks[table[i]], seq.seq_id)
+            block = self.pool.blocks[table[i]]
+            self.pool.release(block, seq.seq_id)
+            if block.ref_cnt == 0:
+                block.left_window = True  # not worth the host tier (host_tier.py)
             table[i] = NULL_BLOCK
 
     def find_longest_cache_hit(
@@ -199,7 +234,7 @@ class SlidingWindowManager(FullAttentionManager):
                 want = run[-1].prefix_id
             else:
                 want = None if i == 0 else ANY_PARENT
-            block = self.pool.lookup(hashes[i], tokens, extra, want, self.group)
+            block = self.lookup(hashes[i], tokens, extra, want)
             if block is None:
                 run = []
                 continue
@@ -210,7 +245,9 @@ class SlidingWindowManager(FullAttentionManager):
         return hit + list(best_run)
 
 
-def manager_for(pool: BlockPool, group: int, block_size: int, sliding_window: int | None) -> FullAttentionManager:
+def manager_for(
+    pool: BlockPool, group: int, block_size: int, sliding_window: int | None, host: HostTier | None = None
+) -> FullAttentionManager:
     if sliding_window is None:
-        return FullAttentionManager(pool, group, block_size)
-    return SlidingWindowManager(pool, group, block_size, sliding_window)
+        return FullAttentionManager(pool, group, block_size, host)
+    return SlidingWindowManager(pool, group, block_size, sliding_window, host)

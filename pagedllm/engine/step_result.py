@@ -36,3 +36,4 @@ class StepResult:
     sampled: list[int]  # one per sample row
     logprobs: list[TokenLogprobs | None] | None = None  # per sample row (None: that row did not ask); None: none did
     prompt_logprobs: dict[int, PromptLogprobsChunk] | None = None  # seq_id -> this step's chunk
+    kv_load_seconds: float = 0.0  # device time of the step's host-tier loads (engine/host_tier.py)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.engine.config import KV_CACHE_DTYPES, PREFIX_CACHING_HASH_ALGOS, QUANTIZATION_METHODS
+from pagedllm.engine.config import KV_CACHE_DTYPES, PREEMPTION_MODES, PREFIX_CACHING_HASH_ALGOS, QUANTIZATION_METHODS
 from pagedllm.entrypoints import model_dir
 from pagedllm.entrypoints.llm import LLM
 
@@ -163,6 +163,17 @@ FLAG_HELP: dict[str, FlagHelp] = {
         "read from its quantization_config, and this may name its method; default: the checkpoint's own",
         "none",
         choices=QUANTIZATION_METHODS,
+    ),
+    "kv_offloading_size": FlagHelp(
+        "GiB of host memory (pinned on GPU; summed over the tensor-parallel ranks) for a host tier of the prefix "
+        "cache: blocks evicted from the GPU pool are kept there and loaded back on a hit; 0 = off",
+        type=number(float, lambda v: True, "a number of GiB"),
+        metavar="GIB",
+    ),
+    "preemption_mode": FlagHelp(
+        "what a preempted sequence's KV does: recompute = freed and recomputed on resume; swap = written to the "
+        "host tier (needs --kv-offloading-size) and loaded back on resume",
+        choices=PREEMPTION_MODES,
     ),
     "generation_config": FlagHelp(
         "sampling defaults of requests that leave fields unset: auto = the model's generation_config.json, "

@@ -53,6 +53,7 @@ _OPTIONAL = {
     ("bench", "throughput"): ("pagedllm.bench.throughput", None, "add_args", "main", False),
     ("bench", "serve"): ("pagedllm.bench.serving", "serve", "add_args", "main", False),
     ("bench", "sharing"): ("pagedllm.bench.sharing_cli", None, "add_args", "main", False),
+    ("bench", "offload"): ("pagedllm.bench.offload", None, "add_args", "main", False),
     ("trace", "view"): ("pagedllm.entrypoints.cli_trace", None, "add_args", "run", False),
 }
 
@@ -125,7 +126,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     _fill_optional(s, ("serve",), wanted)
 
     b = sub.add_parser(
-        "bench", parents=[debug], help="benchmarks: throughput (offline), serve (HTTP), sharing (KV blocks)"
+        "bench",
+        parents=[debug],
+        help="benchmarks: throughput (offline), serve (HTTP), sharing (KV blocks), offload (host KV tier)",
     )
     bsub = b.add_subparsers(dest="bench_command", metavar="BENCHMARK", parser_class=_Parser)
     bt = bsub.add_parser("throughput", parents=[debug], help="offline throughput of LLM.generate")
@@ -144,6 +147,13 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     _fill_optional(bsh, ("bench", "sharing"), wanted)
+    bo = bsub.add_parser(
+        "offload",
+        parents=[debug],
+        help="the host KV tier: multi-turn chat hit rates and TTFT per tier size, swap vs recompute, copy bandwidth",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    _fill_optional(bo, ("bench", "offload"), wanted)
     b.set_defaults(_help=b)
 
     t = sub.add_parser("trace", parents=[debug], help="KV block traces (--trace-blocks): view")

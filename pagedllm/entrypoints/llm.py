@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagedllm.engine import LLMEngine, RequestOutput, SamplingParams, SchedulerConfig
-from pagedllm.engine.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS
+from pagedllm.engine.config import KV_CACHE_DTYPES, PREEMPTION_MODES, QUANTIZATION_METHODS
 from pagedllm.engine.errors import InvalidRequestError
 from pagedllm.engine.executor import Executor
 from pagedllm.engine.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput
@@ -72,6 +72,8 @@ class LLM:
         enable_chunked_prefill: bool = True,
         load_format: str = "auto",
         quantization: str | None = None,
+        kv_offloading_size: float = 0.0,
+        preemption_mode: str = "recompute",
         **kwargs: Any,
     ):
         """vLLM's arguments. `model`: a local Hugging Face directory or a hub id already in the
@@ -119,6 +121,28 @@ class LLM:
             raise InvalidRequestError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}", "kv_cache_dtype"
             )
+        if not kv_offloading_size >= 0:
+            raise InvalidRequestError(
+                f"kv_offloading_size must be >= 0 GiB (0: no host tier), got {kv_offloading_size}",
+                "kv_offloading_size",
+            )
+        if kv_offloading_size > 0 and not enable_prefix_caching:
+            raise InvalidRequestError(
+                "kv_offloading_size > 0 keeps evicted prefix-cache blocks in host memory: it needs "
+                "enable_prefix_caching",
+                "kv_offloading_size",
+            )
+        if preemption_mode not in PREEMPTION_MODES:
+            raise InvalidRequestError(
+                f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, got {preemption_mode!r}",
+                "preemption_mode",
+            )
+        if preemption_mode == "swap" and kv_offloading_size <= 0:
+            raise InvalidRequestError(
+                "preemption_mode='swap' moves a preempted sequence's blocks to the host tier: it needs "
+                "kv_offloading_size > 0",
+                "preemption_mode",
+            )
         ensure_log_handler()  # the INFO lines (KV cache size, ...) visible as in vLLM, unless logging is set up
         started = time.perf_counter()
         startup = StartupTimes()
@@ -153,9 +177,11 @@ class LLM:
         )  # validate (kv_cache_dtype: checked above, against the names a user may give)
         import torch  # noqa: F401  (heavy imports only once the arguments are known good)
 
+        from pagedllm.worker.host_kv_cache import host_kv_blocks
         from pagedllm.worker.model_runner import ModelRunner, resolve_device, resolve_dtype
 
         dev = resolve_device(device)
+        host_kv_blocks(kv_offloading_size, 1, 1)  # refuses a size the host cannot hold before the model loads
         eos = eos_token_ids(model, hf_config, self.tokenizer)  # the runner masks them under min_tokens
         runner_kwargs: dict[str, Any] = dict(
             device=dev,
@@ -173,15 +199,18 @@ class LLM:
             kv_cache_dtype=kv_cache_dtype,
             load_format=load_format,
             quantization=quantization,
+            kv_offloading_size=kv_offloading_size,
         )
         self.runner: Executor  # a ModelRunner, or a TPExecutor over tensor_parallel_size processes
+        from pagedllm.worker.tp_executor import TPExecutor
+
+        runner: ModelRunner | TPExecutor
         with startup.phase("model runner"):
             if tensor_parallel_size > 1:
-                from pagedllm.worker.tp_executor import TPExecutor
-
-                self.runner = TPExecutor(hf_config, model, tensor_parallel_size, **runner_kwargs)
+                runner = TPExecutor(hf_config, model, tensor_parallel_size, **runner_kwargs)
             else:
-                self.runner = ModelRunner(hf_config, model, **runner_kwargs)
+                runner = ModelRunner(hf_config, model, **runner_kwargs)
+        self.runner = runner
         config = SchedulerConfig(
             num_kv_blocks=self.runner.num_kv_blocks,
             block_size=block_size,
@@ -192,6 +221,9 @@ class LLM:
             prefix_caching_hash_algo=prefix_caching_hash_algo,
             trace_blocks=trace_blocks,
             kv_cache_dtype=self.runner.kv_cache_dtype,
+            num_host_kv_blocks=runner.num_host_kv_blocks,
+            preemption_mode=preemption_mode,
+            kv_block_bytes=runner.block_bytes * tensor_parallel_size,
         )
         self.hf_config = hf_config
         self.model_path = model
@@ -210,9 +242,16 @@ class LLM:
         # where start-up went: ours, then the model runner's own phases (rank 0's under TP: none)
         runner_phases = self.runner.startup.seconds if isinstance(self.runner, ModelRunner) else {}
         self.startup_seconds = {**startup.seconds, **runner_phases, "total": time.perf_counter() - started}
+        host_tier = ""
+        if config.num_host_kv_blocks:
+            gib = config.num_host_kv_blocks * config.kv_block_bytes / (1 << 30)
+            host_tier = (
+                f"; host KV tier {gib:.3f} GiB ({config.num_host_kv_blocks} blocks, {preemption_mode} preemption)"
+            )
         logger.info(
-            "ready in %.2f s: %s%s",
+            "ready in %.2f s%s: %s%s",
             self.startup_seconds["total"],
+            host_tier,
             startup.summary(),
             f"; model runner: {self.runner.startup.summary()}" if isinstance(self.runner, ModelRunner) else "",
         )

@@ -20,7 +20,7 @@ from pagedllm.engine.step_result import StepResult
 from pagedllm.engine.structured_output import grammar_bitmask
 from pagedllm.model.loader import init_dummy_weights, load_weights
 from pagedllm.model.moe import SparseMoeBlock
-from pagedllm.model.parallel import agree_min, tp_rank
+from pagedllm.model.parallel import agree_min, tp_rank, tp_size
 from pagedllm.model.quant_config import read_quant_config
 from pagedllm.model.quantization import prepare_checkpoint_fp8, quantize_linears
 from pagedllm.model.registry import build_model
@@ -37,13 +37,14 @@ from pagedllm.worker.device import (
 )
 from pagedllm.worker.device import resolve_device as resolve_device  # re-exported: entrypoints/llm.py
 from pagedllm.worker.device import resolve_dtype as resolve_dtype
+from pagedllm.worker.host_kv_cache import HostKVCache, allocate_host_kv_cache, host_kv_blocks
 from pagedllm.worker.kv_cache import allocate_kv_cache, block_bytes, groups_of, log_kv_cache
 from pagedllm.worker.kv_scales import CALIBRATION_SEQ_LEN, CALIBRATION_TOKENS, choose_kv_scales
 from pagedllm.worker.logits_controls import TokenHistory
 from pagedllm.worker.logprobs import PendingSampleLogprobs, prompt_logprobs
 from pagedllm.worker.sampler import sample, sampling_tensors
 from pagedllm.worker.staging import Staging, pad_to
-from pagedllm.worker.step_handle import LaunchedStep, StepHandle
+from pagedllm.worker.step_handle import LaunchedStep, LoadTime, StepHandle
 from pagedllm.worker.step_inputs import BlockTableRows, StepInputs, build_step_inputs
 from pagedllm.worker.warm_up import forward_without_kv, profile_kv_blocks, warm_up_kernels
 
@@ -87,6 +88,7 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         load_format: str = "auto",
         quantization: str | None = None,
+        kv_offloading_size: float = 0.0,
     ):
         """quantization "fp8": the decoder layers' linear weights quantized to e4m3 after loading
         (per-channel scales; activations per token at run time: ops/fp8_linear.py).
@@ -169,6 +171,11 @@ class ModelRunner:
         self.num_kv_blocks = agree_min(self.num_kv_blocks)  # TP: the same block ids on every rank
         with self.startup.phase("KV allocation"):
             self._allocate_kv_cache()
+        self.num_host_kv_blocks = agree_min(host_kv_blocks(kv_offloading_size, self.block_bytes, tp_size()))
+        self.host_kv: HostKVCache | None = None
+        if self.num_host_kv_blocks:
+            with self.startup.phase("host KV tier"):
+                self.host_kv = allocate_host_kv_cache(self.kv_cache, self.num_host_kv_blocks)
         self._copy_blocks = copy_blocks_ref if device.type != "cuda" else copy_blocks
         # CUDA: Philox noise keyed per row (fused Gumbel-max kernel); PAGEDLLM_SAMPLER=torch
         # falls back to torch's generators
@@ -318,11 +325,16 @@ class ModelRunner:
         return StepHandle(launched, self._host_ids)
 
     def close(self) -> None:
-        """Nothing to stop: the weights, the KV tensor and the CUDA graphs go with this object."""
+        """The host tier's pinned buffer goes back now; the weights, the KV tensor and the CUDA
+        graphs go with this object."""
+        if self.host_kv is not None:
+            self.host_kv.close()
+            self.host_kv = None
 
     def launch(self, inp: StepInputs) -> LaunchedStep:
         """Queue one step's work on the device; its results stay there until a StepHandle copies
         them. Every tensor-parallel rank runs the same calls (compute_logits is a collective)."""
+        load_time = self._kv_transfers(inp)  # host tier: offloads, then loads (host_kv_cache.py)
         if inp.blocks_to_copy:  # copy-on-write, queued before the forward (and any graph replay)
             pairs = self._to_device(np.array(inp.blocks_to_copy, dtype=np.int64).T.copy())
             self._copy_blocks(self.kv_cache, pairs[0], pairs[1])
@@ -342,7 +354,7 @@ class ModelRunner:
                     self.model.compute_logits, hidden, inp.prompt_logprobs, self._to_device, self.is_driver
                 )
         if logits is None or not self.is_driver:  # nothing to sample, or not rank 0 of a TP group
-            return LaunchedStep(None, None, prompt)
+            return LaunchedStep(None, None, prompt, load_time)
         if inp.grammar_seqs is not None:  # the forward is queued: the host fills the grammar mask meanwhile
             inp.token_bitmask = grammar_bitmask(inp.grammar_seqs, self.vocab_size)
         pending = None  # the raw logits of the rows that ask, before the sampler masks in place
@@ -350,7 +362,22 @@ class ModelRunner:
             pending = PendingSampleLogprobs(logits, inp.num_logprobs, self._to_device)
         sampled = self.sample(logits, inp)
         self._last_sampled, self._last_sample_seq_ids = sampled, inp.sample_seq_ids
-        return LaunchedStep(sampled, None if pending is None else pending.finish(sampled), prompt)
+        return LaunchedStep(sampled, None if pending is None else pending.finish(sampled), prompt, load_time)
+
+    def _kv_transfers(self, inp: StepInputs) -> LoadTime:
+        """The step's host-tier copies, before its copy-on-write copies and forward; the loads'
+        time (seconds on CPU, a pair of CUDA events to read once the step is done)."""
+        if inp.blocks_to_offload or inp.blocks_to_load:
+            assert self.host_kv is not None, "host-tier copies sent to a runner without kv_offloading_size"
+            self.host_kv.offload(inp.blocks_to_offload)
+            if inp.blocks_to_load and self.device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                self.host_kv.load(inp.blocks_to_load)
+                end.record()
+                return (start, end)
+            return self.host_kv.load(inp.blocks_to_load)
+        return 0.0
 
     def _placeholder_sources(self, inp: StepInputs):
         """Async scheduling: input rows whose token id is still a PLACEHOLDER, and where the

@@ -9,15 +9,20 @@ import torch
 from pagedllm.engine.step_result import StepResult
 from pagedllm.worker.logprobs import PromptLogprobs, SampleLogprobs
 
+# the step's host-tier loads: seconds (CPU), or CUDA events around them, read once the step is done
+LoadTime = float | tuple[torch.cuda.Event, torch.cuda.Event]
+
 
 @dataclass
 class LaunchedStep:
     """What a launched step left on the device: the sampled ids (None: nothing sampled, or a
-    tensor-parallel rank other than 0) and the logprobs asked for (None: none asked)."""
+    tensor-parallel rank other than 0), the logprobs asked for (None: none asked) and the time
+    of its host-tier loads."""
 
     sampled: torch.Tensor | None
     logprobs: SampleLogprobs | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    load_time: LoadTime = 0.0
 
 
 class StepHandle:
@@ -39,15 +44,18 @@ class StepHandle:
         on_cuda = (sampled is not None and sampled.is_cuda) or (
             prompt is not None and prompt.scored is not None and prompt.scored.token_ids.is_cuda
         )
-        self.event = torch.cuda.Event() if on_cuda else None
+        self.load_time = step.load_time
+        self.event = torch.cuda.Event() if on_cuda or isinstance(step.load_time, tuple) else None
         if self.event is not None:
             self.event.record()  # after every copy above
 
     def result(self) -> StepResult:
         if self.event is not None:
             self.event.synchronize()
+        load = self.load_time
         return StepResult(
             [] if self.host is None else self.host[: self.n].tolist(),
             None if self.logprobs is None else self.logprobs.entries(),
             None if self.prompt_logprobs is None else self.prompt_logprobs.chunks(),
+            load[0].elapsed_time(load[1]) / 1e3 if isinstance(load, tuple) else load,
         )

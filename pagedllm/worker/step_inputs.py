@@ -45,6 +45,9 @@ class StepInputs:
     decode_only: bool
     no_history: bool
     blocks_to_copy: list[tuple[int, int]]
+    # the host tier's copies (engine/host_tier.py): (GPU, host) offloads, then (host, GPU) loads
+    blocks_to_offload: list[tuple[int, int]]
+    blocks_to_load: list[tuple[int, int]]
     seq_ids: list[int]  # [B] the scheduled sequences, in order
     # sampling, one row per sampled sequence (only rank 0 uses these)
     sample_seq_ids: list[int]
@@ -209,6 +212,8 @@ def build_step_inputs(
         decode_only=decode_only,
         no_history=bool((start == 0).all()),
         blocks_to_copy=list(out.blocks_to_copy),
+        blocks_to_offload=list(out.blocks_to_offload),
+        blocks_to_load=list(out.blocks_to_load),
         seq_ids=[s.seq.seq_id for s in sched],
         sample_seq_ids=[q.seq_id for q in sampled],
         temperature=np.array([p.temperature for p in params], dtype=np.float32),

@@ -317,6 +317,14 @@ class TPExecutor:
         return self.driver.num_kv_blocks  # the same on every rank (agree_min)
 
     @property
+    def num_host_kv_blocks(self) -> int:
+        return self.driver.num_host_kv_blocks  # the same on every rank (agree_min): each holds its shard
+
+    @property
+    def block_bytes(self) -> int:
+        return self.driver.block_bytes  # one rank's share of a block
+
+    @property
     def kv_cache_dtype(self) -> str:
         return self.driver.kv_cache_dtype  # the same on every rank, as are the fp8 scales (agree_max)
 

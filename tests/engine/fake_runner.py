@@ -10,6 +10,11 @@ sliding window), every group has its own block tables: the runner writes (group,
 token) through each group's table and reads back, per group, what its layers attend to: the
 whole context, or the last W positions. A block given back while still inside a window, or
 shared across groups, changes the output.
+
+Host tier (engine/host_tier.py): `host_shadow` is the host buffer. A step's offloads copy GPU
+slots there, its loads copy them back (in that order, before its copy-on-write copies and its
+tokens), and every loaded block is checked at once against the tokens of the sequence that
+loads it: a load of the wrong host block, or of one whose offload never ran, fails the step.
 """
 
 from __future__ import annotations
@@ -92,6 +97,8 @@ class ShadowRunner:
         self.supports_async = supports_async
         self.closed = False
         self.shadow: dict[int, tuple[int, ...]] = {}  # slot -> (position, token) or (group, position, token)
+        self.host_shadow: dict[int, tuple[int, ...]] = {}  # host slot -> what the GPU slot held
+        self.num_loaded_blocks = 0
         self.device_tokens: dict[tuple[int, int], int] = {}
         self.steps = 0
         self.decode_and_prefill_mixed = 0
@@ -110,9 +117,42 @@ class ShadowRunner:
             for g, w in enumerate(self.windows)
         ]
 
+    def _copy(self, src: dict, s: int, dst: dict, d: int) -> None:
+        bs = self.block_size
+        for off in range(bs):
+            value = src.get(s * bs + off)
+            if value is None:
+                dst.pop(d * bs + off, None)
+            else:
+                dst[d * bs + off] = value
+
+    def _check_loads(self, out: SchedulerOutput) -> None:
+        """Every block loaded this step holds exactly the KV of the tokens its table position names."""
+        loaded = {gpu for _, gpu in out.blocks_to_load}
+        seen = set()
+        for s in out.scheduled:
+            seq = s.seq
+            for g, table in enumerate(seq.block_tables):
+                for i, block in enumerate(table):
+                    if block not in loaded:
+                        continue
+                    seen.add(block)
+                    span = range(i * self.block_size, (i + 1) * self.block_size)
+                    want = [(p, seq.token_ids[p]) if self.windows is None else (g, p, seq.token_ids[p]) for p in span]
+                    got = [self.shadow.get(block * self.block_size + j) for j in range(self.block_size)]
+                    assert got == want, (seq.seq_id, g, i, block, got, want)
+        assert seen == loaded, loaded - seen  # a load no scheduled sequence reads
+
     def execute(self, out: SchedulerOutput) -> StepResult:
         self.steps += 1
         bs = self.block_size
+        for gpu, host in out.blocks_to_offload:
+            self._copy(self.shadow, gpu, self.host_shadow, host)
+        for host, gpu in out.blocks_to_load:
+            self._copy(self.host_shadow, host, self.shadow, gpu)
+        if out.blocks_to_load:
+            self.num_loaded_blocks += len(out.blocks_to_load)
+            self._check_loads(out)
         for src, dst in out.blocks_to_copy:
             for off in range(bs):
                 if src * bs + off in self.shadow:

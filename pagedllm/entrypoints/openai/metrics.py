@@ -28,6 +28,14 @@ GAUGES = [
     ("pagedllm:num_requests_running", "Number of requests in the running batch.", "num_requests_running", 1),
     ("pagedllm:num_requests_waiting", "Number of requests waiting to run.", "num_requests_waiting", 1),
     ("pagedllm:kv_cache_usage_perc", "KV-cache usage: fraction of blocks in use (1 = full).", "kv_cache_usage", 1),
+    # the host tier of the prefix cache (docs/features/host-kv-tier.md)
+    ("pagedllm:host_kv_cache_blocks", "Blocks of the host KV tier (0: no tier).", "num_host_kv_blocks", 1),
+    (
+        "pagedllm:host_kv_cache_cached_blocks",
+        "Blocks of the host KV tier that hold a cached prefix block.",
+        "num_cached_host_kv_blocks",
+        1,
+    ),
 ]
 COUNTERS = [  # exposed with the _total suffix
     # first admissions only; a preempted request's lookups on resume are the preempted_ pair
@@ -43,7 +51,25 @@ COUNTERS = [  # exposed with the _total suffix
         "Tokens found in the prefix cache by preempted requests on resume.",
         "prefix_cache_preempted_hit_tokens",
     ),
-    ("pagedllm:num_preemptions", "Sequences preempted (by recompute).", "num_preemptions"),
+    (
+        "pagedllm:prefix_cache_gpu_hits",
+        "Prompt tokens found in the GPU pool of the prefix cache.",
+        "prefix_cache_gpu_hit_tokens",
+    ),
+    (
+        "pagedllm:prefix_cache_host_hits",
+        "Prompt tokens found in the host KV tier and loaded back.",
+        "prefix_cache_host_hit_tokens",
+    ),
+    ("pagedllm:kv_offload_bytes", "KV bytes copied from the GPU pool to the host tier.", "kv_offload_bytes"),
+    ("pagedllm:kv_load_bytes", "KV bytes copied from the host tier to the GPU pool.", "kv_load_bytes"),
+    ("pagedllm:kv_load_seconds", "Device time spent loading KV from the host tier.", "kv_load_seconds"),
+    ("pagedllm:num_preemptions", "Sequences preempted (by recompute or swap).", "num_preemptions"),
+    (
+        "pagedllm:preempted_wait_seconds",
+        "Time preempted sequences waited from preemption to resume.",
+        "preempted_wait_seconds",
+    ),
     ("pagedllm:prompt_tokens", "Prompt tokens processed (prefilled).", "num_prompt_tokens"),
     ("pagedllm:generation_tokens", "Tokens generated.", "num_generation_tokens"),
     # parallel sampling: children forked from a request's first sequence, and the blocks copied

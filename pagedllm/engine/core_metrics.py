@@ -1,0 +1,86 @@
+"""EngineCore.get_metrics: the core's gauges and counters by name (messages.Metrics), read by
+LLM.get_metrics, the engine-core process (sent with its outputs) and the server's /metrics
+(entrypoints/openai/metrics.py)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pagedllm.engine.host_tier import HostTierStats
+from pagedllm.engine.messages import Metrics
+
+if TYPE_CHECKING:
+    from pagedllm.engine.core import EngineCore
+
+
+def core_metrics(self: EngineCore) -> Metrics:
+    """Gauges and counters by name. The prefix_cache_* counters count each sequence's first
+    admission (queries, hits: tokens; the hit rate is theirs); its resumes after preemption
+    are counted apart, in prefix_cache_preempted_* (kv_cache_manager.PrefixCacheStats)."""
+    kv = self.kv
+    stats = kv.prefix_cache_stats
+    q, h = stats.queries, stats.hits
+    return {
+        **_host_tier_metrics(self),
+        "num_kv_blocks": kv.num_blocks,
+        "num_free_kv_blocks": kv.num_free_blocks,
+        "kv_cache_usage": kv.usage,
+        "num_preemptions": self.scheduler.num_preemptions,
+        "prefix_cache_requests": stats.requests,
+        "prefix_cache_query_tokens": q,
+        "prefix_cache_hit_tokens": h,
+        "prefix_cache_hit_rate": h / q if q else 0.0,
+        "prefix_cache_preempted_requests": stats.preempted_requests,
+        "prefix_cache_preempted_query_tokens": stats.preempted_queries,
+        "prefix_cache_preempted_hit_tokens": stats.preempted_hits,
+        "num_prompt_tokens": self.num_prompt_tokens,
+        "num_generation_tokens": self.num_generation_tokens,
+        "num_requests_running": len({s.request_id for s in self.scheduler.running}),
+        "num_requests_waiting": len(
+            {s.request_id for s in self.scheduler.waiting} - {s.request_id for s in self.scheduler.running}
+        ),
+        "num_prefix_cache_evictions": kv.pool.num_evictions,
+        "num_forked_sequences": self.scheduler.num_forked_sequences,
+        "num_copy_on_write_blocks": kv.num_copy_on_writes,
+        "kv_cache_dtype": self.config.kv_cache_dtype,
+        "block_size": self.config.block_size,
+        # per KV-cache group: its attention kind, layers and the blocks it holds now
+        "kv_cache_groups": [
+            {
+                "group": g,
+                "kind": group.kind,
+                "sliding_window": group.sliding_window,
+                "num_layers": len(group.layer_ids),
+                "num_blocks": held,
+            }
+            for g, (group, held) in enumerate(zip(kv.groups, kv.num_blocks_by_group(), strict=True))
+        ],
+    }
+
+
+def _host_tier_metrics(self: EngineCore) -> Metrics:
+    """The host tier (host_tier.py): its blocks, the hit tokens each tier served (first
+    admissions; resumes apart), blocks and bytes moved each way, the preempted sequences'
+    wait (preemption to resume, seconds summed) and how many were swapped out."""
+    kv, sched = self.kv, self.scheduler
+    stats = kv.prefix_cache_stats
+    host = kv.host
+    moved = host.stats if host is not None else HostTierStats()
+    block_bytes = self.config.kv_block_bytes
+    return {
+        "num_host_kv_blocks": 0 if host is None else host.num_blocks,
+        "num_cached_host_kv_blocks": 0 if host is None else host.num_cached_blocks,
+        "prefix_cache_gpu_hit_tokens": stats.hits - stats.host_hits,
+        "prefix_cache_host_hit_tokens": stats.host_hits,
+        "prefix_cache_preempted_host_hit_tokens": stats.preempted_host_hits,
+        "num_offloaded_blocks": moved.offloaded_blocks,
+        "num_loaded_blocks": moved.loaded_blocks,
+        "num_swapped_out_blocks": moved.swapped_out_blocks,
+        "kv_offload_bytes": moved.offloaded_blocks * block_bytes,
+        "kv_load_bytes": moved.loaded_blocks * block_bytes,
+        "kv_load_seconds": self.kv_load_seconds,
+        "preemption_mode": self.config.preemption_mode,
+        "num_swapped_out_sequences": sched.num_swapped_out_sequences,
+        "num_resumed_sequences": sched.num_resumed,
+        "preempted_wait_seconds": sched.preempted_wait_s,
+    }

@@ -1,0 +1,188 @@
+"""The host tier's KV buffer (engine/host_tier.py decides, this copies): `num_blocks` blocks of
+the device KV tensor's dtype (fp8 included) and block contents, every KV-cache group's layer
+slots. Pinned memory on CUDA (copies run without the host waiting), a lazily zeroed mapping on
+CPU (the same logic over two host buffers, so CI runs it). Under tensor parallelism every rank
+holds its own shard's KV heads of the same host block ids.
+
+Layout: [num_blocks, 2 (K, V), layer slots, Hkv, block_size, D], block-major, so that one host
+block, and a run of consecutive host blocks (the tier hands out never-used blocks in id order),
+is one contiguous transfer. Block b of the device tensor [2, slots, N, Hkv, block_size, D] is
+the strided slice kv[:, :, b].
+
+Order (the scheduler's SchedulerOutput says why): a step's offloads, then its loads, then its
+copy-on-write copies and forward.
+- Offload (device to host): the evicted blocks are gathered on the device into a staging
+  tensor, on the current stream, in the step's order (a device copy: far faster than PCIe); the
+  PCIe transfer into pinned memory then runs on a side stream while the step's forward
+  overwrites the blocks. Past STAGING_BYTES of staging per step, the rest goes over PCIe on the
+  current stream (bounded device memory, the same order).
+- Load (host to device): on the current stream, after waiting for the side stream (a load may
+  read a host block whose offload is still in flight), into the newly allocated GPU blocks.
+- The side stream waits for the current stream before each offload batch, so a transfer never
+  writes a host block that an earlier load still reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from pagedllm.ops.kv_quant import bytes_view
+
+logger = logging.getLogger("pagedllm")
+
+STAGING_BYTES = 256 << 20  # device memory an offload may hold while its PCIe transfer drains
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """(position, first id, length) of each run of consecutive ids: ids[i + k] == ids[i] + k."""
+    runs: list[tuple[int, int, int]] = []
+    for i, b in enumerate(ids):
+        if runs and runs[-1][1] + runs[-1][2] == b:
+            p, first, n = runs[-1]
+            runs[-1] = (p, first, n + 1)
+        else:
+            runs.append((i, b, 1))
+    return runs
+
+
+class HostKVCache:
+    def __init__(self, kv: torch.Tensor, num_blocks: int) -> None:
+        """kv: the device KV tensor [2, slots, N, Hkv, block_size, D]. Raises RuntimeError when the
+        host cannot allocate (or pin) the buffer."""
+        from pagedllm.worker.device import zeroed_host_bytes
+
+        self.kv = kv
+        self.num_blocks = num_blocks
+        two, slots, _, heads, bs, dim = kv.shape
+        shape = (num_blocks, two, slots, heads, bs, dim)
+        nbytes = num_blocks * two * slots * heads * bs * dim * kv.element_size()
+        self.on_cuda = kv.is_cuda
+        if self.on_cuda:
+            raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        else:
+            raw = zeroed_host_bytes(nbytes)
+        self.host = raw.view(kv.dtype).view(shape)
+        self.nbytes = nbytes
+        self.stream = torch.cuda.Stream(kv.device) if self.on_cuda else None
+        self._offloaded = torch.cuda.Event() if self.on_cuda else None  # the side stream's last transfer
+
+    def _device_blocks(self) -> torch.Tensor:
+        """The device tensor as [N, 2, slots, Hkv, block_size, D] (a strided view, uint8 for fp8)."""
+        return bytes_view(self.kv).permute(2, 0, 1, 3, 4, 5)
+
+    def _ids(self, ids: list[int]) -> torch.Tensor:
+        t = torch.tensor(ids, dtype=torch.int64)
+        return t.to(self.kv.device, non_blocking=True) if self.on_cuda else t
+
+    def offload(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device block g into host block h for each (g, h); a host block named twice ends
+        with the later copy (the list's order)."""
+        if not pairs:
+            return
+        last = {h: g for g, h in pairs}  # the later write to a host block wins
+        order = sorted(last)
+        gpu = [last[h] for h in order]
+        dev, host = self._device_blocks(), bytes_view(self.host)
+        if not self.on_cuda:
+            host.index_copy_(0, torch.tensor(order), dev.index_select(0, torch.tensor(gpu)))
+            return
+        assert self.stream is not None and self._offloaded is not None
+        per_block = self.nbytes // self.num_blocks
+        staged = max(1, STAGING_BYTES // per_block)
+        main = torch.cuda.current_stream(self.kv.device)
+        for start in range(0, len(order), staged):
+            chunk = slice(start, start + staged)
+            snapshot = dev.index_select(0, self._ids(gpu[chunk]))  # on the current stream, in order
+            side = start == 0  # the first STAGING_BYTES drain beside the forward; the rest here
+            stream = self.stream if side else main
+            if side:
+                self.stream.wait_stream(main)
+                snapshot.record_stream(self.stream)
+            with torch.cuda.stream(stream):
+                for pos, first, n in _runs(order[chunk]):
+                    host[first : first + n].copy_(snapshot[pos : pos + n], non_blocking=True)
+            if side:
+                self._offloaded.record(self.stream)
+
+    def load(self, pairs: list[tuple[int, int]]) -> float:
+        """Copy host block h into device block g for each (h, g), on the current stream. Returns
+        the seconds it took on CPU (0.0 on CUDA: the caller times it with events)."""
+        if not pairs:
+            return 0.0
+        t0 = time.perf_counter()
+        ids = [h for h, _ in pairs]
+        dev, host = self._device_blocks(), bytes_view(self.host)
+        if not self.on_cuda:
+            dev.index_copy_(0, torch.tensor([g for _, g in pairs]), host.index_select(0, torch.tensor(ids)))
+            return time.perf_counter() - t0
+        assert self._offloaded is not None
+        torch.cuda.current_stream(self.kv.device).wait_event(self._offloaded)
+        staged = max(1, STAGING_BYTES // (self.nbytes // self.num_blocks))
+        for start in range(0, len(pairs), staged):
+            chunk = pairs[start : start + staged]
+            staging = torch.empty((len(chunk), *host.shape[1:]), dtype=host.dtype, device=self.kv.device)
+            for pos, first, n in _runs([h for h, _ in chunk]):
+                staging[pos : pos + n].copy_(host[first : first + n], non_blocking=True)
+            dev.index_copy_(0, self._ids([g for _, g in chunk]), staging)
+        return 0.0
+
+    def close(self) -> None:
+        """Let go of the buffer (pinned memory goes back to the driver when the last view does)."""
+        if self.on_cuda and self.stream is not None:
+            self.stream.synchronize()
+        del self.host
+
+
+def host_kv_blocks(kv_offloading_size: float, block_bytes: int, world_size: int) -> int:
+    """Host blocks that kv_offloading_size GiB holds (summed over the tensor-parallel ranks, as
+    vLLM's flag: each rank pins its share). Refuses, naming the option, a negative size, a size
+    too small for one block, and one larger than the host's available memory."""
+    from pagedllm.engine.errors import InvalidRequestError
+    from pagedllm.worker.device import GiB, available_ram_bytes
+
+    if not kv_offloading_size >= 0:  # also NaN
+        raise InvalidRequestError(
+            f"kv_offloading_size must be >= 0 GiB (0: no host tier), got {kv_offloading_size}", "kv_offloading_size"
+        )
+    total = int(kv_offloading_size * GiB)
+    if total == 0:
+        return 0
+    available = available_ram_bytes()
+    if total > available:
+        raise InvalidRequestError(
+            f"kv_offloading_size {kv_offloading_size} GiB is more than this host can pin: "
+            f"{available / GiB:.2f} GiB of memory is available",
+            "kv_offloading_size",
+        )
+    blocks = total // world_size // block_bytes
+    if blocks == 0:
+        raise InvalidRequestError(
+            f"kv_offloading_size {kv_offloading_size} GiB holds no KV block ({block_bytes * world_size} bytes "
+            "over every rank): give 0 (no host tier) or more",
+            "kv_offloading_size",
+        )
+    return blocks
+
+
+def allocate_host_kv_cache(kv: torch.Tensor, num_blocks: int) -> HostKVCache:
+    """The buffer, or InvalidRequestError naming kv_offloading_size when the host cannot pin it."""
+    from pagedllm.engine.errors import InvalidRequestError
+    from pagedllm.worker.device import GiB
+
+    try:
+        cache = HostKVCache(kv, num_blocks)
+    except RuntimeError as e:  # cudaHostAlloc failed (locked-memory limit, fragmentation)
+        raise InvalidRequestError(
+            f"kv_offloading_size: the host could not pin {num_blocks} KV blocks: {e}", "kv_offloading_size"
+        ) from None
+    logger.info(
+        "host KV tier: %d blocks x %d tokens = %.3f GiB of %s host memory per rank",
+        num_blocks,
+        kv.shape[4],
+        cache.nbytes / GiB,
+        "pinned" if cache.on_cuda else "plain",
+    )
+    return cache
