@@ -1,0 +1,78 @@
+"""The host tier on CUDA: pinned memory, the side stream of offloads, the staging tensor, CUDA
+graphs and async scheduling (the CPU tests in tests/model/test_host_tier_llm.py run the same
+logic over two host buffers). Greedy outputs with the tier on equal those with it off, with host
+hits; the buffer round-trips blocks exactly, also past one staging chunk and when a load reads a
+host block whose offload was queued just before it. Run with `pytest -m gpu`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.worker import host_kv_cache
+from pagedllm.worker.host_kv_cache import HostKVCache
+from tests.model.hf_reference import GREEDY
+from tests.model.test_host_tier_llm import BASE, GiB, chat, conversations
+
+pytestmark = pytest.mark.gpu
+
+CUDA = dict(BASE, device="cuda", dtype="float32")
+
+
+def run_both(path: str, **kw):
+    with LLM(path, **{**CUDA, **kw}) as off:
+        want = chat(off)
+        size = 64 * off.runner.block_bytes / GiB
+    with LLM(path, **{**CUDA, **kw}, kv_offloading_size=size) as on:
+        assert on.runner.host_kv is not None and on.runner.host_kv.host.is_pinned()
+        got = chat(on)
+        m = on.get_metrics()
+    return want, got, m
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("mode", [dict(), dict(async_scheduling=False), dict(enforce_eager=True)], ids=str)
+def test_tier_on_equals_tier_off_on_cuda(tiny_models, family, mode):
+    want, got, m = run_both(tiny_models[family], **mode)
+    assert got == want
+    assert m["prefix_cache_host_hit_tokens"] > 0 and m["num_loaded_blocks"] > 0
+    assert m["num_free_kv_blocks"] == m["num_kv_blocks"]
+
+
+def test_fp8_kv_and_swap_on_cuda(tiny_models):
+    path = tiny_models["qwen3"]
+    want, got, m = run_both(path, kv_cache_dtype="fp8")
+    assert got == want and m["prefix_cache_host_hit_tokens"] > 0
+    prompts, _ = conversations()
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    tight = dict(CUDA, num_kv_blocks=12, max_num_batched_tokens=32)
+    outs = {}
+    for mode in ("recompute", "swap"):
+        with LLM(path, **tight, kv_offloading_size=64 * 4096 / GiB, preemption_mode=mode) as llm:
+            outs[mode] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+            m = llm.get_metrics()
+        assert m["num_preemptions"] > 0
+    assert outs["swap"] == outs["recompute"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_pinned_buffer_round_trips_blocks(monkeypatch, dtype):
+    kv = torch.randn(2, 3, 40, 2, 16, 64, device="cuda").to(dtype)
+    block = 2 * 3 * 2 * 16 * 64 * kv.element_size()
+    monkeypatch.setattr(host_kv_cache, "STAGING_BYTES", 3 * block)  # 3 blocks a chunk: the rest on the main stream
+    cache = HostKVCache(kv, 20)
+    before = kv.view(torch.uint8).clone()
+    pairs = [(g, h) for h, g in enumerate([5, 6, 7, 8, 9, 30, 31, 2])]  # host 0..7
+    cache.offload(pairs)
+    cache.load([(h, 10 + h) for h in range(8)])  # reads every host block just offloaded
+    torch.cuda.synchronize()
+    after = kv.view(torch.uint8)
+    for g, h in pairs:
+        assert torch.equal(after[:, :, 10 + h], before[:, :, g])
+    kv.view(torch.uint8)[:, :, :10].zero_()  # the device blocks change: the host copies must not
+    cache.load([(h, g) for g, h in pairs])
+    torch.cuda.synchronize()
+    for g, _ in pairs:
+        assert torch.equal(kv.view(torch.uint8)[:, :, g], before[:, :, g])
+    cache.close()
