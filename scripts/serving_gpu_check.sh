@@ -8,6 +8,7 @@
 #   bash scripts/serving_gpu_check.sh            # the two runs
 #   AB=1 bash scripts/serving_gpu_check.sh       # and again with --no-engine-process (engine thread)
 #   SARGS="--max-num-seqs 512" bash scripts/serving_gpu_check.sh
+#   API_COUNTS="1 2 4" bash scripts/serving_gpu_check.sh   # one server per --api-server-count
 #
 # Server wheels (fastapi, uvicorn, ...) are installed from .whl/server/ into /tmp/site when this
 # Python lacks them; nothing is downloaded.
@@ -94,7 +95,12 @@ serve_and_bench() {   # $1 = tag, $2 = extra server flags
 
 collect_log() { echo "#### server $1" >> "$OUT/server.log"; cat "$OUT/server_$1.tmp" >> "$OUT/server.log"; rm -f "$OUT/server_$1.tmp"; }
 
-serve_and_bench engine-process ""
+# API_COUNTS="1 2 4": one server per --api-server-count (default: today's single API process)
+if [ -n "${API_COUNTS:-}" ]; then
+  for n in $API_COUNTS; do serve_and_bench "api-servers-$n" "--api-server-count $n"; done
+else
+  serve_and_bench engine-process ""
+fi
 [ "${AB:-0}" = 1 ] && serve_and_bench engine-thread "--no-engine-process"
 $PY - "$OUT/results/serving-gpu.json" <<'EOF'
 import json, sys
