@@ -4,16 +4,28 @@ LLM.get_metrics, the engine-core process (sent with its outputs) and the server'
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from pagedllm.engine.config import SchedulerConfig
 from pagedllm.engine.host_tier import HostTierStats
+from pagedllm.engine.kv_cache_manager import KVCacheManager
 from pagedllm.engine.messages import Metrics
-
-if TYPE_CHECKING:
-    from pagedllm.engine.core import EngineCore
+from pagedllm.engine.scheduler import Scheduler
 
 
-def core_metrics(self: EngineCore) -> Metrics:
+class MetricsSource(Protocol):
+    """What the metrics read of an EngineCore (core.py), named here so that this module does
+    not import the core that imports it."""
+
+    config: SchedulerConfig
+    kv: KVCacheManager
+    scheduler: Scheduler
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    kv_load_seconds: float
+
+
+def core_metrics(self: MetricsSource) -> Metrics:
     """Gauges and counters by name. The prefix_cache_* counters count each sequence's first
     admission (queries, hits: tokens; the hit rate is theirs); its resumes after preemption
     are counted apart, in prefix_cache_preempted_* (kv_cache_manager.PrefixCacheStats)."""
@@ -58,7 +70,7 @@ def core_metrics(self: EngineCore) -> Metrics:
     }
 
 
-def _host_tier_metrics(self: EngineCore) -> Metrics:
+def _host_tier_metrics(self: MetricsSource) -> Metrics:
     """The host tier (host_tier.py): its blocks, the hit tokens each tier served (first
     admissions; resumes apart), blocks and bytes moved each way, the preempted sequences'
     wait (preemption to resume, seconds summed) and how many were swapped out."""
