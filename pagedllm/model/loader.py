@@ -89,6 +89,8 @@ def load_weights(
             continue
         if "rotary_emb.inv_freq" in name:
             continue
+        if quant is not None and quant.int4 and name.endswith(".weight"):
+            _refuse_plain_weight_of_int4_layer(model, packed, name, quant)
         _place(model, params, packed, layer_of, loaded, kv_scales, expert_shards, name, get)
     if quant is not None and quant.int4 and not int4:
         raise InvalidRequestError(
@@ -136,6 +138,26 @@ def _check_int4_parts(prefix: str, parts: dict[str, torch.Tensor], quant: Checkp
     missing = [p for p in ("qweight", "qzeros", "scales") if p not in parts]
     if missing:
         raise ValueError(f"checkpoint layer {prefix!r} lacks {', '.join(missing)} of its {quant.method} weight")
+    rows = parts["qweight"].shape[0] * (1 if quant.method == "awq" else 8)  # GPTQ packs 8 input rows a word
+    groups = parts["scales"].shape[0]
+    if rows % groups:
+        raise InvalidRequestError(
+            f"quantization_config.group_size={quant.group_size}: checkpoint layer {prefix!r} has {groups} groups "
+            f"of scales over {rows} input rows; pagedllm loads groups of equal size only",
+            "quantization_config.group_size",
+        )
+
+
+def _refuse_plain_weight_of_int4_layer(model: DecoderForCausalLM, packed, name: str, quant: CheckpointQuant) -> None:
+    owner_name, _ = _int4_owner(model, packed, name.removesuffix(".weight"))
+    owner = model.get_submodule(owner_name) if owner_name else None
+    if isinstance(owner, QuantizableLinear) and owner.int4 is not None:
+        raise InvalidRequestError(
+            f"checkpoint tensor {name!r} is a plain weight, but its layer is 4-bit under the checkpoint's "
+            f"quantization_config.quant_method={quant.method!r} (qweight, qzeros, scales): its config and its "
+            "tensors disagree",
+            "quantization_config",
+        )
 
 
 def _int4_owner(model: DecoderForCausalLM, packed, prefix: str) -> tuple[str | None, int | str | None]:

@@ -110,16 +110,13 @@ def prepare_checkpoint_int4(model: nn.Module, quant: CheckpointQuant) -> int:
 def int4_layout(name: str, m: QuantizableLinear, quant: CheckpointQuant) -> int | None:
     """This rank's group size in the packed layout, or None where the layer stays dequantized: a row-parallel
     shard (TP > 1) of a desc_act checkpoint (its rows' groups are scattered over the ranks), or a group whose
-    K tile would be under a dot's 16 rows. InvalidRequestError for a group that does not tile the layer's
-    input (naming group_size) or a row-parallel shard that would cut one (naming tensor_parallel_size)."""
+    K tile would be under a dot's 16 rows. InvalidRequestError (naming tensor_parallel_size) for a
+    row-parallel shard that would cut a group."""
     _, k, by_rows = m.checkpoint_parts()
     tp = getattr(m, "tp_size", 1)
     group = k if quant.group_size == -1 else quant.group_size
-    if k % group:
-        raise InvalidRequestError(
-            f"quantization_config.group_size={quant.group_size} does not divide layer {name}'s {k} input columns",
-            "quantization_config.group_size",
-        )
+    if k % group:  # refused by the loader, once it has seen the checkpoint's tensors (model/loader.py)
+        return None
     k_here = m.features()[1]
     if not by_rows and tp > 1:
         if quant.desc_act:
