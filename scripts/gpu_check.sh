@@ -64,15 +64,20 @@ if [ "$MODE" = attention ]; then
   done
   exit 0
 fi
-# quant: the block-wise FP8 GEMM's GPU tests (the kernel against the reference at Qwen3-8B's shapes, the group
-# quantizer's bytes, a CUDA-graph replay; log in $OUT/quant_tests.log), then its benchmark against bf16 torch.matmul
-# (benchmarks/fp8_block_gemm.py, rows in $OUT/fp8-block-gemm.json; SWEEP=1 adds the tile sweep at four M)
+# quant: the block-wise FP8 GEMM's and the 4-bit GEMM's GPU tests (each kernel against its reference at Qwen3-8B's
+# shapes, the group quantizer's bytes, CUDA-graph replays; log in $OUT/quant_tests.log), then their benchmarks:
+# benchmarks/fp8_block_gemm.py (TFLOP/s against bf16 torch.matmul, rows in $OUT/fp8-block-gemm.json; SWEEP=1 adds
+# the tile sweep at four M) and benchmarks/int4_gemm.py (TB/s of weight bytes for decode against the copy
+# bandwidth, TFLOP/s for prefill, against bf16 torch.matmul; $OUT/int4-gemm.json; SWEEP=1: tiles and K splits).
+# At most 8 minutes (the timeouts T_TESTS, T_BENCH, T_INT4; raise T_INT4 with SWEEP=1).
 if [ "$MODE" = quant ]; then
-  timeout ${T_TESTS:-240} python3 -m pytest -q -m gpu tests/ops/test_fp8_block_linear.py tests/ops/test_fp8_linear.py \
-      -p no:cacheprovider > "$OUT/quant_tests.log" 2>&1
+  timeout ${T_TESTS:-180} python3 -m pytest -q -m gpu tests/ops/test_fp8_block_linear.py tests/ops/test_fp8_linear.py \
+      tests/ops/test_int4_linear.py -p no:cacheprovider > "$OUT/quant_tests.log" 2>&1
   rc=$?; grep -E "Error|error:|FAILED|passed|failed" "$OUT/quant_tests.log" | head -20
   sweep=''; [ "${SWEEP:-0}" = 1 ] && sweep='--sweep --m 1 16 256 2048'
-  OUT="$OUT" timeout ${T_BENCH:-300} python3 benchmarks/fp8_block_gemm.py $sweep 2>&1 | grep -v -i warn | tail -30
+  OUT="$OUT" timeout ${T_BENCH:-180} python3 benchmarks/fp8_block_gemm.py $sweep 2>&1 | grep -v -i warn | tail -30
+  OUT="$OUT" timeout ${T_INT4:-120} python3 benchmarks/int4_gemm.py ${sweep:---m 1 16 256 2048} 2>&1 \
+      | grep -v -i warn | tail -16
   exit $rc
 fi
 # memcheck: every kernel family once under compute-sanitizer (benchmarks/memcheck.py); log in $OUT/memcheck.log

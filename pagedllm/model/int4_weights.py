@@ -11,9 +11,10 @@ input rows, a scale s and a zero point z: W^T[i, j] = (q[i, j] - z[g(i), j]) * s
   format (`checkpoint_format: "gptq"`: z + 1; "gptq_v2": z); `scales` [groups, out]; `g_idx` [in]
   gives each input row's group (with `desc_act` it is a permutation's order, not i // group_size).
 
-The weight is dequantized once, at load, into the model's dtype, and the layer computes with it as
-with any weight: the same product as a 4-bit kernel up to summation order, without the memory a
-4-bit kernel would save (that kernel is the next step).
+`unpack_checkpoint` reads a layer's tensors into plain integers (q, z, s, g_idx); model/int4_layer.py
+packs them into the 4-bit kernel's layout (ops/int4_linear.py). `dequantize_awq` / `dequantize_gptq`
+give the weight they mean, W [out, in] in float32: for the layers that stay dequantized at load (a
+mixture of experts' experts, and the other cases model/quantization.py lists).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ PARTS = ("qweight", "qzeros", "scales", "g_idx")  # the checkpoint tensors of on
 
 def _nibbles(x: torch.Tensor) -> torch.Tensor:
     """int32 [..., n] -> [..., n, 8]: nibble k of each int32 (bits 4k .. 4k + 3), 0..15."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=x.device)
     return (x.to(torch.int32).unsqueeze(-1) >> shifts) & 0xF
 
 
@@ -46,6 +47,17 @@ def unpack_gptq_rows(packed: torch.Tensor) -> torch.Tensor:
 def unpack_gptq_cols(packed: torch.Tensor) -> torch.Tensor:
     """GPTQ qzeros int32 [groups, out / 8] -> int32 [groups, out] (column j at bits 4 (j % 8))."""
     return _nibbles(packed).reshape(packed.shape[0], -1)
+
+
+def unpack_checkpoint(
+    method: str, parts: dict[str, torch.Tensor], zero_offset: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(q int32 [in, out] 0..15, zero points int32 [groups, out] (GPTQ's original format: 1..16),
+    scales [groups, out], g_idx [in] or None) of a layer's AWQ or GPTQ tensors."""
+    if method == "awq":
+        return unpack_awq(parts["qweight"]), unpack_awq(parts["qzeros"]), parts["scales"], None
+    z = unpack_gptq_cols(parts["qzeros"]) + zero_offset
+    return unpack_gptq_rows(parts["qweight"]), z, parts["scales"], parts.get("g_idx")
 
 
 def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,8 @@ scale per output channel; its forward then quantizes each token's activations (o
 An FP8 checkpoint (model/quant_config.py) is loaded into e4m3 weights made by `prepare_fp8()`, its
 scales through `load_scale()` (per output row, or per tensor spread over the shard's rows; block-wise:
 [rows / bn, columns / bk], this rank's blocks of its shard's rows or columns).
+A 4-bit checkpoint (AWQ, GPTQ) replaces the weight with a packed one (`prepare_int4`, model/int4_layer.py)
+that each checkpoint tensor's parts load into (`load_int4`); its forward runs ops/int4_linear.py.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.model.int4_layer import Int4Weight
+from pagedllm.model.int4_weights import unpack_checkpoint
 from pagedllm.model.parallel import ShardedModule, all_reduce, divide, tp_rank, tp_size
 from pagedllm.ops.fp8_block_linear import fp8_block_linear
 from pagedllm.ops.fp8_linear import FP8, fp8_linear, fp8_linear_static, quantize_weight
@@ -27,18 +31,43 @@ from pagedllm.ops.fp8_linear import FP8, fp8_linear, fp8_linear_static, quantize
 class QuantizableLinear(ShardedModule):
     """A linear layer whose weight may be fp8 (`weight_scale` set): quantized once loaded
     (`quantize_fp8`), or loaded so from an FP8 checkpoint (`prepare_fp8` before loading, then
-    `load_scale` for its scales; model/quant_config.py)."""
+    `load_scale` for its scales; model/quant_config.py); or 4-bit (`int4` set, `weight` gone:
+    `prepare_int4`, then `load_int4`)."""
 
     weight: nn.Parameter
     weight_scale: nn.Parameter | None  # float32 [this rank's output rows]; block-wise [rows / bn, columns / bk]
     input_scale: nn.Parameter | None  # static activations: the checkpoint's per-tensor scale
     weight_block: tuple[int, int] | None  # block-wise FP8: [bn, bk], one weight scale per block
+    int4: Int4Weight | None  # a 4-bit checkpoint's packed weight (then there is no `weight`)
 
     def __init__(self) -> None:
         super().__init__()
         self.register_parameter("weight_scale", None)  # parameters, so an FP8 checkpoint's scales load by name
         self.register_parameter("input_scale", None)
         self.weight_block = None
+        self.register_module("int4", None)
+
+    def features(self) -> tuple[int, int]:
+        """(output rows, input columns) of this rank's weight."""
+        if self.int4 is not None:
+            return self.int4.shape
+        return self.weight.shape[0], self.weight.shape[1]
+
+    def prepare_int4(self, group: int, scale_dtype: torch.dtype) -> None:
+        """A packed 4-bit weight with one scale per `group` of this rank's input rows, in place of `weight`."""
+        n, k = self.features()
+        device = self.weight.device
+        del self.weight
+        self.int4 = Int4Weight(n, k, group, scale_dtype, device)
+
+    def load_int4(
+        self, name: str, parts: dict[str, torch.Tensor], shard_id: int | str | None, method: str, zero_offset: int
+    ) -> None:
+        """A checkpoint layer's AWQ / GPTQ tensors (`qweight`, `qzeros`, `scales`, `g_idx`) into its place."""
+        assert self.int4 is not None
+        device = self.int4.qweight.device
+        unpacked = unpack_checkpoint(method, {p: t.to(device) for p, t in parts.items()}, zero_offset)
+        self.int4.load(name, unpacked, self.scale_rows(shard_id), self.scale_cols())
 
     def quantize_fp8(self) -> None:
         wq, scale = quantize_weight(self.weight.data)
@@ -63,7 +92,7 @@ class QuantizableLinear(ShardedModule):
 
     def scale_cols(self) -> tuple[int, int, int]:
         """This rank's input columns: (how many, the first, columns in the checkpoint tensor)."""
-        k = self.weight.shape[1]
+        k = self.features()[1]
         return k, 0, k
 
     def checkpoint_parts(self) -> tuple[list[int], int, bool]:
@@ -113,6 +142,8 @@ class QuantizableLinear(ShardedModule):
             start += rows
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.int4 is not None:
+            return self.int4(x, bias)
         if self.weight_scale is None:
             return F.linear(x, self.weight, bias)
         if self.weight_block is not None:
@@ -140,7 +171,7 @@ class ColumnParallelLinear(QuantizableLinear):
         return [(0, n, n * self.tp_size, self.tp_rank * n)]
 
     def checkpoint_parts(self) -> tuple[list[int], int, bool]:
-        return [self.out_per_rank * self.tp_size], self.weight.shape[1], True
+        return [self.out_per_rank * self.tp_size], self.features()[1], True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -180,7 +211,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         return parts
 
     def checkpoint_parts(self) -> tuple[list[int], int, bool]:
-        return list(self.output_sizes), self.weight.shape[1], True
+        return list(self.output_sizes), self.features()[1], True
 
     def _load_shard(self, name: str, loaded: torch.Tensor, index: int) -> None:
         if loaded.shape[0] != self.output_sizes[index]:
@@ -219,7 +250,7 @@ class RowParallelLinear(QuantizableLinear):
         param.data.copy_(loaded.narrow(1, self.tp_rank * n, n))
 
     def scale_rows(self, shard_id: int | str | None) -> list[tuple[int, int, int, int]]:
-        n = self.weight.shape[0]  # every rank holds every output row
+        n = self.features()[0]  # every rank holds every output row
         return [(0, n, n, 0)]
 
     def scale_cols(self) -> tuple[int, int, int]:
@@ -227,7 +258,7 @@ class RowParallelLinear(QuantizableLinear):
         return k, self.tp_rank * k, k * self.tp_size
 
     def checkpoint_parts(self) -> tuple[list[int], int, bool]:
-        return [self.weight.shape[0]], self.in_per_rank * self.tp_size, False
+        return [self.features()[0]], self.in_per_rank * self.tp_size, False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, None)

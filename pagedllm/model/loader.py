@@ -72,7 +72,8 @@ def load_weights(
 ) -> dict[int, dict[str, float]]:
     """Load every weight; returns the checkpoint's KV scales, attention layer index -> {"k_scale": .., "v_scale": ..}.
     quant: the checkpoint's quantization (model/quant_config.py); a 4-bit layer's packed tensors are
-    gathered and loaded as the weight they mean (model/int4_weights.py)."""
+    gathered, then loaded into its packed weight (model/int4_layer.py) or, where the layer has none
+    (experts, model/quantization.py: int4_layout), as the weight they mean (model/int4_weights.py)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = model.packed_modules
     loaded: set[str] = set()
@@ -88,6 +89,8 @@ def load_weights(
             continue
         if "rotary_emb.inv_freq" in name:
             continue
+        if quant is not None and quant.int4 and name.endswith(".weight"):
+            _refuse_plain_weight_of_int4_layer(model, packed, name, quant)
         _place(model, params, packed, layer_of, loaded, kv_scales, expert_shards, name, get)
     if quant is not None and quant.int4 and not int4:
         raise InvalidRequestError(
@@ -97,6 +100,14 @@ def load_weights(
         )
     for prefix, parts in int4.items():
         assert quant is not None
+        _check_int4_parts(prefix, parts, quant)
+        owner_name, shard = _int4_owner(model, packed, prefix)
+        owner = model.get_submodule(owner_name) if owner_name else None
+        if isinstance(owner, QuantizableLinear) and owner.int4 is not None:
+            with torch.no_grad():
+                owner.load_int4(prefix, parts, shard, quant.method, quant.zero_offset)
+            loaded.update(f"{owner_name}.int4.{p}" for p, _ in owner.int4.named_parameters())
+            continue
         weight = _dequantize(prefix, parts, quant)
         _place(
             model, params, packed, layer_of, loaded, kv_scales, expert_shards, prefix + ".weight", lambda w=weight: w
@@ -123,11 +134,57 @@ def _checkpoint_tensors(model_dir: str):
                 yield name, (lambda f=f, name=name: f.get_tensor(name))
 
 
-def _dequantize(prefix: str, parts: dict[str, torch.Tensor], quant: CheckpointQuant) -> torch.Tensor:
-    """A 4-bit layer's weight [out, in] from its packed parts (model/int4_weights.py)."""
+def _check_int4_parts(prefix: str, parts: dict[str, torch.Tensor], quant: CheckpointQuant) -> None:
     missing = [p for p in ("qweight", "qzeros", "scales") if p not in parts]
     if missing:
         raise ValueError(f"checkpoint layer {prefix!r} lacks {', '.join(missing)} of its {quant.method} weight")
+    rows = parts["qweight"].shape[0] * (1 if quant.method == "awq" else 8)  # GPTQ packs 8 input rows a word
+    groups = parts["scales"].shape[0]
+    if rows % groups:
+        raise InvalidRequestError(
+            f"quantization_config.group_size={quant.group_size}: checkpoint layer {prefix!r} has {groups} groups "
+            f"of scales over {rows} input rows; pagedllm loads groups of equal size only",
+            "quantization_config.group_size",
+        )
+
+
+def _refuse_plain_weight_of_int4_layer(model: DecoderForCausalLM, packed, name: str, quant: CheckpointQuant) -> None:
+    owner_name, _ = _int4_owner(model, packed, name.removesuffix(".weight"))
+    owner = model.get_submodule(owner_name) if owner_name else None
+    if isinstance(owner, QuantizableLinear) and owner.int4 is not None:
+        raise InvalidRequestError(
+            f"checkpoint tensor {name!r} is a plain weight, but its layer is 4-bit under the checkpoint's "
+            f"quantization_config.quant_method={quant.method!r} (qweight, qzeros, scales): its config and its "
+            "tensors disagree",
+            "quantization_config",
+        )
+
+
+def _int4_owner(model: DecoderForCausalLM, packed, prefix: str) -> tuple[str | None, int | str | None]:
+    """(the model's layer that a 4-bit checkpoint layer loads into, its shard of a packed layer); (None,
+    None) for experts and names with no layer (the dequantizing path places or refuses them)."""
+    name = prefix + ".weight"
+    if expert_target(name) is not None:
+        return None, None
+    target, shard = _packed_target(packed, name)
+    owner_name = target.rpartition(".")[0]
+    try:
+        model.get_submodule(owner_name)
+    except AttributeError:
+        return None, None
+    return owner_name, shard
+
+
+def _packed_target(packed, name: str) -> tuple[str, int | str | None]:
+    """(the model's parameter, shard id) of a checkpoint name: q/k/v and gate/up go into their packed layer."""
+    for ckpt_part, (packed_part, shard_id) in packed.items():
+        if f".{ckpt_part}." in name:
+            return name.replace(f".{ckpt_part}.", f".{packed_part}."), shard_id
+    return name, None
+
+
+def _dequantize(prefix: str, parts: dict[str, torch.Tensor], quant: CheckpointQuant) -> torch.Tensor:
+    """A 4-bit layer's weight [out, in] from its packed parts (model/int4_weights.py)."""
     if quant.method == "awq":
         return dequantize_awq(parts["qweight"], parts["qzeros"], parts["scales"])
     return dequantize_gptq(parts["qweight"], parts["qzeros"], parts["scales"], parts.get("g_idx"), quant.zero_offset)
@@ -143,16 +200,14 @@ def _place(model, params, packed, layer_of, loaded, kv_scales, expert_shards, na
         return
     if name == "lm_head.weight" and model.tie_word_embeddings:
         return
-    target, shard = name, None
+    target: str
+    shard: int | str | None
     expert = expert_target(name)  # MoE: one expert's matrix (or all, packed) into the stacked experts
     if expert is not None:
         target, shard = expert
         expert_shards.setdefault(target, set()).add(expert[1])
     else:
-        for ckpt_part, (packed_part, shard_id) in packed.items():
-            if f".{ckpt_part}." in name:
-                target, shard = name.replace(f".{ckpt_part}.", f".{packed_part}."), shard_id
-                break
+        target, shard = _packed_target(packed, name)
     key = target.removesuffix("_inv") if target.endswith(".weight_scale_inv") else target  # the parameter
     param = params.get(key)
     if param is None:

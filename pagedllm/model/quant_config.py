@@ -22,8 +22,9 @@ activations quantized dynamically per token and group of bk columns:
 Every block layer's N and K (and TP shard) must be multiples of the block: model/quantization.py.
 
 4-bit AWQ (`version: "gemm"`, with zero points) and GPTQ (`checkpoint_format` "gptq" or "gptq_v2",
-`desc_act` and `sym` either way), any group size: their weights are dequantized at load
-(model/int4_weights.py).
+`desc_act` and `sym` either way), any group size that divides the layers' inputs: their weights stay
+packed for a 4-bit kernel (model/int4_layer.py, ops/int4_linear.py), or are dequantized at load where
+the kernel cannot take them (model/quantization.py: int4_layout).
 
 Everything else is refused at start-up naming the field and its value (an `InvalidRequestError`
 whose `param` is the field's path), never loaded to compute something else: weight-only FP8,
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from pagedllm.engine.errors import InvalidRequestError
 
@@ -48,8 +49,10 @@ class CheckpointQuant:
     per_tensor_weights: bool = False  # FP8: else one scale per output channel
     static_activations: bool = False  # FP8: else dynamic, one scale per token
     ignore: tuple[str, ...] = ()  # checkpoint module names (or "re:" patterns) left unquantized
-    int4: bool = False  # AWQ / GPTQ: 4-bit weights dequantized at load (model/int4_weights.py)
+    int4: bool = False  # AWQ / GPTQ: 4-bit weights (model/int4_layer.py)
     zero_offset: int = 0  # GPTQ's original format stores zero points minus one
+    group_size: int = 0  # 4-bit: input rows per scale (-1: one group over the whole input)
+    desc_act: bool = False  # GPTQ: groups over a permutation of the input rows (g_idx)
     weight_block: tuple[int, int] | None = None  # block-wise FP8: [bn, bk], one weight scale per block
     block_field: str = ""  # the config field that says the block (for refusals naming it)
 
@@ -64,7 +67,7 @@ class CheckpointQuant:
         return False
 
 
-def _refuse(field: str, value: Any, why: str) -> None:
+def _refuse(field: str, value: Any, why: str) -> NoReturn:
     raise InvalidRequestError(
         f"quantization_config.{field}={value!r} is not supported: {why}", f"quantization_config.{field}"
     )
@@ -196,10 +199,15 @@ def _read_int4(method: str, q: dict[str, Any]) -> CheckpointQuant:
             _refuse("version", q.get("version"), 'the AWQ "gemm" layout only')
         if q.get("zero_point") is False:
             _refuse("zero_point", False, "AWQ checkpoints with zero points only")
-        return CheckpointQuant("awq", int4=True, ignore=tuple(q.get("modules_to_not_convert") or ()))
+        return CheckpointQuant("awq", int4=True, group_size=group, ignore=tuple(q.get("modules_to_not_convert") or ()))
     fmt = q.get("checkpoint_format", "gptq")
     if fmt not in ("gptq", "gptq_v2"):
         _refuse("checkpoint_format", fmt, 'the "gptq" and "gptq_v2" layouts only')
     return CheckpointQuant(
-        "gptq", int4=True, zero_offset=1 if fmt == "gptq" else 0, ignore=tuple(q.get("modules_to_not_convert") or ())
+        "gptq",
+        int4=True,
+        zero_offset=1 if fmt == "gptq" else 0,
+        group_size=group,
+        desc_act=bool(q.get("desc_act", False)),
+        ignore=tuple(q.get("modules_to_not_convert") or ()),
     )

@@ -10,6 +10,9 @@ model/quant_config.py) is loaded as it is: `prepare_checkpoint_fp8` makes its la
 the weights load into them (model/loader.py), its `ignore` list's layers staying unquantized.
 Block-wise FP8 needs whole blocks: every part of a layer (q, k, v of a packed qkv), and each TP
 shard, a multiple of the block in the dimension it splits, else refused naming the layer.
+A 4-bit checkpoint (AWQ, GPTQ): `prepare_checkpoint_int4` gives each of its layers a packed weight
+(model/int4_layer.py) for the kernel (ops/int4_linear.py), or leaves it in the model's dtype, to be
+dequantized at load, where the kernel cannot take it (`int4_layout`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from pagedllm.model.linear import QuantizableLinear
 from pagedllm.model.moe import SparseMoeBlock
 from pagedllm.model.quant_config import CheckpointQuant
 from pagedllm.ops.fp8_block_linear import block_k_tile
+from pagedllm.ops.int4_linear import MIN_BLOCK_K
+from pagedllm.ops.int4_linear import block_k_tile as int4_k_tile
 
 
 def check_fp8_runs(model: nn.Module, device: torch.device, what: str, param: str) -> None:
@@ -53,13 +58,11 @@ def quantize_linears(model: nn.Module, method: str, device: torch.device) -> int
     return len(layers)
 
 
-def prepare_checkpoint_fp8(model: nn.Module, quant: CheckpointQuant, device: torch.device) -> int:
-    """Before loading an FP8 checkpoint: every decoder linear layer it quantized gets an e4m3 weight
-    and scales to load into; returns how many. A packed layer (qkv, gate_up) whose checkpoint parts
-    are quantized and not is refused, as are a mixture of experts and a GPU without fp8 tensor cores."""
-    check_fp8_runs(model, device, f"an FP8 checkpoint ({quant.method})", "quantization_config")
+def quantized_layers(model: nn.Module, quant: CheckpointQuant) -> list[tuple[str, QuantizableLinear]]:
+    """The decoder linear layers the checkpoint quantized (not in its ignore list). A packed layer (qkv,
+    gate_up) whose checkpoint parts are quantized and not is refused naming quantization_config.ignore."""
     packed = getattr(model, "packed_modules", {})
-    count = 0
+    layers = []
     for name, m in model.named_modules():
         if not isinstance(m, QuantizableLinear):
             continue
@@ -73,11 +76,59 @@ def prepare_checkpoint_fp8(model: nn.Module, quant: CheckpointQuant, device: tor
                 "quantization_config.ignore",
             )
         if ignored == {False}:
-            if quant.weight_block is not None:
-                check_blocks(name, m, quant.weight_block, quant.block_field, device)
-            m.prepare_fp8(quant.static_activations, quant.weight_block)
+            layers.append((name, m))
+    return layers
+
+
+def prepare_checkpoint_fp8(model: nn.Module, quant: CheckpointQuant, device: torch.device) -> int:
+    """Before loading an FP8 checkpoint: every decoder linear layer it quantized gets an e4m3 weight
+    and scales to load into; returns how many. A packed layer (qkv, gate_up) whose checkpoint parts
+    are quantized and not is refused, as are a mixture of experts and a GPU without fp8 tensor cores."""
+    check_fp8_runs(model, device, f"an FP8 checkpoint ({quant.method})", "quantization_config")
+    layers = quantized_layers(model, quant)
+    for name, m in layers:
+        if quant.weight_block is not None:
+            check_blocks(name, m, quant.weight_block, quant.block_field, device)
+        m.prepare_fp8(quant.static_activations, quant.weight_block)
+    return len(layers)
+
+
+def prepare_checkpoint_int4(model: nn.Module, quant: CheckpointQuant) -> int:
+    """Before loading a 4-bit checkpoint: each decoder linear layer it quantized that the kernel takes
+    (`int4_layout`) gets a packed weight to load into; returns how many. The rest keep their weight in the
+    model's dtype, and the loader dequantizes into it (model/loader.py), as it does for experts."""
+    count = 0
+    for name, m in quantized_layers(model, quant):
+        group = int4_layout(name, m, quant)
+        if group is not None:
+            dtype = m.weight.dtype
+            m.prepare_int4(group, torch.float32 if dtype == torch.float32 else torch.float16)
             count += 1
     return count
+
+
+def int4_layout(name: str, m: QuantizableLinear, quant: CheckpointQuant) -> int | None:
+    """This rank's group size in the packed layout, or None where the layer stays dequantized: a row-parallel
+    shard (TP > 1) of a desc_act checkpoint (its rows' groups are scattered over the ranks), or a group whose
+    K tile would be under a dot's 16 rows. InvalidRequestError (naming tensor_parallel_size) for a
+    row-parallel shard that would cut a group."""
+    _, k, by_rows = m.checkpoint_parts()
+    tp = getattr(m, "tp_size", 1)
+    group = k if quant.group_size == -1 else quant.group_size
+    if k % group:  # refused by the loader, once it has seen the checkpoint's tensors (model/loader.py)
+        return None
+    k_here = m.features()[1]
+    if not by_rows and tp > 1:
+        if quant.desc_act:
+            return None
+        if group != k and k_here % group:
+            raise InvalidRequestError(
+                f"tensor_parallel_size={tp} splits the 4-bit groups of layer {name} (group_size {group}): each "
+                f"rank would hold {k_here} input columns, not a multiple of the group",
+                "tensor_parallel_size",
+            )
+    group = min(group, k_here)  # one group over the whole input: each rank's shard of it
+    return group if int4_k_tile(group) >= MIN_BLOCK_K else None
 
 
 def check_blocks(name: str, m: QuantizableLinear, block: tuple[int, int], field: str, device: torch.device) -> None:

@@ -22,7 +22,7 @@ from pagedllm.model.loader import init_dummy_weights, load_weights
 from pagedllm.model.moe import SparseMoeBlock
 from pagedllm.model.parallel import agree_min, tp_rank, tp_size
 from pagedllm.model.quant_config import read_quant_config
-from pagedllm.model.quantization import prepare_checkpoint_fp8, quantize_linears
+from pagedllm.model.quantization import prepare_checkpoint_fp8, prepare_checkpoint_int4, quantize_linears
 from pagedllm.model.registry import build_model
 from pagedllm.ops import PAD_SLOT_ID
 from pagedllm.ops.attention_metadata import AttentionMetadata
@@ -130,7 +130,9 @@ class ModelRunner:
                 raise InvalidRequestError(
                     "load_format='dummy' cannot make up a quantized checkpoint's weights", "load_format"
                 )
-            if not checkpoint_quant.int4:  # 4-bit weights are dequantized into the weights as they load
+            if checkpoint_quant.int4:  # packed 4-bit weights where the kernel takes them
+                prepare_checkpoint_int4(self.model, checkpoint_quant)
+            else:
                 prepare_checkpoint_fp8(self.model, checkpoint_quant, device)
             quantization = None  # loaded quantized: nothing to quantize after loading
         elif quantization is not None and quantization != "fp8":

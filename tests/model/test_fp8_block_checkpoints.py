@@ -284,7 +284,8 @@ def test_make_random_model_writes_each_format_through_the_tool(tmp_path, kind):
     with LLM(out, num_kv_blocks=16, block_size=8) as llm:
         qkv = llm.runner.model.model.layers[0].self_attn.qkv_proj
         fp8 = kind.startswith("fp8")
-        assert (qkv.weight.dtype == torch.float8_e4m3fn) == fp8
+        assert (qkv.int4 is not None) == (not fp8)  # 4-bit: packed, no `weight`
+        assert not fp8 or qkv.weight.dtype == torch.float8_e4m3fn
         assert qkv.weight_block == ((32, 32) if kind == "fp8-block" else None)
         out_tokens = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
         assert len(out_tokens[0].outputs[0].token_ids) == 3

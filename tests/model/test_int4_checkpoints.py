@@ -104,7 +104,10 @@ def test_int4_checkpoint_matches_the_weights_it_means(tiny_models, tmp_path, fmt
     # not a no-op: the 4-bit weights differ from the original ones
     with safe_open(os.path.join(src, "model.safetensors"), framework="pt") as s:
         original = s.get_tensor("model.layers.0.self_attn.o_proj.weight").float()
-    got = llm.runner.model.model.layers[0].self_attn.o_proj.weight.float()
+    attn = llm.runner.model.model.layers[0].self_attn
+    assert attn.qkv_proj.int4 is not None and attn.o_proj.int4 is not None  # packed, not dequantized at load
+    assert (attn.qkv_proj.int4.perm is not None) == ("--desc-act" in flags)
+    got = attn.o_proj.int4.weight()
     assert not torch.equal(got, original) and (got - original).abs().max() < 0.5 * original.abs().max()
     llm.close()
 
