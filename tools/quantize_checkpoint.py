@@ -103,7 +103,10 @@ def int4_tensors(w: torch.Tensor, fmt: str, group: int, sym: bool, desc_act: boo
     q[perm] = q_p  # back in the input's order; each row keeps its group
     g_idx = torch.empty(rows, dtype=torch.int32)
     g_idx[perm] = (torch.arange(rows) // group).to(torch.int32)
-    return {"qweight": pack_rows(q), "qzeros": pack_cols(zero - 1, tuple(range(8))), "scales": scale, "g_idx": g_idx}
+    # GPTQ's original format stores zero - 1 in 4 bits: a zero of 0 is the nibble 0xF (read back as 16, as
+    # every GPTQ loader reads it); masked, so that it cannot borrow from the neighbouring nibbles
+    stored = (zero - 1) & 0xF
+    return {"qweight": pack_rows(q), "qzeros": pack_cols(stored, tuple(range(8))), "scales": scale, "g_idx": g_idx}
 
 
 def is_linear(name: str) -> bool:
