@@ -60,10 +60,14 @@ def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tens
     return q.contiguous(), scale
 
 
-def int4_groups(w: torch.Tensor, group: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def int4_groups(
+    w: torch.Tensor, group: int, sym: bool, min_zero: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """W [out, in] -> (q [in, out] 0..15, zeros [groups, out], scales [groups, out]), groups of `group`
     consecutive input rows: asymmetric scale = (max - min) / 15, zero = round(-min / scale); symmetric
-    scale = max|W| / 7.5, zero 8 (GPTQ's)."""
+    scale = max|W| / 7.5, zero 8 (GPTQ's). `min_zero` 1 (GPTQ's original format, which stores zero - 1
+    in 4 bits and so cannot hold a zero of 0): a group with no negative weight gets zero 1 and
+    scale max / 14 instead."""
     wt = w.float().t()  # [in, out]
     rows, out = wt.shape
     g = wt.reshape(rows // group, group, out)
@@ -74,6 +78,9 @@ def int4_groups(w: torch.Tensor, group: int, sym: bool) -> tuple[torch.Tensor, t
         lo, hi = g.amin(dim=1).clamp(max=0), g.amax(dim=1).clamp(min=0)
         scale = ((hi - lo) / 15.0).clamp(min=1e-8)
         zero = torch.round(-lo / scale).clamp(0, 15)
+        low = zero < min_zero
+        scale = torch.where(low, (hi / (15 - min_zero)).clamp(min=1e-8), scale)
+        zero = torch.where(low, torch.full_like(zero, float(min_zero)), zero)
     q = torch.round(g / scale[:, None] + zero[:, None]).clamp(0, 15).reshape(rows, out)
     return q.to(torch.int32), zero.to(torch.int32), scale.half()
 
@@ -98,14 +105,13 @@ def int4_tensors(w: torch.Tensor, fmt: str, group: int, sym: bool, desc_act: boo
         q, zero, scale = int4_groups(w, group, sym=False)
         return {"qweight": pack_cols(q, AWQ_ORDER), "qzeros": pack_cols(zero, AWQ_ORDER), "scales": scale}
     perm = torch.randperm(rows, generator=torch.Generator().manual_seed(rows)) if desc_act else torch.arange(rows)
-    q_p, zero, scale = int4_groups(w[:, perm], group, sym)  # groups of consecutive rows in the permuted order
+    # groups of consecutive rows in the permuted order; zeros >= 1 (stored minus one in 4 bits)
+    q_p, zero, scale = int4_groups(w[:, perm], group, sym, min_zero=1)
     q = torch.empty_like(q_p)
     q[perm] = q_p  # back in the input's order; each row keeps its group
     g_idx = torch.empty(rows, dtype=torch.int32)
     g_idx[perm] = (torch.arange(rows) // group).to(torch.int32)
-    # GPTQ's original format stores zero - 1 in 4 bits: a zero of 0 is the nibble 0xF (read back as 16, as
-    # every GPTQ loader reads it); masked, so that it cannot borrow from the neighbouring nibbles
-    stored = (zero - 1) & 0xF
+    stored = (zero - 1) & 0xF  # GPTQ's original format: zero - 1, in its own nibble
     return {"qweight": pack_rows(q), "qzeros": pack_cols(stored, tuple(range(8))), "scales": scale, "g_idx": g_idx}
 
 
