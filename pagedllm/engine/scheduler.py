@@ -40,9 +40,15 @@ from pagedllm.engine.beam_search import BeamSearch
 from pagedllm.engine.kv_cache_manager import KVCacheManager
 from pagedllm.engine.scheduler_output import PLACEHOLDER, ScheduledSequence, SchedulerOutput
 from pagedllm.engine.sequence import Sequence, SequenceStatus
+from pagedllm.engine.spec_decode import Speculator
+from pagedllm.engine.spec_verify import verify
 from pagedllm.engine.step_result import StepResult, TokenLogprobs
 
 logger = logging.getLogger("pagedllm")
+
+# a sequence that got tokens in a step: the tokens (several after an accepted speculative run) and
+# per token its logprobs where any row of the step asked (each None where its own row did not)
+Resolved = tuple[Sequence, list[int], list[TokenLogprobs | None] | None]
 
 __all__ = ["PLACEHOLDER", "ScheduledSequence", "Scheduler", "SchedulerOutput"]
 
@@ -56,6 +62,7 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: set[int] | frozenset[int] = frozenset(),
         preemption_mode: str = "recompute",
+        speculator: Speculator | None = None,
     ):
         # preconditions, not validation: SchedulerConfig.__post_init__ refused non-positive sizes at the edge
         assert max_num_seqs >= 1 and max_num_batched_tokens >= 1, (max_num_seqs, max_num_batched_tokens)
@@ -74,6 +81,7 @@ class Scheduler:
         self.num_forked_sequences = 0  # children forked by parallel sampling (a counter, for metrics)
         # ended (finish_reason "error") by a grammar that failed to compile, and why
         self.grammar_failed: list[tuple[Sequence, str]] = []
+        self.speculator = speculator  # speculative decoding (spec_decode.py): proposals for decodes
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -95,13 +103,15 @@ class Scheduler:
             ):
                 i += 1
                 continue
+            drafts = self.speculator.propose(seq, budget, self.kv) if self.speculator and num_new == 1 else []
+            num_new += len(drafts)  # their slots are allocated: the call below only confirms it
             while not self.kv.allocate_slots(seq, num_new):
                 victims = self._preempt_group(self.running[-1].request_id, out)
                 out.num_preempted += len(victims)
                 if seq in victims:
                     break
             else:
-                self._scheduled(out, ScheduledSequence(seq, num_new), forked)
+                self._scheduled(out, ScheduledSequence(seq, num_new, spec_token_ids=drafts), forked)
                 budget -= num_new
                 i += 1
                 continue
@@ -217,7 +227,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def update(self, out: SchedulerOutput, result: StepResult) -> list[tuple[Sequence, TokenLogprobs | None]]:
+    def update(self, out: SchedulerOutput, result: StepResult) -> list[Resolved]:
         """Apply one step's results (synchronous scheduling): advance, then resolve at once."""
         self.advance(out)
         return self.resolve(out, result)
@@ -241,7 +251,7 @@ class Scheduler:
 
     def resolve(
         self, out: SchedulerOutput, result: StepResult, inflight: SchedulerOutput | None = None
-    ) -> list[tuple[Sequence, TokenLogprobs | None]]:
+    ) -> list[Resolved]:
         """When the step's results arrive: fill the placeholders (one per sample row, in row
         order), keep prompt logprobs, register the blocks whose ids are now known, stop on EOS /
         stop token ids. Returns the sequences that got a token (finished or not), each with the
@@ -253,7 +263,7 @@ class Scheduler:
         now = time.monotonic()
         rows = iter(range(len(result.sampled)))
         logprobs = result.logprobs
-        touched: list[tuple[Sequence, TokenLogprobs | None]] = []
+        touched: list[Resolved] = []
         if result.prompt_logprobs:
             self._keep_prompt_logprobs(out, result)
         searches: dict[int, BeamSearch[Sequence]] = {}
@@ -264,25 +274,37 @@ class Scheduler:
                 self._keep_beam_result(sched.seq, result, next(rows), now, searches)
                 continue
             idx = sched.placeholder_index
+            drafts = sched.spec_token_ids
             for seq in sched.sample_seqs:
-                row = next(rows)
+                taken = [next(rows) for _ in range(1 + len(drafts))]
                 if idx >= seq.num_tokens:
                     continue  # finished (abort, stop) after this step launched
-                token = result.sampled[row]
-                seq.token_ids[idx] = token
+                tokens = [result.sampled[r] for r in taken]
+                if drafts:  # speculative (synchronous scheduling only): the accepted run, then roll back
+                    assert self.speculator is not None and seq.status is SequenceStatus.RUNNING
+                    tokens = verify(seq, drafts, tokens, self.kv, self.speculator.stats)
+                    out.num_rejected_tokens += 1 + len(drafts) - len(tokens)
+                seq.token_ids[idx : idx + 1] = tokens
                 seq.num_pending -= 1
                 if seq.first_token_time is None:
                     seq.first_token_time = now
+                status = None
+                for n, token in enumerate(tokens):  # stop inside an accepted run: the rest is dropped
+                    status = self._grammar_stop(seq, token) if seq.grammar is not None else None
+                    if status is None:
+                        status = self.check_stop(seq, token, idx + n + 1)
+                    if status is not None:
+                        del seq.token_ids[idx + n + 1 : idx + len(tokens)]
+                        tokens = tokens[: n + 1]
+                        break
                 if seq.status is SequenceStatus.RUNNING:
                     registered = self.kv.cache_full_blocks(seq, seq.num_computed_tokens)
                     if inflight is not None:
                         inflight.new_cached += registered
-                status = self._grammar_stop(seq, token) if seq.grammar is not None else None
-                if status is None:
-                    status = self.check_stop(seq, token, idx + 1)
                 if status is not None:
                     self.finish(seq, status, now)
-                touched.append((seq, None if logprobs is None else logprobs[row]))
+                row_logprobs = None if logprobs is None else [logprobs[r] for r in taken[: len(tokens)]]
+                touched.append((seq, tokens, row_logprobs))
         for search in searches.values():
             if all(b.beam_result is not None for b in search.beams):
                 self._step_search(search, out)
