@@ -75,10 +75,9 @@ class EngineCore:
             config.preemption_mode,
             None if spec is None else Speculator(spec, config.max_model_len),
         )
-        # step N+1 is launched before step N's ids are on the host (needs an executor that offers it).
-        # Not with speculative decoding: a step's proposals need every earlier token resolved and its
-        # accepted length decides where the next step starts (docs/features/speculative-decoding.md)
-        self.async_scheduling = async_scheduling and executor.supports_async and spec is None
+        # step N+1 is launched before step N's ids are on the host (needs an executor that offers it);
+        # a step that proposes (speculative decoding) runs synchronously: _step_async
+        self.async_scheduling = async_scheduling and executor.supports_async
         self.requests: dict[str, list[Sequence]] = {}  # unfinished: request id -> its sequences, by index
         self._index: dict[int, int] = {}  # seq_id -> the sequence's index in its request
         self._inflight: tuple[SchedulerOutput, StepHandle] | None = None  # async: launched, not yet resolved
@@ -224,7 +223,7 @@ class EngineCore:
 
     def _step_async(self) -> list[EngineCoreOutput]:
         drained: list[EngineCoreOutput] = []
-        if self._inflight is not None and _history_bound(self._inflight[0]):
+        if self._inflight is not None and (_history_bound(self._inflight[0]) or self._speculating(self._inflight[0])):
             drained = self._resolve_inflight()
         return drained + self._launch_and_resolve()
 
@@ -247,6 +246,14 @@ class EngineCore:
         if self.timeline is not None:
             self.timeline.event("resolve", step=prev.step_id)
         return outputs
+
+    def _speculating(self, inflight: SchedulerOutput) -> bool:
+        """Speculative decoding under async scheduling: the step in flight is resolved before the
+        next is scheduled when it verifies proposals (its accepted lengths decide where its
+        sequences go on) or when the next step proposes (a proposal needs every token resolved).
+        While speculation is paused (spec_decode.Backoff) steps run ahead as usual."""
+        spec = self.scheduler.speculator
+        return spec is not None and (spec.backoff.on() or any(s.spec_token_ids for s in inflight.scheduled))
 
     def _note_launch(self, sched: SchedulerOutput, t0: float) -> int:
         """Timeline: this step's rows (request, new tokens) with its schedule start and launch times."""

@@ -43,6 +43,7 @@ from pagedllm.engine.sequence import Sequence, SequenceStatus
 from pagedllm.engine.spec_decode import Speculator
 from pagedllm.engine.spec_verify import verify
 from pagedllm.engine.step_result import StepResult, TokenLogprobs
+from pagedllm.engine.stop_conditions import stop_status
 
 logger = logging.getLogger("pagedllm")
 
@@ -91,6 +92,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         forked: list[Sequence] = []
+        spec = self.speculator if self.speculator is not None and self.speculator.start_step() else None
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -103,7 +105,7 @@ class Scheduler:
             ):
                 i += 1
                 continue
-            drafts = self.speculator.propose(seq, budget, self.kv) if self.speculator and num_new == 1 else []
+            drafts = spec.propose(seq, budget, self.kv) if spec is not None and num_new == 1 else []
             num_new += len(drafts)  # their slots are allocated: the call below only confirms it
             while not self.kv.allocate_slots(seq, num_new):
                 victims = self._preempt_group(self.running[-1].request_id, out)
@@ -126,6 +128,8 @@ class Scheduler:
                 if others:
                     out.num_preempted += len(self._preempt_group(others[-1].request_id, out))
                     self._admit(out, budget, forked)
+        if spec is not None:
+            spec.end_step()
         self.running += forked
         out.blocks_to_copy = self.kv.take_blocks_to_copy()
         if out.scheduled:  # a step that launches nothing keeps its copies for the next one
@@ -282,7 +286,7 @@ class Scheduler:
                 tokens = [result.sampled[r] for r in taken]
                 if drafts:  # speculative (synchronous scheduling only): the accepted run, then roll back
                     assert self.speculator is not None and seq.status is SequenceStatus.RUNNING
-                    tokens = verify(seq, drafts, tokens, self.kv, self.speculator.stats)
+                    tokens = verify(seq, drafts, tokens, self.kv, self.speculator)
                     out.num_rejected_tokens += 1 + len(drafts) - len(tokens)
                 seq.token_ids[idx : idx + 1] = tokens
                 seq.num_pending -= 1
@@ -290,9 +294,7 @@ class Scheduler:
                     seq.first_token_time = now
                 status = None
                 for n, token in enumerate(tokens):  # stop inside an accepted run: the rest is dropped
-                    status = self._grammar_stop(seq, token) if seq.grammar is not None else None
-                    if status is None:
-                        status = self.check_stop(seq, token, idx + n + 1)
+                    status = stop_status(seq, token, idx + n + 1, self.eos_token_ids, self.max_model_len)
                     if status is not None:
                         del seq.token_ids[idx + n + 1 : idx + len(tokens)]
                         tokens = tokens[: n + 1]
@@ -368,34 +370,6 @@ class Scheduler:
             skip = have - chunk.start
             if 0 <= skip < len(chunk.entries):
                 seq.prompt_logprobs += chunk.entries[skip:]
-
-    def _grammar_stop(self, seq: Sequence, token: int) -> SequenceStatus | None:
-        """Advance the sequence's matcher by its new token. A complete grammar ends the sequence
-        ("stop", also with ignore_eos and before min_tokens: nothing else could follow). A token
-        the grammar refuses means the mask was not applied: the sequence ends, aborted (logged)."""
-        assert seq.grammar is not None
-        if not seq.grammar.accept(token):
-            return SequenceStatus.FINISHED_ABORTED
-        if seq.grammar.is_stopped:  # the last token is the grammar's (its text is shown), or EOS
-            seq.stop_reason, seq.stopped_on_token = None, token in self.eos_token_ids
-            return SequenceStatus.FINISHED_STOPPED
-        return None
-
-    def check_stop(self, seq: Sequence, token: int, num_tokens: int) -> SequenceStatus | None:
-        """Stop after `token`, the sequence's num_tokens-th token? EOS and stop token ids first
-        (once min_tokens are out), then max_tokens and max_model_len."""
-        p = seq.sampling_params
-        num_output = num_tokens - seq.num_prompt_tokens
-        if num_output >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_token_ids:
-                seq.stop_reason, seq.stopped_on_token = None, True
-                return SequenceStatus.FINISHED_STOPPED
-            if p.stop_token_ids and token in p.stop_token_ids:
-                seq.stop_reason, seq.stopped_on_token = token, True
-                return SequenceStatus.FINISHED_STOPPED
-        if num_output >= p.max_tokens or num_tokens >= self.max_model_len:
-            return SequenceStatus.FINISHED_LENGTH
-        return None
 
     def reached_length(self, seq: Sequence) -> bool:
         """Its last (possibly pending) token is the last allowed: nothing more to schedule."""

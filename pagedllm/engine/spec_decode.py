@@ -74,15 +74,74 @@ class SpecDecodeStats:
             self.accepted_per_pos[i] += 1
 
 
+class Backoff:
+    """Speculation turns itself down where it does not pay. Each step that proposes is scored by
+    its acceptance (accepted / proposed, 0 when no sequence found a proposal); an exponential
+    average below FLOOR switches proposing off for `backoff` steps, doubling each time up to
+    MAX_BACKOFF, and one good step resets it. Off, a step is a plain decode step and, with async
+    scheduling, the engine runs ahead again (core.py drains the step in flight only for a step
+    that proposes). Exactness does not depend on it: it only chooses when to propose."""
+
+    FLOOR = 0.1
+    MAX_BACKOFF = 64
+    WEIGHT = 0.5  # of the newest step in the average
+
+    def __init__(self) -> None:
+        self.average = 1.0  # optimistic: the first steps propose
+        self.backoff = 1
+        self.off_steps = 0
+        self._drafted = self._accepted = 0
+        self._scored = False  # a step that proposed is resolved and not yet folded in
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self._drafted += num_drafted
+        self._accepted += num_accepted
+        self._scored = True
+
+    def on(self) -> bool:
+        """Whether the next step proposes (folds in what was resolved since the last call)."""
+        if self._scored:
+            rate = self._accepted / self._drafted if self._drafted else 0.0
+            self.average = (1 - self.WEIGHT) * self.average + self.WEIGHT * rate
+            self._drafted = self._accepted = 0
+            self._scored = False
+            if self.average < self.FLOOR:
+                self.off_steps, self.backoff = self.backoff, min(2 * self.backoff, self.MAX_BACKOFF)
+                self.average = self.FLOOR  # the step after the pause probes afresh
+            elif rate >= self.FLOOR:
+                self.backoff = 1
+        return self.off_steps == 0
+
+    def start_step(self) -> bool:
+        """Called once per scheduled step: whether it proposes (a paused step counts down)."""
+        if self.on():
+            return True
+        self.off_steps -= 1
+        return False
+
+
 class Speculator:
     """What the scheduler asks of speculation: proposals for a decoding sequence (bounded by its
-    max_tokens, max_model_len and the step's token budget), and the counters."""
+    max_tokens, max_model_len and the step's token budget), whether this step proposes at all
+    (Backoff), and the counters."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.proposer = NgramProposer(config)
         self.max_model_len = max_model_len
         self.stats = SpecDecodeStats(config.num_speculative_tokens)
+        self.backoff = Backoff()
+        self._looked = self._found = False  # this step: a decoding sequence looked for proposals; one found some
+
+    def start_step(self) -> bool:
+        """Whether the step being scheduled proposes (Backoff)."""
+        self._looked = self._found = False
+        return self.backoff.start_step()
+
+    def end_step(self) -> None:
+        """A step whose decoding sequences found no proposal at all is scored as no acceptance."""
+        if self._looked and not self._found:
+            self.backoff.record(0, 0)
 
     def propose(self, seq: Sequence, budget: int, kv: KVCacheManager) -> list[int]:
         """Proposals for `seq`, decoding with every token resolved, of a length such that every
@@ -98,8 +157,10 @@ class Speculator:
             self.max_model_len - seq.num_tokens - 1,
         )
         drafts = self.proposer.propose(seq.token_ids, limit)
+        self._looked = True
         if drafts and seq.grammar is not None:
             drafts = drafts[: grammar_prefix(seq.grammar, drafts)]
+        self._found = self._found or bool(drafts)
         if drafts and not kv.allocate_slots(seq, 1 + len(drafts)):
             return []
         return drafts

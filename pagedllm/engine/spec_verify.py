@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from pagedllm.engine.kv_cache_manager import KVCacheManager
     from pagedllm.engine.sequence import Sequence
-    from pagedllm.engine.spec_decode import SpecDecodeStats
+    from pagedllm.engine.spec_decode import Speculator
 
 
 def accepted_run(drafts: list[int], sampled: list[int]) -> list[int]:
@@ -37,12 +37,13 @@ def accepted_run(drafts: list[int], sampled: list[int]) -> list[int]:
 
 
 def verify(
-    seq: Sequence, drafts: list[int], sampled: list[int], kv: KVCacheManager, stats: SpecDecodeStats
+    seq: Sequence, drafts: list[int], sampled: list[int], kv: KVCacheManager, speculator: Speculator
 ) -> list[int]:
     """The run `seq` emits from its verification rows; its computed length and blocks rolled back
     past the accepted proposals (call after Scheduler.advance counted all 1 + k' as computed)."""
     run = accepted_run(drafts, sampled)
     num_rejected = len(drafts) - (len(run) - 1)
-    stats.record(len(drafts), len(run) - 1)
+    speculator.stats.record(len(drafts), len(run) - 1)
+    speculator.backoff.record(len(drafts), len(run) - 1)
     kv.rollback(seq, seq.num_computed_tokens - num_rejected)
     return run

@@ -9,7 +9,7 @@ import pytest
 from pagedllm.engine import LLMEngine, SamplingParams, SchedulerConfig
 from pagedllm.engine.errors import InvalidRequestError
 from pagedllm.engine.spec_config import SpeculativeConfig
-from pagedllm.engine.spec_decode import NgramProposer
+from pagedllm.engine.spec_decode import Backoff, NgramProposer
 from pagedllm.engine.spec_verify import accepted_run
 from tests.engine.fake_runner import CharTokenizer, ShadowRunner, reference_generate
 
@@ -40,7 +40,16 @@ class CheckedRunner(ShadowRunner):
 
 
 def make_engine(
-    block_size=4, blocks=256, budget=64, prefix=True, max_num_seqs=8, k=3, max_model_len=256, trace=False, **kw
+    block_size=4,
+    blocks=256,
+    budget=64,
+    prefix=True,
+    max_num_seqs=8,
+    k=3,
+    max_model_len=256,
+    trace=False,
+    copy_period=PERIOD,
+    **kw,
 ):
     cfg = SchedulerConfig(
         trace_blocks=trace,
@@ -52,7 +61,7 @@ def make_engine(
         enable_prefix_caching=prefix,
         speculative_config=None if k == 0 else spec(k),
     )
-    runner = CheckedRunner(block_size, copy_period=PERIOD)
+    runner = CheckedRunner(block_size, copy_period=copy_period)
     engine = LLMEngine(cfg, runner, vocab_size=97, **kw)
     runner.pool = engine.kv.pool
     return engine, runner
@@ -141,13 +150,23 @@ def test_beam_search_is_refused_with_speculation():
 
 # ---- exactness -----------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    ("block_size", "budget", "blocks", "prefix"),
-    [(4, 64, 256, True), (4, 64, 256, False), (16, 64, 256, True), (4, 7, 256, True), (4, 64, 18, True)],
+    ("block_size", "budget", "blocks", "prefix", "async_scheduling"),
+    [
+        (4, 64, 256, True, False),
+        (4, 64, 256, False, False),
+        (16, 64, 256, True, False),
+        (4, 7, 256, True, False),
+        (4, 64, 18, True, False),
+        (4, 64, 256, True, True),
+        (4, 64, 18, True, True),
+    ],
 )
-def test_greedy_with_speculation_is_the_reference(block_size, budget, blocks, prefix):
+def test_greedy_with_speculation_is_the_reference(block_size, budget, blocks, prefix, async_scheduling):
     """Greedy output equals the runner's own output alone, token for token, with proposals accepted
-    and rejected, chunked prefill (a budget of 7), prefix caching and forced preemption (18 blocks)."""
-    engine, runner = make_engine(block_size, blocks, budget, prefix)
+    and rejected, chunked prefill (a budget of 7), prefix caching, forced preemption (18 blocks)
+    and async scheduling (steps that propose run synchronously, the others ahead)."""
+    engine, runner = make_engine(block_size, blocks, budget, prefix, async_scheduling=async_scheduling)
+    assert engine.async_scheduling == async_scheduling
     reqs = prompts(block_size + budget + blocks)
     done = run_all(engine, reqs, lambda i: SamplingParams(temperature=0, max_tokens=30 + i, ignore_eos=True))
     for i, p in enumerate(reqs):
@@ -155,7 +174,8 @@ def test_greedy_with_speculation_is_the_reference(block_size, budget, blocks, pr
     m = engine.get_metrics()
     assert m["spec_decode_num_accepted_tokens"] > 0
     assert m["spec_decode_num_accepted_tokens"] < m["spec_decode_num_draft_tokens"]  # rejections too
-    assert m["num_generation_tokens"] == sum(30 + i for i in range(len(reqs)))
+    if not async_scheduling:  # async + preemption over-counts sampled rows, with or without speculation
+        assert m["num_generation_tokens"] == sum(30 + i for i in range(len(reqs)))
     if blocks == 18:
         assert m["num_preemptions"] > 0
 
@@ -253,3 +273,38 @@ def test_rollback_frees_rejected_blocks_and_shows_in_the_trace():
     for e in rollbacks:
         i = trace.index(e)
         assert trace[i + 1]["event"] == "RELEASE" and trace[i + 1]["block_id"] == e["block_id"]
+
+
+def test_backoff_pauses_speculation_where_it_does_not_pay():
+    b = Backoff()
+    on = []
+    for _ in range(40):  # every step that proposes is rejected
+        started = b.start_step()
+        on.append(started)
+        if started:
+            b.record(4, 0)
+    pauses = [len(run) for run in "".join("x" if o else "." for o in on).split("x") if run]
+    assert pauses[:4] == [1, 2, 4, 8]  # paused ever longer
+    assert b.on() is False or b.backoff == 32
+    b.off_steps = 0
+    b.record(4, 3)  # one step that pays resets the pause
+    assert b.on() and b.backoff == 1
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_speculation_turns_itself_down_on_random_output(async_scheduling):
+    """Output that never copies (the hash rule): proposals (1-grams match often) are rejected, so
+    proposing pauses; output is still the reference; with async scheduling most steps run ahead."""
+    engine, runner = make_engine(copy_period=None, async_scheduling=async_scheduling, max_num_seqs=2)
+    drains = []
+    resolve_inflight = engine.core._resolve_inflight
+    engine.core._resolve_inflight = lambda: drains.append(1) or resolve_inflight()
+    reqs = prompts(7, n=2)
+    done = run_all(engine, reqs, lambda i: SamplingParams(temperature=0, max_tokens=120, ignore_eos=True))
+    for i, p in enumerate(reqs):
+        assert done[f"r{i}"].outputs[0].token_ids == reference_generate(p, 120), i
+    m = engine.get_metrics()
+    assert 0 < m["spec_decode_num_drafts"] < runner.steps / 3, (m["spec_decode_num_drafts"], runner.steps)
+    assert m["spec_decode_acceptance_rate"] < 0.2
+    if async_scheduling:  # paused, the engine runs ahead: few steps wait for the one in flight
+        assert 0 < len(drains) < runner.steps / 3, (len(drains), runner.steps)

@@ -59,6 +59,29 @@ def test_under_preemption_and_without_prefix_caching(tiny_models):
     assert spec2 == plain2 == plain
 
 
+@pytest.mark.parametrize("pause", [True, False])
+def test_async_scheduling_with_speculation(tiny_models, pause):
+    """The real runner's async path: a step that proposes waits for the one in flight; while
+    speculation is paused (pause: Backoff as it is; else never) steps run ahead."""
+    prompts = workload(200, seed=11)
+    with LLM(tiny_models["llama"], device="cpu", block_size=8, num_kv_blocks=128, async_scheduling=True) as llm:
+        plain = greedy(llm, prompts, 40)
+    with LLM(
+        tiny_models["llama"],
+        device="cpu",
+        block_size=8,
+        num_kv_blocks=128,
+        async_scheduling=True,
+        speculative_config=SPEC,
+    ) as llm:
+        assert llm.engine.async_scheduling
+        if not pause:
+            llm.engine.scheduler.speculator.backoff.FLOOR = 0.0
+        assert greedy(llm, prompts, 40) == plain
+        m = llm.get_metrics()
+        assert m["spec_decode_num_drafts"] > 0 and m["num_free_kv_blocks"] == m["num_kv_blocks"]
+
+
 def test_the_bundled_model(tiny_models):
     with LLM(default_model_path(), device="cpu", num_kv_blocks=64) as llm:
         text = "The cat sat on the mat. The cat sat on the mat. The cat sat on the mat. The cat"
@@ -66,6 +89,7 @@ def test_the_bundled_model(tiny_models):
         prompts = [ids, ids[5:], workload(llm.hf_config.vocab_size, seed=9)[1]]
         plain = greedy(llm, prompts, 16)
     with LLM(default_model_path(), device="cpu", num_kv_blocks=64, speculative_config=SPEC) as llm:
+        llm.engine.scheduler.speculator.backoff.FLOOR = 0.0  # it would pause: its outputs rarely copy
         assert greedy(llm, prompts, 16) == plain
         assert llm.get_metrics()["spec_decode_num_accepted_tokens"] > 0
 
