@@ -162,3 +162,47 @@ def test_structured_output_penalties_and_n_behave_as_without_speculation():
             if spec is not None:
                 assert llm.get_metrics()["spec_decode_num_drafts"] > 0
     assert runs[1] == runs[0]
+
+
+@pytest.fixture(scope="module")
+def window_families(tiny_models, tmp_path_factory):
+    from tests.model.families import family_checkpoints
+
+    return family_checkpoints(tiny_models["qwen3"], tmp_path_factory)
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "phi3", "mistral", "qwen2"])
+def test_windowed_and_soft_capped_families(window_families, kind):
+    """Sliding-window groups (a rollback trims every group's table; the window's blocks are given
+    back relative to the step's first position, as for a plain decode) and soft caps, past the
+    window of 32 tokens; speculation never pauses here."""
+    prompts = [p * 3 for p in workload(300, seed=12)]  # 9 .. 90 tokens, then 40 more
+    outs = []
+    for spec in (None, SPEC):
+        with LLM(window_families[kind], device="cpu", block_size=8, num_kv_blocks=160, speculative_config=spec) as llm:
+            if spec is not None:
+                llm.engine.scheduler.speculator.backoff.FLOOR = 0.0
+            outs.append(greedy(llm, prompts, 40))
+            m = llm.get_metrics()
+            assert m["num_free_kv_blocks"] == m["num_kv_blocks"]
+    assert outs[1] == outs[0]
+    assert m["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_tensor_parallel(tiny_models):
+    """TP = 2 (gloo on CPU): rank 0 builds the verification step's inputs once for both ranks."""
+    prompts = workload(200, seed=13)
+    outs = []
+    for spec in (None, SPEC):
+        with LLM(
+            tiny_models["qwen3"],
+            device="cpu",
+            block_size=8,
+            num_kv_blocks=64,
+            tensor_parallel_size=2,
+            speculative_config=spec,
+        ) as llm:
+            outs.append(greedy(llm, prompts, 24))
+            if spec is not None:
+                assert llm.get_metrics()["spec_decode_num_drafts"] > 0
+    assert outs[1] == outs[0]
