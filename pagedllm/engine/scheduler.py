@@ -28,6 +28,10 @@ grammar is compiled (it keeps its place in the queue, the ones behind it are adm
 its matcher consumes each token as it is resolved, and the sequence finishes ("stop") as soon as
 its grammar is complete. Forked sequences get copies of the parent's matcher; a preempted one
 keeps its matcher (its outputs are kept); a finished one drops it.
+
+Speculative decoding (spec_decode.py, spec_verify.py): a decoding sequence may get proposals;
+it is scheduled for 1 + k' tokens, samples 1 + k' rows, and resolve keeps the accepted run,
+rolls its computed length and blocks back, and checks the stop conditions token by token.
 """
 
 from __future__ import annotations
@@ -284,10 +288,9 @@ class Scheduler:
                 if idx >= seq.num_tokens:
                     continue  # finished (abort, stop) after this step launched
                 tokens = [result.sampled[r] for r in taken]
-                if drafts:  # speculative (synchronous scheduling only): the accepted run, then roll back
+                if drafts:  # resolved before the next step is scheduled (core.py): the accepted run, rolled back
                     assert self.speculator is not None and seq.status is SequenceStatus.RUNNING
                     tokens = verify(seq, drafts, tokens, self.kv, self.speculator)
-                    out.num_rejected_tokens += 1 + len(drafts) - len(tokens)
                 seq.token_ids[idx : idx + 1] = tokens
                 seq.num_pending -= 1
                 if seq.first_token_time is None:
@@ -299,6 +302,7 @@ class Scheduler:
                         del seq.token_ids[idx + n + 1 : idx + len(tokens)]
                         tokens = tokens[: n + 1]
                         break
+                out.num_rejected_tokens += len(taken) - len(tokens)
                 if seq.status is SequenceStatus.RUNNING:
                     registered = self.kv.cache_full_blocks(seq, seq.num_computed_tokens)
                     if inflight is not None:

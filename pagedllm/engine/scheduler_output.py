@@ -58,7 +58,7 @@ class SchedulerOutput:
         default_factory=list
     )  # set by resolve: beam searches that ended
     step_id: int = 0  # the core's step number, when a timeline records it (timeline.py)
-    num_rejected_tokens: int = 0  # set by resolve: sample rows of proposals not emitted (spec_verify.py)
+    num_rejected_tokens: int = 0  # set by resolve: sample rows whose token was not emitted (rejected, or past a stop)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -156,6 +156,8 @@ class Speculator:
             seq.sampling_params.max_tokens - seq.num_output_tokens - 1,
             self.max_model_len - seq.num_tokens - 1,
         )
+        if limit <= 0:
+            return []
         drafts = self.proposer.propose(seq.token_ids, limit)
         self._looked = True
         if drafts and seq.grammar is not None:

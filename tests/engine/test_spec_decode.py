@@ -225,6 +225,8 @@ def test_stop_token_ids_and_eos_inside_an_accepted_run():
         cut = next(j for j in range(3 - 1, 40) if ref[j] == stops[i])  # min_tokens: not before the third
         out = done[f"r{i}"].outputs[0]
         assert out.token_ids == ref[: cut + 1] and out.finish_reason == "stop", i
+    # tokens past a stop inside a run are not counted as generated
+    assert engine.get_metrics()["num_generation_tokens"] == sum(len(d.outputs[0].token_ids) for d in done.values())
     eos_engine, _ = make_engine()
     eos_engine.core.scheduler.eos_token_ids = frozenset({stops[0]})
     done = run_all(eos_engine, reqs[:1], lambda i: SamplingParams(temperature=0, max_tokens=40))
