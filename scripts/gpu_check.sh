@@ -3,7 +3,7 @@
 # GPU tests, the HF side-by-side and the kernel benchmark, each under its own time limit (about
 # 7 minutes in all on an H200, inside the device tool's 10-minute command limit).
 # Writes logs and JSON under $OUT (default ./gpu_out; at most 8 files come back from the device tool:
-# the benchmark rows all go to one $OUT/<gpu>.json). Usage: bash scripts/gpu_check.sh [full|bench|tests|check|conformance|memcheck|startup|decode|attention|quant|offload]
+# the benchmark rows all go to one $OUT/<gpu>.json). Usage: bash scripts/gpu_check.sh [full|bench|tests|check|conformance|memcheck|startup|decode|attention|quant|offload|spec]
 # (check = bench + tests, without the HF side-by-side and the kernel benchmark)
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
@@ -25,6 +25,18 @@ if [ "$MODE" = conformance ]; then
   timeout ${T_CONF:-480} python3 benchmarks/conformance.py --out "$OUT" --workers ${WORKERS:-12} ${CONF_ARGS:-} 2>&1 \
       | grep -v -i -E "warn|Writing model" | tail -40
   exit ${PIPESTATUS[0]}
+fi
+# spec: speculative decoding (docs/features/speculative-decoding.md): its GPU tests (greedy with == without on
+# CUDA with the default graphs and async scheduling, eager, preemption, the bundled model, seeded sampling), then
+# benchmarks/spec_decode.py on the Qwen3-0.6B shape: TPOT at batch 1, 8, 64 with and without n-gram speculation
+# (k = SPEC_K, default 4) on a copy-heavy workload and on random prompts; rows in $OUT/spec_decode.jsonl
+if [ "$MODE" = spec ]; then
+  timeout ${T_TESTS:-200} python3 -m pytest -q -m gpu -x tests/gpu/test_spec_decode_gpu.py -p no:cacheprovider > "$OUT/spec_tests.log" 2>&1
+  grep -E "Error|error:|FAILED|passed|failed" "$OUT/spec_tests.log" | head -10
+  [ -d $MODEL ] || python3 tools/make_random_model.py --shape qwen3-0.6b --out $MODEL 2>&1 | tail -1
+  timeout ${T_BENCH:-360} python3 benchmarks/spec_decode.py --model $MODEL --max-model-len 8192 --k ${SPEC_K:-4} \
+      --out "$OUT/spec_decode.jsonl" ${SPEC_ARGS:-} 2>&1 | grep '^{' | cut -c1-300
+  exit 0
 fi
 # offload: the host KV tier (pagedllm bench offload, docs/features/host-kv-tier.md) on the Qwen3-0.6B shape
 # with the pool shrunk to 2,048 blocks (32k tokens): a multi-turn chat behind 8 shared 1,024-token system

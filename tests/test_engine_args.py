@@ -83,7 +83,7 @@ def test_flags_parse_into_llm_keywords():
 
 
 def test_every_flag_given_round_trips_into_the_signature():
-    values = {int: "3", float: "0.5", str: "x"}
+    values = {int: "3", float: "0.5", str: "x", dict: '{"method": "ngram", "num_speculative_tokens": 2}'}
     argv = []
     for f in engine_args.ENGINE_FLAGS:
         flag = f.option_strings[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedllm.engine.errors import InvalidRequestError
+from pagedllm.engine.spec_config import SpeculativeConfig
 
 PREFIX_CACHING_HASH_ALGOS = ("xxhash", "sha256")
 # kv_cache_dtype as users spell it (vLLM's names; "fp8" is e4m3), and what "auto" resolves to: the model's dtype
@@ -36,6 +37,7 @@ class SchedulerConfig:
     num_host_kv_blocks: int = 0  # the host tier's blocks (kv_offloading_size over the block bytes); 0: no tier
     preemption_mode: str = "recompute"
     kv_block_bytes: int = 0  # one block id's KV bytes over every rank (metrics: bytes moved); 0: unknown
+    speculative_config: SpeculativeConfig | None = None  # speculative decoding (spec_decode.py); None: off
 
     def __post_init__(self) -> None:
         for name in ("num_kv_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):

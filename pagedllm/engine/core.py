@@ -25,12 +25,13 @@ from pagedllm.engine.beam_search import BeamSearch
 from pagedllm.engine.config import SchedulerConfig
 from pagedllm.engine.core_metrics import core_metrics
 from pagedllm.engine.errors import InvalidRequestError
-from pagedllm.engine.executor import Executor, StepHandle, TokenLogprobs
+from pagedllm.engine.executor import Executor, StepHandle
 from pagedllm.engine.kv_cache_manager import KVCacheManager
 from pagedllm.engine.messages import EngineCoreOutput, EngineCoreRequest, Metrics
 from pagedllm.engine.sampling_params import SamplingParams
-from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
+from pagedllm.engine.scheduler import Resolved, Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import Sequence, SequenceStatus
+from pagedllm.engine.spec_decode import Speculator
 from pagedllm.engine.timeline import Timeline
 from pagedllm.engine.trace import Tracer
 
@@ -64,6 +65,7 @@ class EngineCore:
             groups=executor.kv_cache_groups,
             num_host_blocks=config.num_host_kv_blocks,
         )
+        spec = config.speculative_config
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_seqs,
@@ -71,8 +73,10 @@ class EngineCore:
             config.max_model_len,
             eos_token_ids,
             config.preemption_mode,
+            None if spec is None else Speculator(spec, config.max_model_len),
         )
-        # step N+1 is launched before step N's ids are on the host (needs an executor that offers it)
+        # step N+1 is launched before step N's ids are on the host (needs an executor that offers it);
+        # a step that proposes (speculative decoding) runs synchronously: _step_async
         self.async_scheduling = async_scheduling and executor.supports_async
         self.requests: dict[str, list[Sequence]] = {}  # unfinished: request id -> its sequences, by index
         self._index: dict[int, int] = {}  # seq_id -> the sequence's index in its request
@@ -97,6 +101,10 @@ class EngineCore:
         assert isinstance(params, SamplingParams), "InputProcessor.process checks the params"
         assert 0 < len(ids) < self.config.max_model_len, "InputProcessor.process checks the prompt length"
         if params.use_beam_search:
+            if self.config.speculative_config is not None:
+                raise InvalidRequestError(
+                    "beam search cannot run with speculative decoding (speculative_config)", "use_beam_search"
+                )
             self._add_beam_search(rid, ids, params, request.arrival_time)
             return
         so = params.structured_outputs
@@ -209,12 +217,13 @@ class EngineCore:
         if self.timeline is not None:
             step = self._note_launch(sched, t0)
             self.timeline.event("resolve", step=step)
-        outputs = self._outputs(self.scheduler.update(sched, result), len(result.sampled), sched.finished_searches)
+        touched = self.scheduler.update(sched, result)
+        outputs = self._outputs(touched, len(result.sampled) - sched.num_rejected_tokens, sched.finished_searches)
         return self._grammar_failures() + outputs
 
     def _step_async(self) -> list[EngineCoreOutput]:
         drained: list[EngineCoreOutput] = []
-        if self._inflight is not None and _history_bound(self._inflight[0]):
+        if self._inflight is not None and (_history_bound(self._inflight[0]) or self._speculating(self._inflight[0])):
             drained = self._resolve_inflight()
         return drained + self._launch_and_resolve()
 
@@ -228,7 +237,7 @@ class EngineCore:
             result = handle.result()
             self.kv_load_seconds += result.kv_load_seconds
             touched = self.scheduler.resolve(prev, result)
-            outputs = self._outputs(touched, len(result.sampled), prev.finished_searches)
+            outputs = self._outputs(touched, len(result.sampled) - prev.num_rejected_tokens, prev.finished_searches)
         except BaseException:
             self.kv.uncache(prev.new_cached, prev.new_host_cached)
             self._inflight = None
@@ -237,6 +246,14 @@ class EngineCore:
         if self.timeline is not None:
             self.timeline.event("resolve", step=prev.step_id)
         return outputs
+
+    def _speculating(self, inflight: SchedulerOutput) -> bool:
+        """Speculative decoding under async scheduling: the step in flight is resolved before the
+        next is scheduled when it verifies proposals (its accepted lengths decide where its
+        sequences go on) or when the next step proposes (a proposal needs every token resolved).
+        While speculation is paused (spec_decode.Backoff) steps run ahead as usual."""
+        spec = self.scheduler.speculator
+        return spec is not None and (spec.backoff.on() or any(s.spec_token_ids for s in inflight.scheduled))
 
     def _note_launch(self, sched: SchedulerOutput, t0: float) -> int:
         """Timeline: this step's rows (request, new tokens) with its schedule start and launch times."""
@@ -264,7 +281,7 @@ class EngineCore:
                 if self.timeline is not None:
                     self.timeline.event("resolve", step=prev.step_id)
                 touched = self.scheduler.resolve(prev, result, sched)
-                outputs = self._outputs(touched, len(result.sampled), prev.finished_searches)
+                outputs = self._outputs(touched, len(result.sampled) - prev.num_rejected_tokens, prev.finished_searches)
             outputs = self._grammar_failures() + outputs
         except BaseException:
             for failed in (self._inflight[0] if self._inflight else None, sched):
@@ -277,30 +294,30 @@ class EngineCore:
 
     def _outputs(
         self,
-        touched: list[tuple[Sequence, TokenLogprobs | None]],
+        touched: list[Resolved],
         num_sampled: int,
         searches: list[BeamSearch[Sequence]],
     ) -> list[EngineCoreOutput]:
         self.num_generation_tokens += num_sampled
         outputs = []
         done: list[str] = []
-        for seq, logprobs in touched:
+        for seq, tokens, logprobs in touched:
             index = self._index.get(seq.seq_id)
             if index is None:
                 continue  # aborted while its step ran
-            first = seq.num_resolved_output_tokens == 1
+            first = seq.num_resolved_output_tokens == len(tokens)
             if first and index == 0:
                 self.num_prompt_tokens += seq.num_prompt_tokens
             out = EngineCoreOutput(
                 seq.request_id,
                 index,
-                [seq.last_resolved_token],
+                tokens,
                 None,
                 None,
                 seq.num_cached_tokens,
                 seq.first_token_time,
                 None,
-                None if logprobs is None else [logprobs],
+                None if logprobs is None else [x for x in logprobs if x is not None] or None,
                 seq.prompt_logprobs if first and seq.sampling_params.prompt_logprobs is not None else None,
             )
             if seq.status.finished:  # the finish fields only once (this loop runs per token)

@@ -11,6 +11,7 @@ from pagedllm.engine.host_tier import HostTierStats
 from pagedllm.engine.kv_cache_manager import KVCacheManager
 from pagedllm.engine.messages import Metrics
 from pagedllm.engine.scheduler import Scheduler
+from pagedllm.engine.spec_decode import SpecDecodeStats
 
 
 class MetricsSource(Protocol):
@@ -34,6 +35,7 @@ def core_metrics(self: MetricsSource) -> Metrics:
     q, h = stats.queries, stats.hits
     return {
         **_host_tier_metrics(self),
+        **_spec_decode_metrics(self),
         "num_kv_blocks": kv.num_blocks,
         "num_free_kv_blocks": kv.num_free_blocks,
         "kv_cache_usage": kv.usage,
@@ -95,4 +97,25 @@ def _host_tier_metrics(self: MetricsSource) -> Metrics:
         "num_swapped_out_sequences": sched.num_swapped_out_sequences,
         "num_resumed_sequences": sched.num_resumed,
         "preempted_wait_seconds": sched.preempted_wait_s,
+    }
+
+
+def _spec_decode_metrics(self: MetricsSource) -> Metrics:
+    """Speculative decoding (spec_decode.py), vLLM v1's names: verification rows (`num_drafts`),
+    proposals verified and accepted, accepted per proposal position; the acceptance rate
+    (accepted / proposed) and the mean acceptance length (tokens a verification row emits: 1 +
+    accepted / rows, vLLM's definition). All 0 (and [] per position) when speculation is off."""
+    spec = self.scheduler.speculator
+    if spec is None:
+        stats = SpecDecodeStats(0)
+    else:
+        stats = spec.stats
+    drafts, proposed, accepted = stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens
+    return {
+        "spec_decode_num_drafts": drafts,
+        "spec_decode_num_draft_tokens": proposed,
+        "spec_decode_num_accepted_tokens": accepted,
+        "spec_decode_num_accepted_tokens_per_pos": list(stats.accepted_per_pos),
+        "spec_decode_acceptance_rate": accepted / proposed if proposed else 0.0,
+        "spec_decode_mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
     }

@@ -276,6 +276,20 @@ class KVCacheManager:
         seq.num_registered_blocks = num_full
         return registered
 
+    def rollback(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """Speculative decoding (spec_verify.py): the sequence's computed length falls back to
+        `num_computed_tokens` (rejected proposals' KV is not its own), and the blocks past it, which
+        hold nothing else, go back to the pool in every group (ROLLBACK in the trace, then RELEASE).
+        None of them is registered: a proposal's block is findable only once accepted."""
+        assert num_computed_tokens <= seq.num_computed_tokens, (seq, num_computed_tokens)
+        seq.num_computed_tokens = num_computed_tokens
+        keep = -(-num_computed_tokens // self.block_size)
+        assert seq.num_registered_blocks <= keep, seq
+        if len(seq.block_tables[0]) > keep:
+            for manager in self.managers:
+                manager.trim(seq, keep)
+            seq.block_tables_version += 1
+
     def uncache(self, blocks: list[Block], host_blocks: Seq[Block] = ()) -> None:
         """Make blocks that a step which never ran had registered unfindable again (their KV was
         never written): GPU blocks, and the host blocks of its offloads. Blocks computed after

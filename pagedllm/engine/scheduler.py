@@ -28,6 +28,10 @@ grammar is compiled (it keeps its place in the queue, the ones behind it are adm
 its matcher consumes each token as it is resolved, and the sequence finishes ("stop") as soon as
 its grammar is complete. Forked sequences get copies of the parent's matcher; a preempted one
 keeps its matcher (its outputs are kept); a finished one drops it.
+
+Speculative decoding (spec_decode.py, spec_verify.py): a decoding sequence may get proposals;
+it is scheduled for 1 + k' tokens, samples 1 + k' rows, and resolve keeps the accepted run,
+rolls its computed length and blocks back, and checks the stop conditions token by token.
 """
 
 from __future__ import annotations
@@ -40,9 +44,16 @@ from pagedllm.engine.beam_search import BeamSearch
 from pagedllm.engine.kv_cache_manager import KVCacheManager
 from pagedllm.engine.scheduler_output import PLACEHOLDER, ScheduledSequence, SchedulerOutput
 from pagedllm.engine.sequence import Sequence, SequenceStatus
+from pagedllm.engine.spec_decode import Speculator
+from pagedllm.engine.spec_verify import verify
 from pagedllm.engine.step_result import StepResult, TokenLogprobs
+from pagedllm.engine.stop_conditions import stop_status
 
 logger = logging.getLogger("pagedllm")
+
+# a sequence that got tokens in a step: the tokens (several after an accepted speculative run) and
+# per token its logprobs where any row of the step asked (each None where its own row did not)
+Resolved = tuple[Sequence, list[int], list[TokenLogprobs | None] | None]
 
 __all__ = ["PLACEHOLDER", "ScheduledSequence", "Scheduler", "SchedulerOutput"]
 
@@ -56,6 +67,7 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: set[int] | frozenset[int] = frozenset(),
         preemption_mode: str = "recompute",
+        speculator: Speculator | None = None,
     ):
         # preconditions, not validation: SchedulerConfig.__post_init__ refused non-positive sizes at the edge
         assert max_num_seqs >= 1 and max_num_batched_tokens >= 1, (max_num_seqs, max_num_batched_tokens)
@@ -74,6 +86,7 @@ class Scheduler:
         self.num_forked_sequences = 0  # children forked by parallel sampling (a counter, for metrics)
         # ended (finish_reason "error") by a grammar that failed to compile, and why
         self.grammar_failed: list[tuple[Sequence, str]] = []
+        self.speculator = speculator  # speculative decoding (spec_decode.py): proposals for decodes
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -83,6 +96,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         forked: list[Sequence] = []
+        spec = self.speculator if self.speculator is not None and self.speculator.start_step() else None
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -95,13 +109,15 @@ class Scheduler:
             ):
                 i += 1
                 continue
+            drafts = spec.propose(seq, budget, self.kv) if spec is not None and num_new == 1 else []
+            num_new += len(drafts)  # their slots are allocated: the call below only confirms it
             while not self.kv.allocate_slots(seq, num_new):
                 victims = self._preempt_group(self.running[-1].request_id, out)
                 out.num_preempted += len(victims)
                 if seq in victims:
                     break
             else:
-                self._scheduled(out, ScheduledSequence(seq, num_new), forked)
+                self._scheduled(out, ScheduledSequence(seq, num_new, spec_token_ids=drafts), forked)
                 budget -= num_new
                 i += 1
                 continue
@@ -116,6 +132,8 @@ class Scheduler:
                 if others:
                     out.num_preempted += len(self._preempt_group(others[-1].request_id, out))
                     self._admit(out, budget, forked)
+        if spec is not None:
+            spec.end_step()
         self.running += forked
         out.blocks_to_copy = self.kv.take_blocks_to_copy()
         if out.scheduled:  # a step that launches nothing keeps its copies for the next one
@@ -217,7 +235,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def update(self, out: SchedulerOutput, result: StepResult) -> list[tuple[Sequence, TokenLogprobs | None]]:
+    def update(self, out: SchedulerOutput, result: StepResult) -> list[Resolved]:
         """Apply one step's results (synchronous scheduling): advance, then resolve at once."""
         self.advance(out)
         return self.resolve(out, result)
@@ -241,7 +259,7 @@ class Scheduler:
 
     def resolve(
         self, out: SchedulerOutput, result: StepResult, inflight: SchedulerOutput | None = None
-    ) -> list[tuple[Sequence, TokenLogprobs | None]]:
+    ) -> list[Resolved]:
         """When the step's results arrive: fill the placeholders (one per sample row, in row
         order), keep prompt logprobs, register the blocks whose ids are now known, stop on EOS /
         stop token ids. Returns the sequences that got a token (finished or not), each with the
@@ -253,7 +271,7 @@ class Scheduler:
         now = time.monotonic()
         rows = iter(range(len(result.sampled)))
         logprobs = result.logprobs
-        touched: list[tuple[Sequence, TokenLogprobs | None]] = []
+        touched: list[Resolved] = []
         if result.prompt_logprobs:
             self._keep_prompt_logprobs(out, result)
         searches: dict[int, BeamSearch[Sequence]] = {}
@@ -264,25 +282,35 @@ class Scheduler:
                 self._keep_beam_result(sched.seq, result, next(rows), now, searches)
                 continue
             idx = sched.placeholder_index
+            drafts = sched.spec_token_ids
             for seq in sched.sample_seqs:
-                row = next(rows)
+                taken = [next(rows) for _ in range(1 + len(drafts))]
                 if idx >= seq.num_tokens:
                     continue  # finished (abort, stop) after this step launched
-                token = result.sampled[row]
-                seq.token_ids[idx] = token
+                tokens = [result.sampled[r] for r in taken]
+                if drafts:  # resolved before the next step is scheduled (core.py): the accepted run, rolled back
+                    assert self.speculator is not None and seq.status is SequenceStatus.RUNNING
+                    tokens = verify(seq, drafts, tokens, self.kv, self.speculator)
+                seq.token_ids[idx : idx + 1] = tokens
                 seq.num_pending -= 1
                 if seq.first_token_time is None:
                     seq.first_token_time = now
+                status = None
+                for n, token in enumerate(tokens):  # stop inside an accepted run: the rest is dropped
+                    status = stop_status(seq, token, idx + n + 1, self.eos_token_ids, self.max_model_len)
+                    if status is not None:
+                        del seq.token_ids[idx + n + 1 : idx + len(tokens)]
+                        tokens = tokens[: n + 1]
+                        break
+                out.num_rejected_tokens += len(taken) - len(tokens)
                 if seq.status is SequenceStatus.RUNNING:
                     registered = self.kv.cache_full_blocks(seq, seq.num_computed_tokens)
                     if inflight is not None:
                         inflight.new_cached += registered
-                status = self._grammar_stop(seq, token) if seq.grammar is not None else None
-                if status is None:
-                    status = self.check_stop(seq, token, idx + 1)
                 if status is not None:
                     self.finish(seq, status, now)
-                touched.append((seq, None if logprobs is None else logprobs[row]))
+                row_logprobs = None if logprobs is None else [logprobs[r] for r in taken[: len(tokens)]]
+                touched.append((seq, tokens, row_logprobs))
         for search in searches.values():
             if all(b.beam_result is not None for b in search.beams):
                 self._step_search(search, out)
@@ -346,34 +374,6 @@ class Scheduler:
             skip = have - chunk.start
             if 0 <= skip < len(chunk.entries):
                 seq.prompt_logprobs += chunk.entries[skip:]
-
-    def _grammar_stop(self, seq: Sequence, token: int) -> SequenceStatus | None:
-        """Advance the sequence's matcher by its new token. A complete grammar ends the sequence
-        ("stop", also with ignore_eos and before min_tokens: nothing else could follow). A token
-        the grammar refuses means the mask was not applied: the sequence ends, aborted (logged)."""
-        assert seq.grammar is not None
-        if not seq.grammar.accept(token):
-            return SequenceStatus.FINISHED_ABORTED
-        if seq.grammar.is_stopped:  # the last token is the grammar's (its text is shown), or EOS
-            seq.stop_reason, seq.stopped_on_token = None, token in self.eos_token_ids
-            return SequenceStatus.FINISHED_STOPPED
-        return None
-
-    def check_stop(self, seq: Sequence, token: int, num_tokens: int) -> SequenceStatus | None:
-        """Stop after `token`, the sequence's num_tokens-th token? EOS and stop token ids first
-        (once min_tokens are out), then max_tokens and max_model_len."""
-        p = seq.sampling_params
-        num_output = num_tokens - seq.num_prompt_tokens
-        if num_output >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_token_ids:
-                seq.stop_reason, seq.stopped_on_token = None, True
-                return SequenceStatus.FINISHED_STOPPED
-            if p.stop_token_ids and token in p.stop_token_ids:
-                seq.stop_reason, seq.stopped_on_token = token, True
-                return SequenceStatus.FINISHED_STOPPED
-        if num_output >= p.max_tokens or num_tokens >= self.max_model_len:
-            return SequenceStatus.FINISHED_LENGTH
-        return None
 
     def reached_length(self, seq: Sequence) -> bool:
         """Its last (possibly pending) token is the last allowed: nothing more to schedule."""

@@ -26,6 +26,9 @@ class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int
     forks: list[Sequence] = field(default_factory=list)  # children forked at this step: they sample from seq's row
+    # speculative decoding (spec_decode.py): proposals verified this step, the step's inputs after the
+    # last token; the step samples 1 + len(spec_token_ids) rows for seq (none of them in token_ids)
+    spec_token_ids: list[int] = field(default_factory=list)
     # set by Scheduler.advance() at launch
     sampled: bool = False
     computed_after: int = 0
@@ -34,7 +37,7 @@ class ScheduledSequence:
     @property
     def samples(self) -> bool:
         """True when this step computes the sequence's last token, so a new one is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens + len(self.spec_token_ids)
 
     @property
     def sample_seqs(self) -> list[Sequence]:
@@ -55,6 +58,7 @@ class SchedulerOutput:
         default_factory=list
     )  # set by resolve: beam searches that ended
     step_id: int = 0  # the core's step number, when a timeline records it (timeline.py)
+    num_rejected_tokens: int = 0  # set by resolve: sample rows whose token was not emitted (rejected, or past a stop)
 
     @property
     def num_batched_tokens(self) -> int:

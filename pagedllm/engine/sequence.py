@@ -55,6 +55,8 @@ class Sequence:
     its own first token from that step's logits. Until then a child is WAITING in no queue.
     """
 
+    draft_prefix: tuple[int, ...] = ()  # as a sample row: no proposals before it (draft_row.py)
+
     def __init__(
         self,
         request_id: str,

@@ -174,6 +174,19 @@ class FullAttentionManager:
         seq.block_tables[self.group] = []
         seq.chain_prefix_ids[self.group] = None
 
+    def trim(self, seq: Sequence, num_blocks: int) -> None:
+        """Release the table's blocks past its first `num_blocks`, tail-first (a rollback: they
+        hold only rejected proposals' KV, and no hash)."""
+        table = seq.block_tables[self.group]
+        while len(table) > num_blocks:
+            block_id = table.pop()
+            assert block_id != NULL_BLOCK, seq  # a window gives back blocks before the new tokens only
+            block = self.pool.blocks[block_id]
+            assert block.block_hash is None, block  # allocated for proposals in this step: never findable
+            if self.pool.tracer:
+                self.pool._trace("ROLLBACK", block, seq.seq_id)
+            self.pool.release(block, seq.seq_id)
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block the parent holds in this group, by reference count."""
         table = parent.block_tables[self.group]

@@ -47,6 +47,9 @@ class Seq(Protocol):
     @property
     def sampling_params(self) -> SamplingParams: ...
 
+    @property
+    def draft_prefix(self) -> tuple[int, ...]: ...
+
 
 logger = logging.getLogger("pagedllm")
 
@@ -169,12 +172,19 @@ def grammar_bitmask(sampled: Sequence[Seq], vocab_size: int) -> tuple[np.ndarray
     manager = rows[0][2].manager  # one per engine core: every sequence's grammar comes from it
     words = (vocab_size + 31) // 32
     bits = allocate_token_bitmask(len(rows), manager.vocab_size)
-    matchers = [g.matcher for _, _, g in rows]
-    if len(rows) >= PARALLEL_FILL_ROWS:
-        fill_next_token_bitmask_par(manager.executor, [(m, k) for k, m in enumerate(matchers)], bits)
+    plain = [(g.matcher, k) for k, (_, q, g) in enumerate(rows) if not q.draft_prefix]
+    if len(plain) >= PARALLEL_FILL_ROWS:
+        fill_next_token_bitmask_par(manager.executor, plain, bits)
     else:
-        for k, m in enumerate(matchers):
+        for m, k in plain:
             fill_next_token_bitmask(m, bits, k)
+    for k, (_, q, g) in enumerate(rows):  # a verification row: the matcher after its proposals, then back
+        if q.draft_prefix:
+            m = g.matcher
+            ok = m.consume_tokens(list(q.draft_prefix))
+            assert ok, "proposals are cut before the first token the grammar refuses (spec_decode.py)"
+            fill_next_token_bitmask(m, bits, k)
+            m.rollback(len(q.draft_prefix))
     if bits.shape[1] != words:  # the model's logits are wider or narrower than the tokenizer
         fit = np.zeros((len(rows), words), dtype=np.int32)
         n = min(words, bits.shape[1])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import os
 import types
 import typing
@@ -75,6 +76,17 @@ def byte_size(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return int(value)
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """`{"method": "ngram", ...}` -> a dict (its keys and values are LLM's to check)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 # ---- the table ------------------------------------------------------------------------------
@@ -175,6 +187,14 @@ FLAG_HELP: dict[str, FlagHelp] = {
         "host tier (needs --kv-offloading-size) and loaded back on resume",
         choices=PREEMPTION_MODES,
     ),
+    "speculative_config": FlagHelp(
+        'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": K, '
+        '"prompt_lookup_max": A, "prompt_lookup_min": B}; exact: greedy output is unchanged and sampled '
+        "output keeps the model's distribution (docs/features/speculative-decoding.md)",
+        "off",
+        type=json_object,
+        metavar="JSON",
+    ),
     "generation_config": FlagHelp(
         "sampling defaults of requests that leave fields unset: auto = the model's generation_config.json, "
         "vllm = none (SamplingParams' own), or a directory holding a generation_config.json",
@@ -204,10 +224,13 @@ class EngineFlag:
 
 
 def _kind(annotation: Any) -> type:
-    """`int | None` -> int; the annotation of an LLM argument must be one plain type, optionally None."""
+    """`int | None` -> int; the annotation of an LLM argument must be one plain type, optionally None
+    (or a dict, given on the command line as JSON)."""
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         annotation = args[0] if len(args) == 1 else annotation
+    if typing.get_origin(annotation) is dict:
+        return dict
     if annotation not in (int, float, str, bool):
         raise TypeError(f"LLM argument annotated {annotation!r}: the flag table knows int, float, str and bool")
     return typing.cast(type, annotation)

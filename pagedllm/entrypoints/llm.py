@@ -15,6 +15,7 @@ from pagedllm.engine.errors import InvalidRequestError
 from pagedllm.engine.executor import Executor
 from pagedllm.engine.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput
 from pagedllm.engine.sampling_params import BeamSearchParams, sampling_params_with_defaults
+from pagedllm.engine.spec_config import SpeculativeConfig
 from pagedllm.engine.startup_times import StartupTimes
 from pagedllm.entrypoints.logs import ensure_log_handler
 from pagedllm.entrypoints.model_dir import (
@@ -74,6 +75,7 @@ class LLM:
         quantization: str | None = None,
         kv_offloading_size: float = 0.0,
         preemption_mode: str = "recompute",
+        speculative_config: dict[str, Any] | None = None,
         **kwargs: Any,
     ):
         """vLLM's arguments. `model`: a local Hugging Face directory or a hub id already in the
@@ -81,7 +83,10 @@ class LLM:
         to look in); nothing is downloaded. `trust_remote_code` changes nothing: pagedllm never
         runs a model's own code, it runs the architectures it implements (model/registry.py), and
         any other fails naming it. `enable_chunked_prefill` is always on (a prompt longer than
-        max_num_batched_tokens is prefilled over several steps); False is refused."""
+        max_num_batched_tokens is prefilled over several steps); False is refused.
+        `speculative_config`: vLLM's dict, {"method": "ngram", "num_speculative_tokens": k,
+        "prompt_lookup_max": a, "prompt_lookup_min": b} (docs/features/speculative-decoding.md);
+        a draft model ("model") is refused."""
         _check_vllm_only(kwargs)
         if not enable_chunked_prefill:
             raise InvalidRequestError(
@@ -143,6 +148,7 @@ class LLM:
                 "kv_offloading_size > 0",
                 "preemption_mode",
             )
+        spec = SpeculativeConfig.parse(speculative_config)  # refuses what it cannot run exactly, naming the key
         ensure_log_handler()  # the INFO lines (KV cache size, ...) visible as in vLLM, unless logging is set up
         started = time.perf_counter()
         startup = StartupTimes()
@@ -224,6 +230,7 @@ class LLM:
             num_host_kv_blocks=runner.num_host_kv_blocks,
             preemption_mode=preemption_mode,
             kv_block_bytes=runner.block_bytes * tensor_parallel_size,
+            speculative_config=spec,
         )
         self.hf_config = hf_config
         self.model_path = model

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from pagedllm.engine.draft_row import DraftRow, SampleRow
 from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.engine.scheduler_output import PLACEHOLDER
-from pagedllm.engine.sequence import Sequence
 from pagedllm.ops.logits_controls import LogitsControls
 
 _NO_IDS = np.zeros(0, dtype=np.int64)
@@ -53,8 +53,11 @@ class TokenHistory:
     def end_step(self) -> None:
         self.previous, self.current = self.current, {}
 
-    def ids(self, seq: Sequence) -> np.ndarray:
-        """[seq.num_tokens] int64, the sequence's ids now (a view into the kept buffer)."""
+    def ids(self, seq: SampleRow) -> np.ndarray:
+        """[seq.num_tokens] int64, the sequence's ids now (a view into the kept buffer); a DraftRow's
+        are its sequence's and its proposals (a copy: proposals never enter the kept buffer)."""
+        if isinstance(seq, DraftRow):
+            return np.concatenate([self.ids(seq.base), np.asarray(seq.draft_prefix, dtype=np.int64)])
         sid = seq.seq_id
         buf, n = self.current.get(sid) or self.previous.get(sid) or (_NO_IDS, 0)
         toks = seq.token_ids
@@ -89,7 +92,7 @@ def _flat(parts: list[np.ndarray], vocab_size: int) -> np.ndarray:
     return flat
 
 
-def _bad_word_bans(seq: Sequence, history: TokenHistory) -> list[int]:
+def _bad_word_bans(seq: SampleRow, history: TokenHistory) -> list[int]:
     """The ids seq may not draw now: the last token of each bad word whose other tokens end the output."""
     words = seq.sampling_params.bad_words_token_ids or []
     out = None
@@ -106,7 +109,7 @@ def _bad_word_bans(seq: Sequence, history: TokenHistory) -> list[int]:
     return banned
 
 
-def build_logits_controls(sampled: list[Sequence], vocab_size: int, history: TokenHistory) -> LogitsControls | None:
+def build_logits_controls(sampled: list[SampleRow], vocab_size: int, history: TokenHistory) -> LogitsControls | None:
     """The controls of the sample rows `sampled` (row i samples for sampled[i]); None when no row
     uses one. Called before `Scheduler.advance`: a sequence's ids are the ones before the token
     drawn now."""

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagedllm.engine.draft_row import DraftRow, SampleRow
 from pagedllm.engine.kv_cache_groups import KVCacheGroup
-from pagedllm.engine.scheduler_output import SchedulerOutput
-from pagedllm.engine.sequence import Sequence
+from pagedllm.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedllm.worker.logits_controls import LogitsControls, TokenHistory, build_logits_controls, uses_logits_controls
 
 
@@ -71,7 +71,7 @@ class StepInputs:
     # the sample rows' sequences when any has a grammar (else None): rank 0 fills token_bitmask from
     # them once the step's forward is queued, so the host's mask fill overlaps the device's forward
     # (ModelRunner.launch). Local to rank 0: never pickled (the other ranks do not sample).
-    grammar_seqs: list[Sequence] | None = None
+    grammar_seqs: list[SampleRow] | None = None
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "grammar_seqs": None}
@@ -90,7 +90,7 @@ class StepInputs:
 
 
 def min_tokens_mask(
-    sampled: list[Sequence], eos_token_ids: frozenset[int], vocab_size: int
+    sampled: list[SampleRow], eos_token_ids: frozenset[int], vocab_size: int
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """The ids a row may not draw yet: while a sequence has fewer than min_tokens output tokens,
     its EOS ids (unless ignore_eos) and its stop_token_ids (vLLM's min-tokens logits processor).
@@ -177,22 +177,25 @@ def build_step_inputs(
     else:
         input_ids = np.concatenate(
             [
-                np.asarray(s.seq.token_ids[a:b], dtype=np.int64)
+                np.asarray(s.seq.token_ids[a:b] if not s.spec_token_ids else [*s.seq.token_ids[a:], *s.spec_token_ids])
                 for s, a, b in zip(sched, start.tolist(), end.tolist(), strict=False)
             ]
-        )
+        ).astype(np.int64, copy=False)
     tables = (table_rows or BlockTableRows()).tables(sched, max(1, len(groups)))
     slots = tables[:, seq_of_token, positions // block_size].astype(np.int64) * block_size
     slots += positions % block_size  # [groups, T]
     slot_mapping, block_tables = slots[0], tables[0]
     group_tables = [(slots[g], tables[g]) for g in range(1, len(tables))]
-    samples = end == np.fromiter((s.seq.num_tokens for s in sched), dtype=np.int64, count=len(sched))
+    num_tokens = np.fromiter(
+        (s.seq.num_tokens + len(s.spec_token_ids) for s in sched), dtype=np.int64, count=len(sched)
+    )
+    samples = end == num_tokens
     logits_indices = (cu[1:][samples] - 1).astype(np.int64)
-    sampled = [s.seq for s, keep in zip(sched, samples, strict=False) if keep]
-    if any(s.forks for s in sched):  # parallel sampling: a forking row is sampled once per child too
-        rows = [(s.sample_seqs, int(cu[i + 1]) - 1) for i, s in enumerate(sched) if samples[i]]
-        sampled = [q for seqs, _ in rows for q in seqs]
-        logits_indices = np.array([r for seqs, r in rows for _ in seqs], dtype=np.int64)
+    sampled: list[SampleRow] = [s.seq for s, keep in zip(sched, samples, strict=False) if keep]
+    if any(s.forks or s.spec_token_ids for s in sched):  # several sample rows for one scheduled sequence
+        rows = [row for i, s in enumerate(sched) if samples[i] for row in _sample_rows(s, int(cu[i + 1]) - 1)]
+        sampled = [q for q, _ in rows]
+        logits_indices = np.array([r for _, r in rows], dtype=np.int64)
     params = [q.sampling_params for q in sampled]
     any_min_tokens = any(p.min_tokens for p in params)
     num_logprobs = [q.num_logprobs for q in sampled]
@@ -229,6 +232,17 @@ def build_step_inputs(
         grammar_seqs=sampled if any(q.grammar is not None for q in sampled) else None,
         logits_controls=controls,
     )
+
+
+def _sample_rows(s: ScheduledSequence, last: int) -> list[tuple[SampleRow, int]]:
+    """(row, hidden index) of a sampling sequence: parallel sampling draws once per child from its
+    last row; a verification step (spec_verify.py) draws from its last 1 + k' rows, row j as if
+    its first j proposals were its output (draft_row.py)."""
+    drafts = s.spec_token_ids
+    if not drafts:
+        return [(q, last) for q in s.sample_seqs]
+    k = len(drafts)
+    return [(s.seq, last - k)] + [(DraftRow(s.seq, tuple(drafts[:j])), last - k + j) for j in range(1, k + 1)]
 
 
 def prompt_logprobs_rows(sched: list, cu: np.ndarray, start: np.ndarray, end: np.ndarray) -> list[PromptLogprobsRows]:

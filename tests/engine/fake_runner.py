@@ -33,6 +33,16 @@ def next_token(context: list) -> int:
     return zlib.crc32(repr(context).encode()) % VOCAB
 
 
+def copy_token(context: list, period: int) -> int:
+    """A copy-heavy rule (speculative decoding's tests): mostly the token read back `period`
+    positions ago, else (one time in four, and while there is none) the context's hash; either way
+    a function of what was read back, so wrong KV still changes the output."""
+    h = zlib.crc32(repr(context).encode())
+    if len(context) >= period and h % 4 and context[-period] is not None:
+        return context[-period][-1]
+    return h % VOCAB
+
+
 def drain(engine) -> dict:
     """Step an LLMEngine until nothing is unfinished: request id -> its final RequestOutput."""
     done = {}
@@ -59,14 +69,20 @@ def windowed_context(tokens: list, windows: tuple[int | None, ...]) -> list:
 
 
 def reference_generate(
-    prompt: list[int], max_tokens: int, seed: int | None = None, windows: tuple[int | None, ...] | None = None
+    prompt: list[int],
+    max_tokens: int,
+    seed: int | None = None,
+    windows: tuple[int | None, ...] | None = None,
+    copy_period: int | None = None,
 ) -> list[int]:
-    """What ShadowRunner samples for a request alone (seed: with salt_by_seed=True; windows: its groups')."""
+    """What ShadowRunner samples for a request alone (seed: with salt_by_seed=True; windows: its
+    groups'; copy_period: with its copy rule)."""
     tokens = list(prompt)
     out = []
     for _ in range(max_tokens):
         ctx: list = [(p, tok) for p, tok in enumerate(tokens)] if windows is None else windowed_context(tokens, windows)
-        t = next_token(ctx if seed is None else [*ctx, ("seed", seed)])
+        ctx = ctx if seed is None else [*ctx, ("seed", seed)]
+        t = next_token(ctx) if copy_period is None else copy_token(ctx, copy_period)
         tokens.append(t)
         out.append(t)
     return out
@@ -77,7 +93,10 @@ class ShadowRunner:
     num_kv_blocks reports what the test asks for. supports_async=False makes the engine
     drive it with execute only. salt_by_seed=True mixes a seeded row's seed into its token, so
     the children of a forked row (seeds seed + i) draw different tokens from the same context.
-    Rows and prompts that ask for logprobs get `fake_logprobs`."""
+    Rows and prompts that ask for logprobs get `fake_logprobs`. copy_period: draw with
+    `copy_token` (copy-heavy output, so n-gram proposals are often accepted). A verification
+    step's proposals (ScheduledSequence.spec_token_ids) are written after the last token and each
+    of its rows reads back the context up to its own position."""
 
     def __init__(
         self,
@@ -86,8 +105,10 @@ class ShadowRunner:
         supports_async: bool = True,
         salt_by_seed: bool = False,
         windows: tuple[int | None, ...] | None = None,
+        copy_period: int | None = None,
     ):
         self.block_size = block_size
+        self.copy_period = copy_period
         self.windows = windows
         # one group per window, of one made-up layer each (the layers do not matter to the fake)
         self.kv_cache_groups = tuple(KVCacheGroup((g,), w) for g, w in enumerate(windows or (None,)))
@@ -108,8 +129,8 @@ class ShadowRunner:
         assert block >= 0, (seq, group, pos)  # a NULL_BLOCK entry is never read or written
         return block * self.block_size + pos % self.block_size
 
-    def _context(self, seq: Sequence) -> list:
-        n = seq.num_tokens
+    def _context(self, seq: Sequence, n: int | None = None) -> list:
+        n = seq.num_tokens if n is None else n
         if self.windows is None:
             return [self.shadow.get(self.slot(seq, p)) for p in range(n)]
         return [
@@ -162,7 +183,7 @@ class ShadowRunner:
             seq = s.seq
             kinds.add(s.num_new_tokens == 1 and seq.num_computed_tokens > 0)
             for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + s.num_new_tokens):
-                token = seq.token_ids[pos]
+                token = seq.token_ids[pos] if pos < seq.num_tokens else s.spec_token_ids[pos - seq.num_tokens]
                 if token == PLACEHOLDER:  # async scheduling: the id lives "on the device"
                     token = self.device_tokens[(seq.seq_id, pos)]
                 if self.windows is None:
@@ -182,14 +203,16 @@ class ShadowRunner:
                 self._prompt_logprobs(s, k, prompt)
             if not s.samples:
                 continue
-            ctx = self._context(seq)
-            for q in s.sample_seqs:
-                seed = q.sampling_params.seed
-                token = next_token(ctx if seed is None or not self.salt_by_seed else [*ctx, ("seed", seed)])
-                sampled.append(token)
-                self.device_tokens[(q.seq_id, seq.num_tokens)] = token
-                num = q.num_logprobs
-                logprobs.append(None if num is None else fake_logprobs(token, num, ctx))
+            for j in range(len(s.spec_token_ids) + 1):
+                ctx = self._context(seq, seq.num_tokens + j)
+                for q in s.sample_seqs:
+                    seed = q.sampling_params.seed
+                    salted = ctx if seed is None or not self.salt_by_seed else [*ctx, ("seed", seed)]
+                    token = next_token(salted) if self.copy_period is None else copy_token(salted, self.copy_period)
+                    sampled.append(token)
+                    self.device_tokens[(q.seq_id, seq.num_tokens)] = token
+                    num = q.num_logprobs
+                    logprobs.append(None if num is None else fake_logprobs(token, num, ctx))
         has_logprobs = any(x is not None for x in logprobs)
         return StepResult(sampled, logprobs if has_logprobs else None, prompt or None)
 

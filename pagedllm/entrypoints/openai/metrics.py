@@ -80,6 +80,14 @@ COUNTERS = [  # exposed with the _total suffix
         "KV blocks copied before a write into a shared block (copy-on-write).",
         "num_copy_on_write_blocks",
     ),
+    # speculative decoding (docs/features/speculative-decoding.md): vLLM v1's spec_decode_* counters
+    (
+        "pagedllm:spec_decode_num_drafts",
+        "Verification rows: sequences verified with proposals.",
+        "spec_decode_num_drafts",
+    ),
+    ("pagedllm:spec_decode_num_draft_tokens", "Proposed tokens verified.", "spec_decode_num_draft_tokens"),
+    ("pagedllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted.", "spec_decode_num_accepted_tokens"),
 ]
 TTFT_BUCKETS = [
     0.001,
@@ -197,6 +205,15 @@ class _EngineCollector(Collector):
             window = "" if g["sliding_window"] is None else str(g["sliding_window"])
             groups.add_metric([self.model_name, str(g["group"]), g["kind"], window], float(g["num_blocks"]))
         yield groups
+        # accepted proposals by their position in the proposal (vLLM's labelled counter)
+        per_pos = CounterMetricFamily(
+            "pagedllm:spec_decode_num_accepted_tokens_per_pos",
+            "Proposed tokens accepted, by position in the proposal (0 = the first).",
+            labels=["model_name", "position"],
+        )
+        for pos, n in enumerate(m.get("spec_decode_num_accepted_tokens_per_pos", [])):
+            per_pos.add_metric([self.model_name, str(pos)], float(n))
+        yield per_pos
 
 
 class ServerMetrics:

@@ -1,0 +1,154 @@
+#!/usr/bin/env python3
+"""Speculative decoding (n-gram prompt lookup): TPOT with and without it, at several batch sizes,
+on a copy-heavy workload and on random prompts (docs/features/speculative-decoding.md).
+
+Workloads (`--workloads`):
+  copy    each prompt is a random phrase of `--phrase-len` tokens repeated `--repeats` times: a
+          model that continues the repetition (trained models do; random-weight ones often fall
+          into loops of their own) emits what prompt lookup proposes, so acceptance is high
+  random  `--input-len` random token ids: proposals are rare and mostly rejected (acceptance ~0)
+Each (workload, batch) runs with speculation off and with `--k` proposals (`--spec-config` for
+the other keys), batch = requests submitted at once (`--batches`, default 1 8 64), each
+`--output-len` new tokens with EOS ignored, greedy. One warm-up generate per engine first; then
+`--repeat` timed runs, the median reported.
+
+Reported per row: TPOT (mean over the requests of (finish - first token) / (tokens - 1), in ms),
+output tokens/s (all requests' tokens over the wall time), and with speculation the acceptance
+rate, the mean acceptance length (tokens per verification row) and the drafts' share of steps
+(from get_metrics(), deltas over the timed runs), plus `greedy_equal`: the speculative outputs equal
+the plain ones token for token (they must). Rows (JSON lines) go to `--out` with the commit, GPU
+and library versions.
+
+    python benchmarks/spec_decode.py --model /tmp/qwen3-0.6b --out $OUT/spec_decode.jsonl       # H200
+    python benchmarks/spec_decode.py --batches 1 4 --output-len 32 --input-len 64 --repeat 1    # CPU, bundled model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+
+SPEC_KEYS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from pagedllm.entrypoints.args import add_engine_args
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(p)
+    p.add_argument("--workloads", nargs="+", default=["copy", "random"], choices=["copy", "random"])
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64], help="requests at once (default: 1 8 64)")
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens (default: 4)")
+    p.add_argument("--prompt-lookup-max", type=int, default=4)
+    p.add_argument("--prompt-lookup-min", type=int, default=2)
+    p.add_argument("--output-len", type=int, default=256, help="new tokens per request, EOS ignored (default: 256)")
+    p.add_argument("--input-len", type=int, default=512, help="random workload: prompt tokens (default: 512)")
+    p.add_argument("--phrase-len", type=int, default=64, help="copy workload: the repeated phrase (default: 64)")
+    p.add_argument("--repeats", type=int, default=8, help="copy workload: repetitions in the prompt (default: 8)")
+    p.add_argument("--repeat", type=int, default=3, help="timed runs per point; the median (default: 3)")
+    p.add_argument("--prompt-seed", type=int, default=0, help="seeds the prompts (default: 0)")
+    p.add_argument("--out", help="append the rows here as JSON lines")
+    p.add_argument("--label", default="", help="free text stored with the rows")
+    return p.parse_args(argv)
+
+
+def make_prompts(workload: str, n: int, vocab: int, args) -> list[list[int]]:
+    rng = random.Random(f"{args.prompt_seed}-{workload}-{n}")
+    lo = min(1000, vocab // 4)  # away from special ids
+    if workload == "random":
+        return [[rng.randrange(lo, vocab) for _ in range(args.input_len)] for _ in range(n)]
+    return [[rng.randrange(lo, vocab) for _ in range(args.phrase_len)] * args.repeats for _ in range(n)]
+
+
+def timed(llm, prompts: list[list[int]], args) -> tuple[float, float, list[list[int]]]:
+    """Wall seconds, mean TPOT (s) and the outputs of one generate over all prompts at once."""
+    from pagedllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    wall = time.perf_counter() - t
+    tpots = []
+    for o in outs:
+        m, n = o.metrics, len(o.outputs[0].token_ids)
+        if m is not None and m.first_token_time is not None and m.finish_time is not None and n > 1:
+            tpots.append((m.finish_time - m.first_token_time) / (n - 1))
+    return wall, statistics.mean(tpots), [list(o.outputs[0].token_ids) for o in outs]
+
+
+def point(llm, spec: dict | None, workload: str, batch: int, vocab: int, args) -> dict:
+    """One (workload, batch) row: the median of --repeat timed runs; metrics deltas over them."""
+    prompts = make_prompts(workload, batch, vocab, args)
+    before = llm.get_metrics()
+    runs = [timed(llm, prompts, args) for _ in range(args.repeat)]
+    after = llm.get_metrics()
+    wall = statistics.median(r[0] for r in runs)
+    drafts, proposed, accepted = (after.get(k, 0) - before.get(k, 0) for k in SPEC_KEYS)
+    return {
+        "workload": workload,
+        "batch": batch,
+        "speculative": spec is not None,
+        "k": 0 if spec is None else args.k,
+        "tpot_ms": 1e3 * statistics.median(r[1] for r in runs),
+        "output_tok_s": batch * args.output_len / wall,
+        "wall_s": wall,
+        "acceptance_rate": accepted / proposed if proposed else 0.0,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
+        "num_drafts": drafts,
+        "outputs": runs[0][2],
+    }
+
+
+def run_engine(spec: dict | None, args, engine_kw: dict) -> list[dict]:
+    from pagedllm import LLM
+
+    rows = []
+    with LLM(**engine_kw, speculative_config=spec) as llm:
+        vocab = llm.hf_config.vocab_size
+        timed(llm, make_prompts("copy", 1, vocab, args)[:1], args)  # warm-up
+        for workload in args.workloads:
+            for batch in args.batches:
+                rows.append(point(llm, spec, workload, batch, vocab, args))
+                print(json.dumps({k: v for k, v in rows[-1].items() if k != "outputs"}), file=sys.stderr)
+    return rows
+
+
+def main(argv=None) -> None:
+    from pagedllm.bench.common import environment
+    from pagedllm.entrypoints.args import engine_kwargs
+
+    args = parse_args(argv)
+    engine_kw = engine_kwargs(args)
+    engine_kw.pop("speculative_config", None)
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": args.k,
+        "prompt_lookup_max": args.prompt_lookup_max,
+        "prompt_lookup_min": args.prompt_lookup_min,
+    }
+    plain = run_engine(None, args, engine_kw)
+    fast = run_engine(spec, args, engine_kw)
+    env = environment()
+    lines = []
+    for a, b in zip(plain, fast, strict=True):
+        for row in (a, b):
+            row["greedy_equal"] = a["outputs"] == b["outputs"]
+            row["tpot_speedup"] = a["tpot_ms"] / b["tpot_ms"] if row is b else 1.0
+            out = {k: v for k, v in row.items() if k != "outputs"}
+            out.update(bench="spec_decode", output_len=args.output_len, label=args.label, **env)
+            out["engine"] = {k: v for k, v in engine_kw.items() if k != "model"}
+            out["model"] = engine_kw["model"]
+            lines.append(out)
+            print(json.dumps(out))
+    if args.out:
+        with open(args.out, "a") as f:
+            for line in lines:
+                f.write(json.dumps(line) + "\n")
+
+
+if __name__ == "__main__":
+    main()

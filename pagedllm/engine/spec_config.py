@@ -1,0 +1,78 @@
+"""speculative_config: what LLM(speculative_config=...) and --speculative-config (JSON) take, with
+vLLM's keys, checked once at the edge; every refusal names its field (`speculative_config.<key>`).
+Speculative decoding itself: spec_decode.py (proposing) and spec_verify.py (verifying)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pagedllm.engine.errors import InvalidRequestError
+
+FIELD = "speculative_config"
+METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 32
+DEFAULT_PROMPT_LOOKUP_MAX = 5
+DEFAULT_PROMPT_LOOKUP_MIN = 2
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's keys. `num_speculative_tokens` k: proposals per step and sequence at most;
+    `prompt_lookup_max` / `prompt_lookup_min`: the longest and shortest n-gram looked up."""
+
+    num_speculative_tokens: int
+    method: str = "ngram"
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN
+
+    @classmethod
+    def parse(cls, value: Mapping[str, Any] | str | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """From LLM's argument or --speculative-config's JSON; InvalidRequestError naming the field."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise InvalidRequestError(f"{FIELD} must be a JSON object: {e}", FIELD) from None
+        if not isinstance(value, Mapping):
+            raise InvalidRequestError(f"{FIELD} must be a dict (a JSON object), got {type(value).__name__}", FIELD)
+        for key in value:
+            if key not in _KEYS:
+                raise InvalidRequestError(
+                    f"{FIELD}.{key} is not supported; the keys are {', '.join(_KEYS[:4])}", f"{FIELD}.{key}"
+                )
+        if "model" in value:
+            raise InvalidRequestError(
+                f"{FIELD}.model: draft-model speculation is not supported yet; use method 'ngram'", f"{FIELD}.model"
+            )
+        method = value.get("method", "ngram")
+        if method not in METHODS:
+            raise InvalidRequestError(
+                f"{FIELD}.method must be one of {', '.join(METHODS)}, got {method!r}", f"{FIELD}.method"
+            )
+        if "num_speculative_tokens" not in value:
+            raise InvalidRequestError(f"{FIELD}.num_speculative_tokens is required", f"{FIELD}.num_speculative_tokens")
+        k = _int(value, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
+        hi = _int(value, "prompt_lookup_max", 1, 1 << 16) if value.get("prompt_lookup_max") is not None else None
+        lo = _int(value, "prompt_lookup_min", 1, 1 << 16) if value.get("prompt_lookup_min") is not None else None
+        if hi is None and lo is None:
+            hi, lo = DEFAULT_PROMPT_LOOKUP_MAX, DEFAULT_PROMPT_LOOKUP_MIN
+        hi, lo = hi or lo, lo or hi  # one given: the other is the same (vLLM's rule)
+        assert hi is not None and lo is not None
+        if lo > hi:
+            raise InvalidRequestError(
+                f"{FIELD}.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})", f"{FIELD}.prompt_lookup_min"
+            )
+        return cls(k, method, hi, lo)
+
+
+def _int(value: Mapping[str, Any], key: str, lo: int, hi: int) -> int:
+    v = value[key]
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise InvalidRequestError(f"{FIELD}.{key} must be an integer in [{lo}, {hi}], got {v!r}", f"{FIELD}.{key}")
+    return v

@@ -1,0 +1,173 @@
+"""Speculative decoding, the proposing half: the config, the n-gram (prompt lookup) proposer and
+the bound on how many proposals a sequence may verify in one step (spec_verify.py verifies them).
+
+A proposal is a point mass: the proposer names k' tokens, no distribution. The verification step
+computes the target's logits at the 1 + k' positions [last token, d_1 .. d_k'] and draws a token
+from each row exactly as without speculation (row j's processed distribution given the tokens
+before it plus d_1 .. d_j). Rejection sampling with a point-mass proposal q = delta(d) accepts d
+with probability min(1, p(d) / q(d)) = p(d) and, on rejection, draws from p with d removed and
+renormalized; drawing x ~ p and accepting d exactly when x == d does both at once (P(x == d) =
+p(d), and x given x != d is that residual). So each emitted token is distributed exactly as the
+target's, greedy rows emit the target's argmax, and a seeded row's draw, keyed by (seed, position)
+as without speculation (worker/sampler.py), is the same token with or without it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from pagedllm.engine.spec_config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from pagedllm.engine.kv_cache_manager import KVCacheManager
+    from pagedllm.engine.sequence import Sequence
+    from pagedllm.engine.structured_output import SequenceGrammar
+
+
+class NgramProposer:
+    """Prompt lookup: the last n tokens (n from prompt_lookup_max down to prompt_lookup_min) found
+    earlier in the sequence's tokens (prompt + output); the tokens that followed their latest
+    earlier occurrence are the proposal. Pure numpy, over the resolved tokens only."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.k = config.num_speculative_tokens
+        self.max_n, self.min_n = config.prompt_lookup_max, config.prompt_lookup_min
+
+    def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
+        k = min(self.k, max_tokens)
+        if k <= 0 or len(token_ids) < self.min_n + 1:
+            return []
+        ids = np.asarray(token_ids, dtype=np.int64)
+        head = ids[:-1]  # an occurrence must have a token after it, and the suffix itself is not one
+        for n in range(min(self.max_n, len(ids) - 1), self.min_n - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(head, n)
+            hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return [int(t) for t in ids[start : start + k]]
+        return []
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counters (vLLM v1's SpecDecodingStats): `num_drafts` verification rows, `num_draft_tokens`
+    proposals verified, `num_accepted_tokens` accepted, `accepted_per_pos[i]` accepted at
+    proposal position i (so accepted_per_pos[0] <= num_drafts and each position <= the one before)."""
+
+    num_speculative_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.accepted_per_pos = [0] * self.num_speculative_tokens
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
+
+
+class Backoff:
+    """Speculation turns itself down where it does not pay. Each step that proposes is scored by
+    its acceptance (accepted / proposed, 0 when no sequence found a proposal); an exponential
+    average below FLOOR switches proposing off for `backoff` steps, doubling each time up to
+    MAX_BACKOFF, and one good step resets it. Off, a step is a plain decode step and, with async
+    scheduling, the engine runs ahead again (core.py drains the step in flight only for a step
+    that proposes). Exactness does not depend on it: it only chooses when to propose."""
+
+    FLOOR = 0.1
+    MAX_BACKOFF = 64
+    WEIGHT = 0.5  # of the newest step in the average
+
+    def __init__(self) -> None:
+        self.average = 1.0  # optimistic: the first steps propose
+        self.backoff = 1
+        self.off_steps = 0
+        self._drafted = self._accepted = 0
+        self._scored = False  # a step that proposed is resolved and not yet folded in
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self._drafted += num_drafted
+        self._accepted += num_accepted
+        self._scored = True
+
+    def on(self) -> bool:
+        """Whether the next step proposes (folds in what was resolved since the last call)."""
+        if self._scored:
+            rate = self._accepted / self._drafted if self._drafted else 0.0
+            self.average = (1 - self.WEIGHT) * self.average + self.WEIGHT * rate
+            self._drafted = self._accepted = 0
+            self._scored = False
+            if self.average < self.FLOOR:
+                self.off_steps, self.backoff = self.backoff, min(2 * self.backoff, self.MAX_BACKOFF)
+                self.average = self.FLOOR  # the step after the pause probes afresh
+            elif rate >= self.FLOOR:
+                self.backoff = 1
+        return self.off_steps == 0
+
+    def start_step(self) -> bool:
+        """Called once per scheduled step: whether it proposes (a paused step counts down)."""
+        if self.on():
+            return True
+        self.off_steps -= 1
+        return False
+
+
+class Speculator:
+    """What the scheduler asks of speculation: proposals for a decoding sequence (bounded by its
+    max_tokens, max_model_len and the step's token budget), whether this step proposes at all
+    (Backoff), and the counters."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.proposer = NgramProposer(config)
+        self.max_model_len = max_model_len
+        self.stats = SpecDecodeStats(config.num_speculative_tokens)
+        self.backoff = Backoff()
+        self._looked = self._found = False  # this step: a decoding sequence looked for proposals; one found some
+
+    def start_step(self) -> bool:
+        """Whether the step being scheduled proposes (Backoff)."""
+        self._looked = self._found = False
+        return self.backoff.start_step()
+
+    def end_step(self) -> None:
+        """A step whose decoding sequences found no proposal at all is scored as no acceptance."""
+        if self._looked and not self._found:
+            self.backoff.record(0, 0)
+
+    def propose(self, seq: Sequence, budget: int, kv: KVCacheManager) -> list[int]:
+        """Proposals for `seq`, decoding with every token resolved, of a length such that every
+        token the step may emit (the accepted run and one more) is within max_tokens and
+        max_model_len and the step's tokens (1 + k') within `budget`; their slots allocated. A
+        constrained sequence's proposals stop before the first token its grammar refuses. None
+        where the pool has no room for them: proposals never preempt anything."""
+        if seq.num_pending or seq.beam is not None or seq.forks or seq.num_computed_tokens != seq.num_tokens - 1:
+            return []
+        limit = min(
+            budget - 1,
+            seq.sampling_params.max_tokens - seq.num_output_tokens - 1,
+            self.max_model_len - seq.num_tokens - 1,
+        )
+        if limit <= 0:
+            return []
+        drafts = self.proposer.propose(seq.token_ids, limit)
+        self._looked = True
+        if drafts and seq.grammar is not None:
+            drafts = drafts[: grammar_prefix(seq.grammar, drafts)]
+        self._found = self._found or bool(drafts)
+        if drafts and not kv.allocate_slots(seq, 1 + len(drafts)):
+            return []
+        return drafts
+
+
+def grammar_prefix(grammar: SequenceGrammar, drafts: list[int]) -> int:
+    """How many leading proposals the grammar accepts in order (its state is left unchanged)."""
+    return int(grammar.matcher.validate_tokens(drafts))
