@@ -190,9 +190,10 @@ class ModelRunner:
         self._token_history = TokenHistory()  # penalized sequences' token ids as arrays, across steps
         self._last_sampled: torch.Tensor | None = None  # async scheduling: the previous step's ids
         self._last_sample_seq_ids: list[int] = []  # ... and whose they are, row by row
-        self._host_ids = [
-            torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=device.type == "cuda") for _ in range(2)
-        ]
+        # a step's sampled ids, copied out (step_handle.py): one row per sequence, or with speculative
+        # decoding one per verified position (1 + k of a sequence), so at most one per scheduled token
+        rows = max(max_num_seqs, max_num_batched_tokens)
+        self._host_ids = [torch.zeros(rows, dtype=torch.int64, pin_memory=device.type == "cuda") for _ in range(2)]
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
         self.mixed: MixedGraphs | None = None

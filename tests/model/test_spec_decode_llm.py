@@ -206,3 +206,12 @@ def test_tensor_parallel(tiny_models):
             if spec is not None:
                 assert llm.get_metrics()["spec_decode_num_drafts"] > 0
     assert outs[1] == outs[0]
+
+
+def test_the_sampled_ids_buffers_take_every_verified_row(tiny_models):
+    """A verification step samples 1 + k rows a sequence, more than max_num_seqs: the pinned buffers
+    that a CUDA step's ids are copied into (worker/step_handle.py) hold one row per scheduled token.
+    (The CPU path never copies through them; on the H200 at 9f0abf7 buffers of max_num_seqs rows
+    failed tests/gpu/test_spec_decode_gpu.py's preemption test: 14 rows into 12.)"""
+    with LLM(tiny_models["qwen3"], max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=64) as llm:
+        assert all(buf.numel() >= 64 for buf in llm.runner._host_ids)
