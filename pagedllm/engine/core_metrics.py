@@ -106,10 +106,7 @@ def _spec_decode_metrics(self: MetricsSource) -> Metrics:
     (accepted / proposed) and the mean acceptance length (tokens a verification row emits: 1 +
     accepted / rows, vLLM's definition). All 0 (and [] per position) when speculation is off."""
     spec = self.scheduler.speculator
-    if spec is None:
-        stats = SpecDecodeStats(0)
-    else:
-        stats = spec.stats
+    stats = SpecDecodeStats(0) if spec is None else spec.stats
     drafts, proposed, accepted = stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens
     return {
         "spec_decode_num_drafts": drafts,

@@ -1,5 +1,6 @@
-"""Speculative decoding, the proposing half: the config, the n-gram (prompt lookup) proposer and
-the bound on how many proposals a sequence may verify in one step (spec_verify.py verifies them).
+"""Speculative decoding, the proposing half: the n-gram (prompt lookup) proposer, the bound on how
+many proposals a sequence may verify in one step, and when to propose at all (Backoff). The config
+is spec_config.py's; spec_verify.py verifies the proposals.
 
 A proposal is a point mass: the proposer names k' tokens, no distribution. The verification step
 computes the target's logits at the 1 + k' positions [last token, d_1 .. d_k'] and draws a token
@@ -36,17 +37,19 @@ class NgramProposer:
         self.k = config.num_speculative_tokens
         self.max_n, self.min_n = config.prompt_lookup_max, config.prompt_lookup_min
 
-    def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
+    def propose(self, token_ids: list[int] | np.ndarray, max_tokens: int) -> list[int]:
         k = min(self.k, max_tokens)
         if k <= 0 or len(token_ids) < self.min_n + 1:
             return []
         ids = np.asarray(token_ids, dtype=np.int64)
-        head = ids[:-1]  # an occurrence must have a token after it, and the suffix itself is not one
+        # where an earlier occurrence could end: the last token seen before (with a token after it)
+        ends = np.flatnonzero(ids[:-1] == ids[-1])
         for n in range(min(self.max_n, len(ids) - 1), self.min_n - 1, -1):
-            windows = np.lib.stride_tricks.sliding_window_view(head, n)
-            hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
+            j = ends[ends >= n - 1]
+            for back in range(1, n):  # the n-gram's earlier tokens match too
+                j = j[ids[j - back] == ids[-1 - back]]
+            if j.size:
+                start = int(j[-1]) + 1  # the latest occurrence; the proposal is what followed it
                 return [int(t) for t in ids[start : start + k]]
         return []
 
@@ -120,6 +123,34 @@ class Backoff:
         return False
 
 
+class TokenArrays:
+    """Sequences' token ids as numpy arrays, extended as they grow (a sequence's ids only grow
+    while it runs: proposals never enter them), so a lookup does not convert its whole list each
+    step. Entries not used for two steps in a row are dropped (finished or paused sequences)."""
+
+    def __init__(self) -> None:
+        self.current: dict[int, tuple[np.ndarray, int]] = {}
+        self.previous: dict[int, tuple[np.ndarray, int]] = {}
+
+    def end_step(self) -> None:
+        self.previous, self.current = self.current, {}
+
+    def ids(self, seq: Sequence) -> np.ndarray:
+        toks = seq.token_ids
+        m = len(toks)
+        buf, n = self.current.get(seq.seq_id) or self.previous.get(seq.seq_id) or (np.zeros(0, np.int64), 0)
+        if m < n or (n and buf[n - 1] != toks[n - 1]):
+            n = 0  # rewritten: start again
+        if m > len(buf):
+            grown = np.empty(max(2 * len(buf), m + 64), dtype=np.int64)
+            grown[:n] = buf[:n]
+            buf = grown
+        if m > n:
+            buf[n:m] = toks[n:m]
+        self.current[seq.seq_id] = (buf, m)
+        return buf[:m]
+
+
 class Speculator:
     """What the scheduler asks of speculation: proposals for a decoding sequence (bounded by its
     max_tokens, max_model_len and the step's token budget), whether this step proposes at all
@@ -131,6 +162,7 @@ class Speculator:
         self.max_model_len = max_model_len
         self.stats = SpecDecodeStats(config.num_speculative_tokens)
         self.backoff = Backoff()
+        self.arrays = TokenArrays()
         self._looked = self._found = False  # this step: a decoding sequence looked for proposals; one found some
 
     def start_step(self) -> bool:
@@ -142,12 +174,13 @@ class Speculator:
         """A step whose decoding sequences found no proposal at all is scored as no acceptance."""
         if self._looked and not self._found:
             self.backoff.record(0, 0)
+        self.arrays.end_step()
 
     def propose(self, seq: Sequence, budget: int, kv: KVCacheManager) -> list[int]:
         """Proposals for `seq`, decoding with every token resolved, of a length such that every
         token the step may emit (the accepted run and one more) is within max_tokens and
         max_model_len and the step's tokens (1 + k') within `budget`; their slots allocated. A
-        constrained sequence's proposals stop before the first token its grammar refuses. None
+        constrained sequence's proposals stop before the first token its grammar refuses. Empty
         where the pool has no room for them: proposals never preempt anything."""
         if seq.num_pending or seq.beam is not None or seq.forks or seq.num_computed_tokens != seq.num_tokens - 1:
             return []
@@ -158,7 +191,7 @@ class Speculator:
         )
         if limit <= 0:
             return []
-        drafts = self.proposer.propose(seq.token_ids, limit)
+        drafts = self.proposer.propose(self.arrays.ids(seq), limit)
         self._looked = True
         if drafts and seq.grammar is not None:
             drafts = drafts[: grammar_prefix(seq.grammar, drafts)]

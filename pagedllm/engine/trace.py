@@ -1,7 +1,8 @@
 """Block lifecycle trace: one JSON line per ALLOCATE / REUSE / REACTIVATE / RELEASE / EVICT, and
 with the host tier (host_tier.py) OFFLOAD / LOAD (a GPU block and the host block it is copied
 to or from: `host_block_id`) and HOST_EVICT (a host block whose cached KV is dropped; its
-`block_id` is the host block's, `num_free` the host tier's).
+`block_id` is the host block's, `num_free` the host tier's), and with speculative decoding
+(spec_verify.py) ROLLBACK: a block that held only rejected proposals, released right after.
 
 Off by default. When off, the block pool holds `None` instead of a Tracer and skips the
 call entirely, so tracing costs nothing.

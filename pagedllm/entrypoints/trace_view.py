@@ -32,6 +32,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 KINDS = ("ALLOCATE", "REUSE", "REACTIVATE", "RELEASE", "EVICT")  # what engine/trace.py writes
+# read and skipped (counted as skipped lines): the host tier's copies, and a speculative rollback
+# (the RELEASE that follows it draws the block's change)
+SKIPPED_KINDS = ("OFFLOAD", "LOAD", "HOST_EVICT", "ROLLBACK")
 STATES = ("held", "shared", "cached", "free", "unknown")
 MARKS = ("allocate", "reuse", "reactivate", "evict", "fork", "cow")  # cow: copy-on-write (the copy)
 
@@ -125,6 +128,9 @@ def parse_trace(lines: Iterable[str], source: str) -> tuple[list[Event], int]:
         if not isinstance(obj, dict):
             raise TraceError(f"{source}:{lineno}: not a JSON object: {text[:60]!r}")
         kind = obj.get("event")
+        if kind in SKIPPED_KINDS:
+            skipped += 1
+            continue
         if kind not in KINDS:
             raise TraceError(f"{source}:{lineno}: 'event' must be one of {', '.join(KINDS)}, got {kind!r}")
         seq = obj.get("seq_id")

@@ -2,6 +2,7 @@
 reference output whatever the proposals, no block holding an unaccepted token is ever findable,
 rejected slots are given back, and every block is free at the end."""
 
+import json
 import random
 
 import pytest
@@ -67,6 +68,20 @@ def make_engine(
     return engine, runner
 
 
+def check_findable_blocks_hold_accepted_kv(engine):
+    """Every findable block holds, at every slot, the KV (position, token) of the tokens it is
+    registered under: a block holding a rejected proposal's KV can never be found. And a running
+    sequence holds no block past its computed tokens: rejected proposals' blocks went back."""
+    bs = engine.kv.block_size
+    for seq in engine.scheduler.running:
+        assert len(seq.block_tables[0]) == -(-seq.num_computed_tokens // bs), seq
+    shadow = engine.core.executor.shadow
+    for b in engine.kv.pool.blocks:
+        if b.token_ids is not None:
+            written = [shadow.get(b.block_id * bs + j) for j in range(bs)]
+            assert [w and w[1] for w in written] == list(b.token_ids), (b, written)
+
+
 def prompts(seed, n=8):
     rng = random.Random(seed)
     shared = [rng.randrange(97) for _ in range(12)]
@@ -84,6 +99,7 @@ def run_all(engine, reqs, params):
             if out.finished:
                 done[out.request_id] = out
         engine.kv.check_invariants()
+        check_findable_blocks_hold_accepted_kv(engine)
     assert not engine.has_unfinished_requests()
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
     return done
@@ -275,6 +291,12 @@ def test_rollback_frees_rejected_blocks_and_shows_in_the_trace():
     for e in rollbacks:
         i = trace.index(e)
         assert trace[i + 1]["event"] == "RELEASE" and trace[i + 1]["block_id"] == e["block_id"]
+        assert trace[i + 1]["ref_cnt"] == 0
+    # the trace viewer reads such a trace: ROLLBACK lines are skipped, their RELEASEs drawn
+    from pagedllm.entrypoints.trace_view import parse_trace
+
+    events, skipped = parse_trace([json.dumps(e) for e in trace], "spec.jsonl")
+    assert skipped == len(rollbacks) and len(events) == len(trace) - len(rollbacks)
 
 
 def test_backoff_pauses_speculation_where_it_does_not_pay():
@@ -310,3 +332,52 @@ def test_speculation_turns_itself_down_on_random_output(async_scheduling):
     assert m["spec_decode_acceptance_rate"] < 0.2
     if async_scheduling:  # paused, the engine runs ahead: few steps wait for the one in flight
         assert 0 < len(drains) < runner.steps / 3, (len(drains), runner.steps)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_configurations_keep_every_invariant(seed):
+    """Random block sizes, budgets, pools (preemption), k, prefix caching, async scheduling, n,
+    stop ids and an abort: outputs are the reference's, every block invariant holds after every
+    step (no findable block holds an unaccepted token's KV), and every block is free at the end."""
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 2, 4, 8])
+    engine, runner = make_engine(
+        block_size=block_size,
+        blocks=rng.choice([12, 24, 64]) * 8 // block_size,
+        budget=rng.choice([5, 16, 64]),
+        prefix=rng.random() < 0.7,
+        max_num_seqs=rng.choice([2, 4, 8]),
+        k=rng.choice([1, 2, 5]),
+        async_scheduling=rng.random() < 0.5,
+    )
+    runner.salt_by_seed = True
+    reqs = prompts(100 + seed, n=6)
+    refs = [reference_generate(p, 30, seed=50 + i, copy_period=PERIOD) for i, p in enumerate(reqs)]
+    stop = {i: refs[i][rng.randrange(30)] for i in range(len(reqs)) if rng.random() < 0.4}
+    n = {i: 2 for i in range(len(reqs)) if rng.random() < 0.3}
+    for i, p in enumerate(reqs):
+        params = SamplingParams(
+            n=n.get(i, 1), seed=50 + i, max_tokens=30, ignore_eos=True, stop_token_ids=[stop[i]] if i in stop else None
+        )
+        engine.add_request(f"r{i}", p, params)
+    aborted = f"r{rng.randrange(len(reqs))}"
+    done = {}
+    for step in range(5000):
+        if not engine.has_unfinished_requests():
+            break
+        if step == 6:
+            engine.abort_request(aborted)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        engine.kv.check_invariants()
+        check_findable_blocks_hold_accepted_kv(engine)
+    assert not engine.has_unfinished_requests()
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    for i in range(len(reqs)):
+        rid = f"r{i}"
+        if rid == aborted or rid not in done:
+            continue
+        ref = refs[i] if i not in stop else refs[i][: refs[i].index(stop[i]) + 1]
+        assert done[rid].outputs[0].token_ids == ref, (seed, i)
+    assert engine.get_metrics()["spec_decode_num_drafts"] > 0
