@@ -285,8 +285,9 @@ class Scheduler:
             drafts = sched.spec_token_ids
             for seq in sched.sample_seqs:
                 taken = [next(rows) for _ in range(1 + len(drafts))]
-                if idx >= seq.num_tokens:
-                    continue  # finished (abort, stop) after this step launched
+                if idx >= seq.num_tokens:  # finished or preempted after this step launched: never emitted
+                    out.num_rejected_tokens += len(taken)
+                    continue
                 tokens = [result.sampled[r] for r in taken]
                 if drafts:  # resolved before the next step is scheduled (core.py): the accepted run, rolled back
                     assert self.speculator is not None and seq.status is SequenceStatus.RUNNING

@@ -213,3 +213,19 @@ def test_async_scheduling_default_is_auto_and_validated(tiny_models):
     assert cpu.engine.async_scheduling is False  # auto: off on CPU (nothing to overlap)
     with pytest.raises(ValueError, match="async_scheduling"):
         LLM(tiny_models["qwen3"], device="cpu", num_kv_blocks=32, block_size=8, async_scheduling="yes")
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_generation_tokens_count_the_tokens_returned(async_scheduling):
+    """num_generation_tokens counts the tokens outputs carry: with async scheduling a row sampled
+    for a sequence preempted (or finished) after its step launched is thrown away, not generated
+    (it counted once: 721 for 720 returned here before)."""
+    from pagedllm import default_model_path
+
+    kw = dict(num_kv_blocks=24, block_size=8, max_num_seqs=8, max_model_len=256, async_scheduling=async_scheduling)
+    with LLM(default_model_path(), **kw) as llm:
+        prompts = [{"prompt_token_ids": [(7 * i + j) % 300 + 1 for j in range(20 + i)]} for i in range(12)]
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=60), use_tqdm=False)
+        m = llm.get_metrics()
+    assert m["num_preemptions"] > 0
+    assert m["num_generation_tokens"] == sum(len(o.outputs[0].token_ids) for o in outs)
