@@ -33,6 +33,7 @@ sys.path.insert(0, ROOT)
 import triton  # noqa: E402
 from triton.testing import do_bench_cudagraph  # noqa: E402
 
+from pagedllm.bench.common import environment  # noqa: E402
 from pagedllm.ops.fp8_block_linear import (  # noqa: E402
     fp8_block_gemm,
     fp8_block_linear,
@@ -132,11 +133,8 @@ def main() -> None:
         json.dump(
             dict(
                 rows=rows,
-                gpu=torch.cuda.get_device_name(),
-                torch=torch.__version__,
-                triton=triton.__version__,
                 python=platform.python_version(),
-                commit=os.environ.get("PAGEDLLM_COMMIT"),
+                **environment(),  # commit, GPU, torch, triton, transformers, date
             ),
             f,
             indent=1,

@@ -35,6 +35,7 @@ sys.path.insert(0, ROOT)
 import triton  # noqa: E402
 from triton.testing import do_bench_cudagraph  # noqa: E402
 
+from pagedllm.bench.common import environment  # noqa: E402
 from pagedllm.ops._triton import num_sms  # noqa: E402
 from pagedllm.ops.int4_linear import (  # noqa: E402
     block_k_tile,
@@ -162,11 +163,8 @@ def main() -> None:
             dict(
                 rows=rows,
                 copy_TBps=copy,
-                gpu=torch.cuda.get_device_name(),
-                torch=torch.__version__,
-                triton=triton.__version__,
                 python=platform.python_version(),
-                commit=os.environ.get("PAGEDLLM_COMMIT"),
+                **environment(),  # commit, GPU, torch, triton, transformers, date
             ),
             f,
             indent=1,
