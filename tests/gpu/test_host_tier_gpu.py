@@ -13,28 +13,17 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.worker import host_kv_cache
 from pagedllm.worker.host_kv_cache import HostKVCache
 from tests.model.hf_reference import GREEDY
-from tests.model.test_host_tier_llm import BASE, GiB, chat, conversations
+from tests.model.test_host_tier_llm import BASE, GiB, conversations, run_both
 
 pytestmark = pytest.mark.gpu
 
 CUDA = dict(BASE, device="cuda", dtype="float32")
 
 
-def run_both(path: str, **kw):
-    with LLM(path, **{**CUDA, **kw}) as off:
-        want = chat(off)
-        size = 64 * off.runner.block_bytes / GiB
-    with LLM(path, **{**CUDA, **kw}, kv_offloading_size=size) as on:
-        assert on.runner.host_kv is not None and on.runner.host_kv.host.is_pinned()
-        got = chat(on)
-        m = on.get_metrics()
-    return want, got, m
-
-
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 @pytest.mark.parametrize("mode", [dict(), dict(async_scheduling=False), dict(enforce_eager=True)], ids=str)
 def test_tier_on_equals_tier_off_on_cuda(tiny_models, family, mode):
-    want, got, m = run_both(tiny_models[family], **mode)
+    want, got, m = run_both(tiny_models[family], device="cuda", dtype="float32", **mode)
     assert got == want
     assert m["prefix_cache_host_hit_tokens"] > 0 and m["num_loaded_blocks"] > 0
     assert m["num_free_kv_blocks"] == m["num_kv_blocks"]
@@ -42,7 +31,7 @@ def test_tier_on_equals_tier_off_on_cuda(tiny_models, family, mode):
 
 def test_fp8_kv_and_swap_on_cuda(tiny_models):
     path = tiny_models["qwen3"]
-    want, got, m = run_both(path, kv_cache_dtype="fp8")
+    want, got, m = run_both(path, device="cuda", dtype="float32", kv_cache_dtype="fp8")
     assert got == want and m["prefix_cache_host_hit_tokens"] > 0
     prompts, _ = conversations()
     params = SamplingParams(max_tokens=24, **GREEDY)
@@ -62,6 +51,7 @@ def test_pinned_buffer_round_trips_blocks(monkeypatch, dtype):
     block = 2 * 3 * 2 * 16 * 64 * kv.element_size()
     monkeypatch.setattr(host_kv_cache, "STAGING_BYTES", 3 * block)  # 3 blocks a chunk: the rest on the main stream
     cache = HostKVCache(kv, 20)
+    assert cache.host.is_pinned()  # what allocate_host_kv_cache gives the runner on CUDA
     before = kv.view(torch.uint8).clone()
     pairs = [(g, h) for h, g in enumerate([5, 6, 7, 8, 9, 30, 31, 2])]  # host 0..7
     cache.offload(pairs)
