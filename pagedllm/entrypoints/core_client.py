@@ -123,11 +123,7 @@ class EngineCoreClient:
         return self.thread.is_alive()
 
     def _exited(self, timeout: float | None) -> bool:
-        """Has the core process exited? Read from its sentinel, which never reaps it: waitpid
-        from two threads at once (Process.join/is_alive) can make an exited child look alive."""
-        from multiprocessing.connection import wait
-
-        return bool(wait([self.proc.sentinel], timeout))
+        return process_exited(self.proc, timeout)
 
     def wait_exit(self, timeout: float) -> None:
         """Give an exiting core process `timeout` s, so that its exit code is known (our child only)."""
@@ -181,12 +177,7 @@ class EngineCoreClient:
             except OSError:
                 pass
         elif self.proc is not None:
-            if not self._exited(timeout):
-                logger.warning("engine core did not exit in %.0f s; terminating it", timeout or 0)
-                self.proc.terminate()
-                if not self._exited(5):
-                    self.proc.kill()
-                    self._exited(5)
+            stop_process(self.proc, timeout)
             with self._reap_lock:
                 self.proc.join(5)  # reap it
         elif self.thread is not None and self.thread is not threading.current_thread():
@@ -227,9 +218,7 @@ class SharedCore:
         return pid
 
     def exited(self, timeout: float | None = 0) -> bool:
-        from multiprocessing.connection import wait
-
-        return bool(wait([self.proc.sentinel], timeout))
+        return process_exited(self.proc, timeout)
 
     def exitcode(self) -> int | None:
         if not self.exited(0):
@@ -260,13 +249,26 @@ class SharedCore:
     def close(self, timeout: float | None = 30.0) -> None:
         """Wait for the core to exit (its clients gone), else terminate it; reap it."""
         self.close_pipes()
-        if not self.exited(timeout):
-            logger.warning("engine core did not exit in %.0f s; terminating it", timeout or 0)
-            self.proc.terminate()
-            if not self.exited(5):
-                self.proc.kill()
-                self.exited(5)
+        stop_process(self.proc, timeout)
         self.proc.join(5)
+
+
+def process_exited(proc: Any, timeout: float | None) -> bool:
+    """Has the core process exited? Read from its sentinel, which never reaps it: waitpid from two
+    threads at once (Process.join/is_alive) can make an exited child look alive."""
+    from multiprocessing.connection import wait
+
+    return bool(wait([proc.sentinel], timeout))
+
+
+def stop_process(proc: Any, timeout: float | None) -> None:
+    """Give the core `timeout` s to exit, then terminate it, then kill it (not reaped here)."""
+    if not process_exited(proc, timeout):
+        logger.warning("engine core did not exit in %.0f s; terminating it", timeout or 0)
+        proc.terminate()
+        if not process_exited(proc, 5):
+            proc.kill()
+            process_exited(proc, 5)
 
 
 def _pid_running(pid: int) -> bool:
