@@ -7,6 +7,9 @@ Workloads (`--workloads`):
           model that continues the repetition (trained models do; random-weight ones often fall
           into loops of their own) emits what prompt lookup proposes, so acceptance is high
   random  `--input-len` random token ids: proposals are rare and mostly rejected (acceptance ~0)
+  code    a code edit, for a trained model (the bundled one): a chunk of about `--input-len` tokens
+          of one of pagedllm's own source files, then a line saying it comes again, then its first
+          16 tokens; a model that copies (induction) continues with the chunk
 Each (workload, batch) runs with speculation off and with `--k` proposals (`--spec-config` for
 the other keys), batch = requests submitted at once (`--batches`, default 1 8 64), each
 `--output-len` new tokens with EOS ignored, greedy. One warm-up generate per engine first; then
@@ -16,7 +19,9 @@ Reported per row: TPOT (mean over the requests of (finish - first token) / (toke
 output tokens/s (all requests' tokens over the wall time), and with speculation the acceptance
 rate, the mean acceptance length (tokens per verification row) and the drafts' share of steps
 (from get_metrics(), deltas over the timed runs), plus `greedy_equal`: the speculative outputs equal
-the plain ones token for token (they must). Rows (JSON lines) go to `--out` with the commit, GPU
+the plain ones token for token (they must in float32; in bf16 a verification step's rows round
+differently from a decode step's, as a different batch does, so near-ties can go the other way:
+`equal_prefix_share` is the mean share of each output before its first difference). Rows (JSON lines) go to `--out` with the commit, GPU
 and library versions.
 
     python benchmarks/spec_decode.py --model /tmp/qwen3-0.6b --out $OUT/spec_decode.jsonl       # H200
@@ -40,11 +45,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(p)
-    p.add_argument("--workloads", nargs="+", default=["copy", "random"], choices=["copy", "random"])
+    p.add_argument("--workloads", nargs="+", default=["copy", "random"], choices=["copy", "random", "code"])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64], help="requests at once (default: 1 8 64)")
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens (default: 4)")
     p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--prompt-lookup-min", type=int, default=2)
+    p.add_argument(
+        "--disable-by-batch-size",
+        type=int,
+        default=None,
+        help="speculative_config.disable_by_batch_size (default: none, so every batch proposes)",
+    )
     p.add_argument("--output-len", type=int, default=256, help="new tokens per request, EOS ignored (default: 256)")
     p.add_argument("--input-len", type=int, default=512, help="random workload: prompt tokens (default: 512)")
     p.add_argument("--phrase-len", type=int, default=64, help="copy workload: the repeated phrase (default: 64)")
@@ -56,7 +67,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def make_prompts(workload: str, n: int, vocab: int, args) -> list[list[int]]:
+def code_prompts(n: int, tokenizer, args) -> list[list[int]]:
+    """`n` code-edit prompts from pagedllm's own source files (sorted, so the same ones each run)."""
+    from pathlib import Path
+
+    import pagedllm
+
+    files = sorted(Path(pagedllm.__file__).parent.rglob("*.py"))
+    rng = random.Random(f"{args.prompt_seed}-code-{n}")
+    out = []
+    while len(out) < n:
+        ids = tokenizer.encode(rng.choice(files).read_text())
+        if len(ids) < args.input_len + 32:
+            continue
+        start = rng.randrange(len(ids) - args.input_len)
+        chunk = ids[start : start + args.input_len]
+        out.append(chunk + tokenizer.encode("\n\n# the same code again:\n") + chunk[:16])
+    return out
+
+
+def make_prompts(workload: str, n: int, vocab: int, args, tokenizer=None) -> list[list[int]]:
+    if workload == "code":
+        return code_prompts(n, tokenizer, args)
     rng = random.Random(f"{args.prompt_seed}-{workload}-{n}")
     lo = min(1000, vocab // 4)  # away from special ids
     if workload == "random":
@@ -82,7 +114,7 @@ def timed(llm, prompts: list[list[int]], args) -> tuple[float, float, list[list[
 
 def point(llm, spec: dict | None, workload: str, batch: int, vocab: int, args) -> dict:
     """One (workload, batch) row: the median of --repeat timed runs; metrics deltas over them."""
-    prompts = make_prompts(workload, batch, vocab, args)
+    prompts = make_prompts(workload, batch, vocab, args, llm.tokenizer)
     before = llm.get_metrics()
     runs = [timed(llm, prompts, args) for _ in range(args.repeat)]
     after = llm.get_metrics()
@@ -101,6 +133,13 @@ def point(llm, spec: dict | None, workload: str, batch: int, vocab: int, args) -
         "num_drafts": drafts,
         "outputs": runs[0][2],
     }
+
+
+def equal_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def run_engine(spec: dict | None, args, engine_kw: dict) -> list[dict]:
@@ -129,6 +168,7 @@ def main(argv=None) -> None:
         "num_speculative_tokens": args.k,
         "prompt_lookup_max": args.prompt_lookup_max,
         "prompt_lookup_min": args.prompt_lookup_min,
+        "disable_by_batch_size": args.disable_by_batch_size,
     }
     plain = run_engine(None, args, engine_kw)
     fast = run_engine(spec, args, engine_kw)
@@ -137,6 +177,9 @@ def main(argv=None) -> None:
     for a, b in zip(plain, fast, strict=True):
         for row in (a, b):
             row["greedy_equal"] = a["outputs"] == b["outputs"]
+            row["equal_prefix_share"] = statistics.mean(
+                equal_prefix(x, y) / max(len(x), 1) for x, y in zip(a["outputs"], b["outputs"], strict=True)
+            )
             row["tpot_speedup"] = a["tpot_ms"] / b["tpot_ms"] if row is b else 1.0
             out = {k: v for k, v in row.items() if k != "outputs"}
             out.update(bench="spec_decode", output_len=args.output_len, label=args.label, **env)

@@ -253,7 +253,9 @@ class EngineCore:
         sequences go on) or when the next step proposes (a proposal needs every token resolved).
         While speculation is paused (spec_decode.Backoff) steps run ahead as usual."""
         spec = self.scheduler.speculator
-        return spec is not None and (spec.backoff.on() or any(s.spec_token_ids for s in inflight.scheduled))
+        return spec is not None and (
+            spec.may_propose(len(self.scheduler.running)) or any(s.spec_token_ids for s in inflight.scheduled)
+        )
 
     def _note_launch(self, sched: SchedulerOutput, t0: float) -> int:
         """Timeline: this step's rows (request, new tokens) with its schedule start and launch times."""

@@ -96,7 +96,9 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         forked: list[Sequence] = []
-        spec = self.speculator if self.speculator is not None and self.speculator.start_step() else None
+        spec = (
+            self.speculator if self.speculator is not None and self.speculator.start_step(len(self.running)) else None
+        )
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]

@@ -16,18 +16,36 @@ METHODS = ("ngram",)
 MAX_SPECULATIVE_TOKENS = 32
 DEFAULT_PROMPT_LOOKUP_MAX = 5
 DEFAULT_PROMPT_LOOKUP_MIN = 2
-_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model")
+# the largest batch that proposes by default: measured on one H200 (docs/features/speculative-decoding.md)
+DEFAULT_DISABLE_BY_BATCH_SIZE = 16
+_KEYS = (
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "disable_by_batch_size",
+    "model",
+)
+_UNSET = object()
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's keys. `num_speculative_tokens` k: proposals per step and sequence at most;
-    `prompt_lookup_max` / `prompt_lookup_min`: the longest and shortest n-gram looked up."""
+    `prompt_lookup_max` / `prompt_lookup_min`: the longest and shortest n-gram looked up;
+    `disable_by_batch_size`: a step proposes only while at most this many sequences run (a
+    verification step costs more than a decode step, and at large batches more than its accepted
+    tokens save); None: at any batch size. Absent from the dict: DEFAULT_DISABLE_BY_BATCH_SIZE."""
 
     num_speculative_tokens: int
     method: str = "ngram"
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
+
+    def proposes_at(self, num_running: int) -> bool:
+        """Whether a step with `num_running` running sequences may propose."""
+        return self.disable_by_batch_size is None or num_running <= self.disable_by_batch_size
 
     @classmethod
     def parse(cls, value: Mapping[str, Any] | str | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -44,7 +62,7 @@ class SpeculativeConfig:
         for key in value:
             if key not in _KEYS:
                 raise InvalidRequestError(
-                    f"{FIELD}.{key} is not supported; the keys are {', '.join(_KEYS[:4])}", f"{FIELD}.{key}"
+                    f"{FIELD}.{key} is not supported; the keys are {', '.join(_KEYS[:5])}", f"{FIELD}.{key}"
                 )
         if "model" in value:
             raise InvalidRequestError(
@@ -68,7 +86,12 @@ class SpeculativeConfig:
             raise InvalidRequestError(
                 f"{FIELD}.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})", f"{FIELD}.prompt_lookup_min"
             )
-        return cls(k, method, hi, lo)
+        limit = value.get("disable_by_batch_size", _UNSET)
+        if limit is _UNSET:
+            limit = DEFAULT_DISABLE_BY_BATCH_SIZE
+        elif limit is not None:
+            limit = _int(value, "disable_by_batch_size", 1, 1 << 20)
+        return cls(k, method, hi, lo, limit)
 
 
 def _int(value: Mapping[str, Any], key: str, lo: int, hi: int) -> int:

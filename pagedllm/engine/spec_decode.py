@@ -31,7 +31,13 @@ if TYPE_CHECKING:
 class NgramProposer:
     """Prompt lookup: the last n tokens (n from prompt_lookup_max down to prompt_lookup_min) found
     earlier in the sequence's tokens (prompt + output); the tokens that followed their latest
-    earlier occurrence are the proposal. Pure numpy, over the resolved tokens only."""
+    earlier occurrence are the proposal. Pure numpy, over the resolved tokens only.
+
+    The proposal copies the sequence from `shift` tokens back (shift = the distance between the
+    occurrence and the end). Where fewer than k tokens follow the occurrence (a loop shorter than
+    k: the latest occurrence of a period-2 loop's last tokens ends 2 tokens back), the copy goes on
+    through the tokens it has just proposed, so a loop of period `shift` is proposed k tokens long:
+    token i of the proposal is the token at start + (i mod shift)."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.k = config.num_speculative_tokens
@@ -50,7 +56,8 @@ class NgramProposer:
                 j = j[ids[j - back] == ids[-1 - back]]
             if j.size:
                 start = int(j[-1]) + 1  # the latest occurrence; the proposal is what followed it
-                return [int(t) for t in ids[start : start + k]]
+                shift = len(ids) - start  # >= 1: the occurrence ends before the last token
+                return [int(ids[start + i % shift]) for i in range(k)]
         return []
 
 
@@ -165,10 +172,16 @@ class Speculator:
         self.arrays = TokenArrays()
         self._looked = self._found = False  # this step: a decoding sequence looked for proposals; one found some
 
-    def start_step(self) -> bool:
-        """Whether the step being scheduled proposes (Backoff)."""
+    def may_propose(self, num_running: int) -> bool:
+        """Whether the next step may propose: the batch is small enough and Backoff is not pausing."""
+        return self.config.proposes_at(num_running) and self.backoff.on()
+
+    def start_step(self, num_running: int) -> bool:
+        """Whether the step being scheduled, over `num_running` running sequences, proposes: not
+        above the config's disable_by_batch_size (Backoff's pause does not count down there), and
+        not while Backoff pauses."""
         self._looked = self._found = False
-        return self.backoff.start_step()
+        return self.config.proposes_at(num_running) and self.backoff.start_step()
 
     def end_step(self) -> None:
         """A step whose decoding sequences found no proposal at all is scored as no acceptance."""

@@ -9,7 +9,7 @@ import pytest
 
 from pagedllm.engine import LLMEngine, SamplingParams, SchedulerConfig
 from pagedllm.engine.errors import InvalidRequestError
-from pagedllm.engine.spec_config import SpeculativeConfig
+from pagedllm.engine.spec_config import DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
 from pagedllm.engine.spec_decode import Backoff, NgramProposer
 from pagedllm.engine.spec_verify import accepted_run
 from tests.engine.fake_runner import CharTokenizer, ShadowRunner, reference_generate
@@ -19,7 +19,13 @@ PERIOD = 5
 
 def spec(k=3, lo=1, hi=3):
     return SpeculativeConfig.parse(
-        {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lo, "prompt_lookup_max": hi}
+        {
+            "method": "ngram",
+            "num_speculative_tokens": k,
+            "prompt_lookup_min": lo,
+            "prompt_lookup_max": hi,
+            "disable_by_batch_size": None,
+        }
     )
 
 
@@ -109,7 +115,9 @@ def run_all(engine, reqs, params):
 def test_ngram_proposer_takes_the_longest_then_latest_match():
     p = NgramProposer(spec(k=3, lo=1, hi=3))
     assert p.propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 3) == [7, 8, 1]  # latest occurrence of [1, 2, 3]
-    assert p.propose([5, 6, 4, 2, 3, 7, 3], 3) == [7, 3]  # only a 1-gram matches; the run ends at the end
+    assert p.propose([5, 6, 4, 2, 3, 7, 3], 3) == [7, 3, 7]  # only a 1-gram matches; the copy runs on periodically
+    assert p.propose([4, 9, 9, 9], 3) == [9, 9, 9]  # a loop of period 1 is proposed k long
+    assert p.propose([8, 1, 2, 1, 2], 3) == [1, 2, 1]  # period 2
     assert p.propose([1, 2, 3, 4], 3) == []  # no earlier occurrence
     assert p.propose([1, 2, 1, 2, 1], 2) == [2, 1]  # bounded by the caller
     assert p.propose([1, 2, 1], 0) == []
@@ -142,6 +150,8 @@ def test_accepted_run_is_the_matching_prefix_then_the_targets_token():
         ),
         ("{not json", "speculative_config"),
         ([1, 2], "speculative_config"),
+        ({"num_speculative_tokens": 2, "disable_by_batch_size": 0}, "speculative_config.disable_by_batch_size"),
+        ({"num_speculative_tokens": 2, "disable_by_batch_size": "8"}, "speculative_config.disable_by_batch_size"),
     ],
 )
 def test_bad_speculative_configs_are_refused_naming_the_field(value, field):
@@ -155,6 +165,11 @@ def test_config_defaults_follow_vllms_rule():
         4, "ngram", 3, 3
     )
     assert SpeculativeConfig.parse({"num_speculative_tokens": 4}) == SpeculativeConfig(4, "ngram", 5, 2)
+    assert SpeculativeConfig.parse({"num_speculative_tokens": 4}).disable_by_batch_size == DEFAULT_DISABLE_BY_BATCH_SIZE
+    never = SpeculativeConfig.parse({"num_speculative_tokens": 4, "disable_by_batch_size": None})
+    assert never is not None and never.disable_by_batch_size is None and never.proposes_at(10**6)
+    four = SpeculativeConfig.parse({"num_speculative_tokens": 4, "disable_by_batch_size": 4})
+    assert four is not None and four.proposes_at(4) and not four.proposes_at(5)
 
 
 def test_beam_search_is_refused_with_speculation():
@@ -216,6 +231,29 @@ def test_speculation_takes_fewer_steps_and_metrics_add_up():
         == 1 + m["spec_decode_num_accepted_tokens"] / m["spec_decode_num_drafts"]
     )
     assert runs[0][2]["spec_decode_num_drafts"] == 0 and runs[0][2]["spec_decode_num_accepted_tokens_per_pos"] == []
+
+
+def test_no_proposals_above_disable_by_batch_size():
+    """disable_by_batch_size=2: steps over more than 2 running sequences verify nothing; once the
+    short requests finish, the last two speculate; the output is the reference either way."""
+    cfg = SpeculativeConfig.parse({"num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 2})
+    engine, runner = make_engine(k=3)
+    engine.scheduler.speculator.config = cfg
+    seen: list[tuple[int, bool]] = []
+    execute = runner.execute
+
+    def recording(out):
+        seen.append((len(engine.scheduler.running), any(s.spec_token_ids for s in out.scheduled)))
+        return execute(out)
+
+    runner.execute = recording
+    reqs = prompts(3, n=4)
+    limits = [12, 14, 60, 60]
+    done = run_all(engine, reqs, lambda i: SamplingParams(temperature=0, max_tokens=limits[i], ignore_eos=True))
+    for i, p in enumerate(reqs):
+        assert done[f"r{i}"].outputs[0].token_ids == reference_generate(p, limits[i], copy_period=PERIOD), i
+    assert any(n > 2 for n, _ in seen) and all(n <= 2 for n, spec in seen if spec)
+    assert any(spec for _, spec in seen)
 
 
 def test_max_tokens_and_max_model_len_are_never_passed_by_a_run():

@@ -12,7 +12,14 @@ from pagedllm import LLM, SamplingParams, default_model_path
 from pagedllm.engine.errors import InvalidRequestError
 from tests.helpers import FAMILIES
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# proposing at every batch size (the default stops above 16 running sequences), so every test verifies
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 1,
+    "disable_by_batch_size": None,
+}
 
 
 def workload(vocab: int, seed: int = 0):
