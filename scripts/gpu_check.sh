@@ -28,14 +28,28 @@ if [ "$MODE" = conformance ]; then
 fi
 # spec: speculative decoding (docs/features/speculative-decoding.md): its GPU tests (greedy with == without on
 # CUDA with the default graphs and async scheduling, eager, preemption, the bundled model, seeded sampling), then
-# benchmarks/spec_decode.py on the Qwen3-0.6B shape: TPOT at batch 1, 8, 64 with and without n-gram speculation
-# (k = SPEC_K, default 4) on a copy-heavy workload and on random prompts; rows in $OUT/spec_decode.jsonl
+# benchmarks/spec_decode.py: the Qwen3-0.6B shape in bf16 (copy and random workloads, batch 1-64, proposing at
+# every batch size) and in float32 (greedy outputs equal), the bundled model on code edits; then the standard
+# throughput workload with and without speculation (its default config). Rows in $OUT/spec_decode.jsonl, $OUT/*.json
 if [ "$MODE" = spec ]; then
   timeout ${T_TESTS:-200} python3 -m pytest -q -m gpu -x tests/gpu/test_spec_decode_gpu.py -p no:cacheprovider > "$OUT/spec_tests.log" 2>&1
   grep -E "Error|error:|FAILED|passed|failed" "$OUT/spec_tests.log" | head -10
   [ -d $MODEL ] || python3 tools/make_random_model.py --shape qwen3-0.6b --out $MODEL 2>&1 | tail -1
-  timeout ${T_BENCH:-360} python3 benchmarks/spec_decode.py --model $MODEL --max-model-len 8192 --k ${SPEC_K:-4} \
-      --out "$OUT/spec_decode.jsonl" ${SPEC_ARGS:-} 2>&1 | grep '^{' | cut -c1-300
+  B="python3 benchmarks/spec_decode.py --k ${SPEC_K:-4} --repeat 2 --output-len 128 --out $OUT/spec_decode.jsonl"
+  S="--model $MODEL --max-model-len 4096 --kv-cache-memory-bytes 8000000000"
+  timeout ${T_BENCH:-150} $B $S --batches 1 8 16 32 64 --label "qwen3-0.6b bf16" 2>&1 | grep -v '^{' | tail -3
+  timeout ${T_BENCH:-150} $B $S --dtype float32 --workloads copy --batches 1 8 --label "qwen3-0.6b float32" 2>&1 \
+      | grep -v '^{' | tail -3
+  timeout ${T_BENCH:-150} $B --model pagedllm/default_model --kv-cache-memory-bytes 2000000000 --workloads code random \
+      --input-len 256 --batches 1 8 64 --label "bundled model" 2>&1 | grep -v '^{' | tail -3
+  python3 -c "import json; [print({k: r[k] for k in ('label', 'workload', 'batch', 'k', 'tpot_ms', 'acceptance_rate', \
+      'mean_acceptance_length', 'tpot_speedup', 'greedy_equal', 'equal_prefix_share')}) for r in map(json.loads, \
+      open('$OUT/spec_decode.jsonl'))]"
+  for spec in off on; do
+    a=(); [ $spec = on ] && a=(--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}')
+    timeout ${T_BENCH:-120} python3 benchmarks/throughput.py --model $MODEL --label "speculation $spec" \
+        --results-dir "$OUT" "${a[@]}" 2>&1 | grep -v -i warn | tail -3
+  done
   exit 0
 fi
 # offload: the host KV tier (pagedllm bench offload, docs/features/host-kv-tier.md) on the Qwen3-0.6B shape
