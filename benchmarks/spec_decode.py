@@ -12,7 +12,8 @@ Workloads (`--workloads`):
           16 tokens; a model that copies (induction) continues with the chunk
 Each (workload, batch) runs with speculation off and with `--k` proposals (`--spec-config` for
 the other keys), batch = requests submitted at once (`--batches`, default 1 8 64), each
-`--output-len` new tokens with EOS ignored, greedy. One warm-up generate per engine first; then
+`--output-len` new tokens with EOS ignored, greedy (or `--temperature`, request i seeded with i:
+a seeded request draws the same tokens with speculation, so the outputs still compare). One warm-up generate per engine first; then
 `--repeat` timed runs, the median reported.
 
 Reported per row: TPOT (mean over the requests of (finish - first token) / (tokens - 1), in ms),
@@ -21,7 +22,9 @@ rate, the mean acceptance length (tokens per verification row) and the drafts' s
 (from get_metrics(), deltas over the timed runs), plus `greedy_equal`: the speculative outputs equal
 the plain ones token for token (they must in float32; in bf16 a verification step's rows round
 differently from a decode step's, as a different batch does, so near-ties can go the other way:
-`equal_prefix_share` is the mean share of each output before its first difference). Rows (JSON lines) go to `--out` with the commit, GPU
+`equal_prefix_share` is the mean share of each output before its first difference, and
+`alone_equal` says whether the batch's first prompt, run alone, gave the output it got in the
+batch: the same rounding effect without speculation). Rows (JSON lines) go to `--out` with the commit, GPU
 and library versions.
 
     python benchmarks/spec_decode.py --model /tmp/qwen3-0.6b --out $OUT/spec_decode.jsonl       # H200
@@ -55,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=int,
         default=None,
         help="speculative_config.disable_by_batch_size (default: none, so every batch proposes)",
+    )
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="0 = greedy; else request i is seeded with i (default: 0)"
     )
     p.add_argument("--output-len", type=int, default=256, help="new tokens per request, EOS ignored (default: 256)")
     p.add_argument("--input-len", type=int, default=512, help="random workload: prompt tokens (default: 512)")
@@ -100,7 +106,10 @@ def timed(llm, prompts: list[list[int]], args) -> tuple[float, float, list[list[
     """Wall seconds, mean TPOT (s) and the outputs of one generate over all prompts at once."""
     from pagedllm import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    params = [
+        SamplingParams(temperature=args.temperature, seed=i, max_tokens=args.output_len, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
     t = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     wall = time.perf_counter() - t
@@ -119,6 +128,9 @@ def point(llm, spec: dict | None, workload: str, batch: int, vocab: int, args) -
     runs = [timed(llm, prompts, args) for _ in range(args.repeat)]
     after = llm.get_metrics()
     wall = statistics.median(r[0] for r in runs)
+    # the first prompt alone: is its output the one it got in the batch? (bf16: not always, as
+    # rows round differently in a different batch; float32: always)
+    alone = timed(llm, prompts[:1], args)[2][0] == runs[0][2][0] if batch > 1 else True
     drafts, proposed, accepted = (after.get(k, 0) - before.get(k, 0) for k in SPEC_KEYS)
     return {
         "workload": workload,
@@ -132,6 +144,7 @@ def point(llm, spec: dict | None, workload: str, batch: int, vocab: int, args) -
         "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
         "num_drafts": drafts,
         "outputs": runs[0][2],
+        "alone_equal": alone,
     }
 
 

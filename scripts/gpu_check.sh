@@ -3,7 +3,7 @@
 # GPU tests, the HF side-by-side and the kernel benchmark, each under its own time limit (about
 # 7 minutes in all on an H200, inside the device tool's 10-minute command limit).
 # Writes logs and JSON under $OUT (default ./gpu_out; at most 8 files come back from the device tool:
-# the benchmark rows all go to one $OUT/<gpu>.json). Usage: bash scripts/gpu_check.sh [full|bench|tests|check|conformance|memcheck|startup|decode|attention|quant|offload|spec]
+# the benchmark rows all go to one $OUT/<gpu>.json). Usage: bash scripts/gpu_check.sh [full|bench|tests|check|conformance|memcheck|startup|decode|attention|quant|quant-models|offload|spec]
 # (check = bench + tests, without the HF side-by-side and the kernel benchmark)
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
@@ -50,6 +50,15 @@ if [ "$MODE" = spec ]; then
     timeout ${T_BENCH:-120} python3 benchmarks/throughput.py --model $MODEL --label "speculation $spec" \
         --results-dir "$OUT" "${a[@]}" 2>&1 | grep -v -i warn | tail -3
   done
+  exit 0
+fi
+# quant-models: quantized weights on whole models (benchmarks/quant_models.py): QSHAPES (default qwen3-8b) in
+# QFORMATS (default bf16, FP8 per channel, FP8 block-wise, AWQ, GPTQ), random bytes made on the device: weight
+# bytes, capacity in 4,096-token sequences, batch-1 TPOT and the standard workload's throughput; $OUT/quant-models.jsonl
+if [ "$MODE" = quant-models ]; then
+  timeout ${T_QUANT:-560} python3 benchmarks/quant_models.py --shapes ${QSHAPES:-qwen3-8b} \
+      --formats ${QFORMATS:-bf16 fp8-channel fp8-block awq gptq} --num-seqs ${NUM_SEQS:-256} \
+      --out "$OUT/quant-models.jsonl" 2>&1 | grep -E '^\{|Error|error' | cut -c1-400
   exit 0
 fi
 # offload: the host KV tier (pagedllm bench offload, docs/features/host-kv-tier.md) on the Qwen3-0.6B shape

@@ -15,7 +15,9 @@ tools/quantize_checkpoint.py's own code (`quantize_dir`) into --out: block-wise 
 
 --config-only writes config.json, generation_config.json and the tokenizer, no weights: run it
 with LLM(..., load_format="dummy") (random weights made on the device), for shapes whose
-checkpoint would take too long to write (Qwen3-30B-A3B: 57 GiB). MoE checkpoints name every
+checkpoint would take too long to write (Qwen3-30B-A3B: 57 GiB). With --quantize it writes the
+format's `quantization_config` too, and load_format="dummy" makes the quantized weights' bytes on
+the device (Qwen3-32B as 4-bit: `--shape qwen3-32b --config-only --quantize awq`). MoE checkpoints name every
 expert's matrices, as the hub's do (mlp.experts.E.gate_proj.weight; Mixtral's
 block_sparse_moe.experts.E.w1.weight).
 
@@ -54,6 +56,17 @@ SHAPES = {
         intermediate_size=12288,
         num_hidden_layers=36,
         num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=False,
+        max_position_embeddings=40960,
+    ),
+    "qwen3-32b": dict(
+        vocab_size=151936,
+        hidden_size=5120,
+        intermediate_size=25600,
+        num_hidden_layers=64,
+        num_attention_heads=64,
         num_key_value_heads=8,
         head_dim=128,
         tie_word_embeddings=False,
@@ -317,13 +330,29 @@ def copy_tokenizer(src: str, out: str) -> tuple[int | None, int | None]:
 QUANTIZE = ("fp8-block", "fp8-channel", "awq", "gptq")  # --quantize: tools/quantize_checkpoint.py's formats
 
 
-def quantize_into(src: str, out: str, kind: str, block: int) -> None:
-    """src's checkpoint quantized as `kind` (QUANTIZE) into out, by tools/quantize_checkpoint.py."""
+def quantize_tool():
+    """tools/quantize_checkpoint.py, imported from beside this file."""
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "quantize_checkpoint.py")
     spec = importlib.util.spec_from_file_location("quantize_checkpoint", path)
     assert spec is not None and spec.loader is not None
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
+    return tool
+
+
+def quantization_config(kind: str, block: int) -> dict:
+    """The config.json `quantization_config` that `quantize_into(..., kind, block)` writes."""
+    tool = quantize_tool()
+    if kind == "fp8-block":
+        return tool.quantization_config("fp8-block", "block", False, block=(block, block))
+    if kind == "fp8-channel":
+        return tool.quantization_config("compressed-tensors", "channel", False)
+    return tool.quantization_config(kind, "channel", False, group=block)
+
+
+def quantize_into(src: str, out: str, kind: str, block: int) -> None:
+    """src's checkpoint quantized as `kind` (QUANTIZE) into out, by tools/quantize_checkpoint.py."""
+    tool = quantize_tool()
     if kind == "fp8-block":
         tool.quantize_dir(src, out, "fp8-block", block=(block, block))
     elif kind == "fp8-channel":
@@ -349,8 +378,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quantize", choices=QUANTIZE, default=None, help="write the checkpoint quantized (see above)")
     p.add_argument("--quant-block", type=int, default=128, help="--quantize: fp8 block side, awq/gptq group size")
     args = p.parse_args(argv)
-    if args.quantize and args.config_only:
-        p.error("--quantize needs the weights: drop --config-only")
     import torch
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
@@ -360,11 +387,13 @@ def main(argv: list[str] | None = None) -> int:
         args.tokenizer = default_model_path()
     os.makedirs(args.out, exist_ok=True)
     final = args.out
-    if args.quantize:  # the random model goes to a scratch directory beside --out, quantized into --out
+    if args.quantize and not args.config_only:  # the random model goes to a scratch directory, quantized into --out
         args.out = tempfile.mkdtemp(prefix=".unquantized-", dir=os.path.dirname(os.path.abspath(final)))
     t0 = time.time()
     eos, bos = copy_tokenizer(args.tokenizer, args.out)
     config = hf_config(with_layers(args.shape, args.layers), eos, bos)
+    if args.quantize and args.config_only:  # for load_format="dummy": random bytes in the format, made on the device
+        config["quantization_config"] = quantization_config(args.quantize, args.quant_block)
     with open(os.path.join(args.out, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     with open(os.path.join(args.out, "generation_config.json"), "w") as f:

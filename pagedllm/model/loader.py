@@ -242,7 +242,12 @@ def init_dummy_weights(model: DecoderForCausalLM, seed: int, std: float = 0.02) 
     """load_format="dummy": every weight matrix normal(0, std), norms as built (scale 1), biases 0, drawn on
     the parameters' device from one seeded generator in model order (so every TP rank draws the
     same replicated weights: the router and norms agree across ranks). No checkpoint is read;
-    returns no KV scales. For benchmarks of shapes too large to write to disk."""
+    returns no KV scales. For benchmarks of shapes too large to write to disk.
+
+    A quantized checkpoint's layers (prepared by model/quantization.py) get bytes of the same
+    spread: e4m3 weights normal(0, 1) with scales `std` (per channel or block), 4-bit weights
+    uniform over the 16 levels with zero point 8 and scales std / 4.6 (the levels' spread), static
+    activation scales 0.05. Their speed is the format's; their numbers mean nothing."""
     norms = {id(p) for m in model.modules() if isinstance(m, RMSNorm) for p in m.parameters(recurse=False)}
     generator: torch.Generator | None = None
     with torch.no_grad():
@@ -251,8 +256,22 @@ def init_dummy_weights(model: DecoderForCausalLM, seed: int, std: float = 0.02) 
                 generator = torch.Generator(device=param.device).manual_seed(seed)
             if id(param) in norms:
                 continue
-            if name.endswith("bias"):
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf == "bias":
                 param.zero_()
+            elif param.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                for row in param.data.view(param.shape[0], -1):  # a row at a time: no float32 copy of it all
+                    row.copy_(torch.randn(row.shape, generator=generator, device=row.device).clamp(-448, 448))
+            elif leaf == "qweight":  # eight 4-bit levels per int32, uniform over 0..15
+                param.copy_(torch.randint(-(2**31), 2**31 - 1, param.shape, generator=generator, device=param.device))
+            elif leaf == "qzeros":
+                param.fill_(8)
+            elif leaf == "weight_scale":
+                param.fill_(std)
+            elif leaf == "scales":
+                param.fill_(std / 4.6)
+            elif leaf == "input_scale":
+                param.fill_(0.05)
             else:
                 param.normal_(0.0, std, generator=generator)
     return {}

@@ -126,10 +126,6 @@ class ModelRunner:
                     f"(quant_method {checkpoint_quant.method!r}): leave it unset or pass {checkpoint_quant.method!r}",
                     "quantization",
                 )
-            if load_format == "dummy":
-                raise InvalidRequestError(
-                    "load_format='dummy' cannot make up a quantized checkpoint's weights", "load_format"
-                )
             if checkpoint_quant.int4:  # packed 4-bit weights where the kernel takes them
                 prepare_checkpoint_int4(self.model, checkpoint_quant)
             else:
