@@ -1,6 +1,9 @@
 """speculative_config: what LLM(speculative_config=...) and --speculative-config (JSON) take, with
 vLLM's keys, checked once at the edge; every refusal names its field (`speculative_config.<key>`).
-Speculative decoding itself: spec_decode.py (proposing) and spec_verify.py (verifying)."""
+Speculative decoding itself: spec_decode.py (proposing) and spec_verify.py (verifying); a draft
+model's proposals: spec_draft.py (engine side), worker/draft_model.py (its forwards). That the draft
+directory exists, runs and shares the target's vocabulary is checked where models are loaded
+(entrypoints/draft_check.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from typing import Any
 from pagedllm.engine.errors import InvalidRequestError
 
 FIELD = "speculative_config"
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 32
 DEFAULT_PROMPT_LOOKUP_MAX = 5
 DEFAULT_PROMPT_LOOKUP_MIN = 2
@@ -22,12 +25,18 @@ _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's keys. `num_speculative_tokens` k: proposals per step and sequence at most;
-    `prompt_lookup_max` / `prompt_lookup_min`: the longest and shortest n-gram looked up."""
+    `prompt_lookup_max` / `prompt_lookup_min`: the longest and shortest n-gram looked up (method
+    "ngram"); `model`: the draft model's directory (method "draft_model", implied by `model`)."""
 
     num_speculative_tokens: int
     method: str = "ngram"
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN
+    model: str | None = None
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"
 
     @classmethod
     def parse(cls, value: Mapping[str, Any] | str | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -44,13 +53,10 @@ class SpeculativeConfig:
         for key in value:
             if key not in _KEYS:
                 raise InvalidRequestError(
-                    f"{FIELD}.{key} is not supported; the keys are {', '.join(_KEYS[:4])}", f"{FIELD}.{key}"
+                    f"{FIELD}.{key} is not supported; the keys are {', '.join(_KEYS)}", f"{FIELD}.{key}"
                 )
-        if "model" in value:
-            raise InvalidRequestError(
-                f"{FIELD}.model: draft-model speculation is not supported yet; use method 'ngram'", f"{FIELD}.model"
-            )
-        method = value.get("method", "ngram")
+        model = value.get("model")
+        method = value.get("method", "draft_model" if model is not None else "ngram")
         if method not in METHODS:
             raise InvalidRequestError(
                 f"{FIELD}.method must be one of {', '.join(METHODS)}, got {method!r}", f"{FIELD}.method"
@@ -58,6 +64,13 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in value:
             raise InvalidRequestError(f"{FIELD}.num_speculative_tokens is required", f"{FIELD}.num_speculative_tokens")
         k = _int(value, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
+        if method == "draft_model":
+            return cls(k, method, model=_draft_dir(value))
+        if model is not None:
+            raise InvalidRequestError(
+                f"{FIELD}.model names a draft model: it needs method 'draft_model' (or no method), got {method!r}",
+                f"{FIELD}.model",
+            )
         hi = _int(value, "prompt_lookup_max", 1, 1 << 16) if value.get("prompt_lookup_max") is not None else None
         lo = _int(value, "prompt_lookup_min", 1, 1 << 16) if value.get("prompt_lookup_min") is not None else None
         if hi is None and lo is None:
@@ -69,6 +82,22 @@ class SpeculativeConfig:
                 f"{FIELD}.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})", f"{FIELD}.prompt_lookup_min"
             )
         return cls(k, method, hi, lo)
+
+
+def _draft_dir(value: Mapping[str, Any]) -> str:
+    """The draft model's directory (a string; whether it holds a model: entrypoints/draft_check.py);
+    the n-gram keys do not apply to it."""
+    for key in ("prompt_lookup_max", "prompt_lookup_min"):
+        if value.get(key) is not None:
+            raise InvalidRequestError(
+                f"{FIELD}.{key} applies to method 'ngram', not to a draft model", f"{FIELD}.{key}"
+            )
+    model = value.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequestError(
+            f"{FIELD}.model must be the draft model's directory (a non-empty string), got {model!r}", f"{FIELD}.model"
+        )
+    return model
 
 
 def _int(value: Mapping[str, Any], key: str, lo: int, hi: int) -> int:
