@@ -175,7 +175,10 @@ def test_seeded_n_stops_and_structured_output_behave_as_without(tiny_models):
                 llm.engine.scheduler.speculator.backoff.FLOOR = 0.0
             outs = llm.generate([prompt] * len(params), params, use_tqdm=False)
             runs.append(
-                [[(o.token_ids, o.text, o.finish_reason, o.logprobs and len(o.logprobs)) for o in r.outputs] for r in outs]
+                [
+                    [(o.token_ids, o.text, o.finish_reason, o.logprobs and len(o.logprobs)) for o in r.outputs]
+                    for r in outs
+                ]
             )
             assert valid(outs[-1].outputs[0].text, params[-1].structured_outputs)
             m = llm.get_metrics()
@@ -221,7 +224,11 @@ def test_refusals_name_the_field(tiny_models, tmp_path):
         ({"model": path, "num_speculative_tokens": 2}, dict(tensor_parallel_size=2), "tensor_parallel_size"),
         ({"model": 3, "num_speculative_tokens": 2}, {}, field),
         ({"model": path, "method": "ngram", "num_speculative_tokens": 2}, {}, field),
-        ({"model": path, "num_speculative_tokens": 2, "prompt_lookup_max": 3}, {}, "speculative_config.prompt_lookup_max"),
+        (
+            {"model": path, "num_speculative_tokens": 2, "prompt_lookup_max": 3},
+            {},
+            "speculative_config.prompt_lookup_max",
+        ),
         ({"model": path}, {}, "speculative_config.num_speculative_tokens"),
         ({"model": path, "num_speculative_tokens": 0}, {}, "speculative_config.num_speculative_tokens"),
         ({"method": "eagle", "model": path, "num_speculative_tokens": 2}, {}, "speculative_config.method"),
@@ -232,7 +239,9 @@ def test_refusals_name_the_field(tiny_models, tmp_path):
         assert e.value.param == name, (config, e.value)
     with LLM(path, device="cpu", num_kv_blocks=16, speculative_config=draft(path)) as llm:
         with pytest.raises(InvalidRequestError) as e:
-            llm.generate([[1, 2, 3]], SamplingParams(n=2, use_beam_search=True, temperature=0, max_tokens=4), use_tqdm=False)
+            llm.generate(
+                [[1, 2, 3]], SamplingParams(n=2, use_beam_search=True, temperature=0, max_tokens=4), use_tqdm=False
+            )
         assert e.value.param == "use_beam_search"
 
 
