@@ -93,13 +93,13 @@ def test_the_target_as_its_own_draft_on_cuda(tiny_models, family, mode):
     path = tiny_models[family]
     (plain, spec), m = both_draft(path, path, workload(200, seed=1) * 3, **mode)
     assert spec == plain
-    assert m["spec_decode_num_drafts"] > 0 and m["spec_decode_acceptance_rate"] > 0.98, m
+    assert m["spec_decode_num_drafts"] > 0 and m["spec_decode_acceptance_rate"] > 0.9, m
 
 
 def test_a_draft_under_preemption_another_family_and_the_bundled_model(tiny_models):
     path = tiny_models["qwen3"]
     (plain, spec), m = both_draft(path, path, workload(200, seed=2) * 2, num_kv_blocks=24, max_num_seqs=12)
-    assert spec == plain and m["num_preemptions"] > 0 and m["spec_decode_acceptance_rate"] > 0.98, m
+    assert spec == plain and m["num_preemptions"] > 0 and m["spec_decode_acceptance_rate"] > 0.9, m
     (plain, spec), m = both_draft(path, tiny_models["llama"], workload(200, seed=3), k=2)
     assert spec == plain and m["spec_decode_num_drafts"] > 0
     bundled = default_model_path()
