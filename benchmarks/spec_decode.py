@@ -65,7 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=2, help="timed runs per point; the median (default: 2)")
     p.add_argument("--prompt-seed", type=int, default=0, help="seeds the prompts (default: 0)")
     p.add_argument(
-        "--methods", nargs="+", default=["ngram", "draft-self", "draft-small"],
+        "--methods",
+        nargs="+",
+        default=["ngram", "draft-self", "draft-small"],
         choices=["ngram", "draft-self", "draft-small"],
         help="(default: all three)",
     )
