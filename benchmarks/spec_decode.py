@@ -1,6 +1,14 @@
 #!/usr/bin/env python3
-"""Speculative decoding (n-gram prompt lookup): TPOT with and without it, at several batch sizes,
-on a copy-heavy workload and on random prompts (docs/features/speculative-decoding.md).
+"""Speculative decoding: TPOT with and without it, at several batch sizes, on a copy-heavy workload
+and on random prompts (docs/features/speculative-decoding.md). `--methods` (default: ngram):
+  ngram        prompt lookup, `--k` proposals
+  draft-self   the target as its own draft model: every proposal is accepted (greedy), so this row
+               bounds the draft machinery's overhead against its best case
+  draft-small  the target's first `--draft-layers` layers (with its embedding, final norm and head)
+               as the draft, written once to `--draft-dir` (a layer-skip draft: same vocabulary,
+               a fraction of the cost, modest acceptance)
+Draft rows run for each k in `--draft-ks` (default: the single `--k`), which gives throughput
+against k.
 
 Workloads (`--workloads`):
   copy    each prompt is a random phrase of `--phrase-len` tokens repeated `--repeats` times: a
@@ -13,8 +21,10 @@ Workloads (`--workloads`):
 Each (workload, batch) runs with speculation off and with `--k` proposals (`--spec-config` for
 the other keys), batch = requests submitted at once (`--batches`, default 1 8 64), each
 `--output-len` new tokens with EOS ignored, greedy (or `--temperature`, request i seeded with i:
-a seeded request draws the same tokens with speculation, so the outputs still compare). One warm-up generate per engine first; then
-`--repeat` timed runs, the median reported.
+a seeded request draws the same tokens with speculation, so the outputs still compare). One
+warm-up generate per engine first; then `--repeat` timed runs, the median reported. The defaults
+(four engines: none, ngram, draft-self, draft-small) are sized to finish in a few minutes on one
+H200; choose fewer with the flags above.
 
 Reported per row: TPOT (mean over the requests of (finish - first token) / (tokens - 1), in ms),
 output tokens/s (all requests' tokens over the wall time), and with speculation the acceptance
@@ -28,13 +38,17 @@ batch: the same rounding effect without speculation). Rows (JSON lines) go to `-
 and library versions.
 
     python benchmarks/spec_decode.py --model /tmp/qwen3-0.6b --out $OUT/spec_decode.jsonl       # H200
+    python benchmarks/spec_decode.py --model /tmp/qwen3-0.6b --methods draft-self draft-small \
+        --workloads random --draft-ks 2 4 --out $OUT/spec_draft.jsonl                         # H200, drafts
     python benchmarks/spec_decode.py --batches 1 4 --output-len 32 --input-len 64 --repeat 1    # CPU, bundled model
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
+import os
 import random
 import statistics
 import sys
@@ -62,12 +76,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--temperature", type=float, default=0.0, help="0 = greedy; else request i is seeded with i (default: 0)"
     )
-    p.add_argument("--output-len", type=int, default=256, help="new tokens per request, EOS ignored (default: 256)")
+    p.add_argument("--output-len", type=int, default=128, help="new tokens per request, EOS ignored (default: 128)")
     p.add_argument("--input-len", type=int, default=512, help="random workload: prompt tokens (default: 512)")
     p.add_argument("--phrase-len", type=int, default=64, help="copy workload: the repeated phrase (default: 64)")
     p.add_argument("--repeats", type=int, default=8, help="copy workload: repetitions in the prompt (default: 8)")
-    p.add_argument("--repeat", type=int, default=3, help="timed runs per point; the median (default: 3)")
+    p.add_argument("--repeat", type=int, default=2, help="timed runs per point; the median (default: 2)")
     p.add_argument("--prompt-seed", type=int, default=0, help="seeds the prompts (default: 0)")
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=["ngram", "draft-self", "draft-small"],
+        choices=["ngram", "draft-self", "draft-small"],
+        help="(default: all three)",
+    )
+    p.add_argument("--draft-ks", nargs="+", type=int, help="draft methods: the k's to run (default: --k)")
+    p.add_argument("--draft-layers", type=int, default=4, help="draft-small: the target's layers kept (default: 4)")
+    p.add_argument("--draft-dir", default="/tmp/pagedllm-spec-draft", help="draft-small: where it is written")
     p.add_argument("--out", help="append the rows here as JSON lines")
     p.add_argument("--label", default="", help="free text stored with the rows")
     return p.parse_args(argv)
@@ -136,7 +160,7 @@ def point(llm, spec: dict | None, workload: str, batch: int, vocab: int, args) -
         "workload": workload,
         "batch": batch,
         "speculative": spec is not None,
-        "k": 0 if spec is None else args.k,
+        "k": 0 if spec is None else spec["num_speculative_tokens"],
         "tpot_ms": 1e3 * statistics.median(r[1] for r in runs),
         "output_tok_s": batch * args.output_len / wall,
         "wall_s": wall,
@@ -153,6 +177,49 @@ def equal_prefix(a: list[int], b: list[int]) -> int:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return n
+
+
+def truncated_draft(model_dir: str, out_dir: str, num_layers: int) -> str:
+    """Write the model's first `num_layers` decoder layers (with its embedding, final norm and LM
+    head, and its tokenizer files) as a model of its own: a draft of the same vocabulary."""
+    from safetensors.torch import load_file, save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    config["num_hidden_layers"] = num_layers
+    if isinstance(config.get("layer_types"), list):
+        config["layer_types"] = config["layer_types"][:num_layers]
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    kept = {}
+    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        for name, t in load_file(path).items():
+            parts = name.split(".")
+            if "layers" in parts and int(parts[parts.index("layers") + 1]) >= num_layers:
+                continue
+            kept[name] = t.contiguous()
+    save_file(kept, os.path.join(out_dir, "model.safetensors"))
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json"):
+        if os.path.isfile(os.path.join(model_dir, name)):
+            with open(os.path.join(model_dir, name), "rb") as src, open(os.path.join(out_dir, name), "wb") as dst:
+                dst.write(src.read())
+    return out_dir
+
+
+def spec_configs(args, model_dir: str) -> list[tuple[str, dict]]:
+    """(method, speculative_config) per engine to run, in --methods order."""
+    out: list[tuple[str, dict]] = []
+    for method in args.methods:
+        if method == "ngram":
+            lookup = {"prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
+            limit = {"disable_by_batch_size": args.disable_by_batch_size}
+            out.append((method, {"method": "ngram", "num_speculative_tokens": args.k, **lookup, **limit}))
+            continue
+        draft = model_dir if method == "draft-self" else truncated_draft(model_dir, args.draft_dir, args.draft_layers)
+        limit = {"disable_by_batch_size": args.disable_by_batch_size}
+        out += [(method, {"model": draft, "num_speculative_tokens": k, **limit}) for k in args.draft_ks or [args.k]]
+    return out
 
 
 def run_engine(spec: dict | None, args, engine_kw: dict) -> list[dict]:
@@ -176,34 +243,34 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     engine_kw = engine_kwargs(args)
     engine_kw.pop("speculative_config", None)
-    spec = {
-        "method": "ngram",
-        "num_speculative_tokens": args.k,
-        "prompt_lookup_max": args.prompt_lookup_max,
-        "prompt_lookup_min": args.prompt_lookup_min,
-        "disable_by_batch_size": args.disable_by_batch_size,
-    }
     plain = run_engine(None, args, engine_kw)
-    fast = run_engine(spec, args, engine_kw)
     env = environment()
     lines = []
-    for a, b in zip(plain, fast, strict=True):
-        for row in (a, b):
-            row["greedy_equal"] = a["outputs"] == b["outputs"]
-            row["equal_prefix_share"] = statistics.mean(
+    for a in plain:
+        a["greedy_equal"], a["equal_prefix_share"], a["tpot_speedup"], a["method"] = True, 1.0, 1.0, "none"
+        lines.append(_line(a, args, engine_kw, env))
+    for method, spec in spec_configs(args, engine_kw["model"]):
+        for a, b in zip(plain, run_engine(spec, args, engine_kw), strict=True):
+            b["greedy_equal"] = a["outputs"] == b["outputs"]
+            b["equal_prefix_share"] = statistics.mean(
                 equal_prefix(x, y) / max(len(x), 1) for x, y in zip(a["outputs"], b["outputs"], strict=True)
             )
-            row["tpot_speedup"] = a["tpot_ms"] / b["tpot_ms"] if row is b else 1.0
-            out = {k: v for k, v in row.items() if k != "outputs"}
-            out.update(bench="spec_decode", output_len=args.output_len, label=args.label, **env)
-            out["engine"] = {k: v for k, v in engine_kw.items() if k != "model"}
-            out["model"] = engine_kw["model"]
-            lines.append(out)
-            print(json.dumps(out))
+            b["tpot_speedup"] = a["tpot_ms"] / b["tpot_ms"]
+            b["method"] = method
+            lines.append(_line(b, args, engine_kw, env))
     if args.out:
         with open(args.out, "a") as f:
             for line in lines:
                 f.write(json.dumps(line) + "\n")
+
+
+def _line(row: dict, args, engine_kw: dict, env: dict) -> dict:
+    out = {k: v for k, v in row.items() if k != "outputs"}
+    out.update(bench="spec_decode", output_len=args.output_len, label=args.label, **env)
+    out["engine"] = {k: v for k, v in engine_kw.items() if k != "model"}
+    out["model"] = engine_kw["model"]
+    print(json.dumps(out))
+    return out
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from pagedllm.engine.sampling_params import SamplingParams
 from pagedllm.engine.scheduler import Resolved, Scheduler, SchedulerOutput
 from pagedllm.engine.sequence import Sequence, SequenceStatus
 from pagedllm.engine.spec_decode import Speculator
+from pagedllm.engine.spec_draft import drafter_of, fill_drafts
 from pagedllm.engine.timeline import Timeline
 from pagedllm.engine.trace import Tracer
 
@@ -75,6 +76,7 @@ class EngineCore:
             config.preemption_mode,
             None if spec is None else Speculator(spec, config.max_model_len),
         )
+        self.drafter = drafter_of(executor, spec)  # a draft model's proposals (spec_draft.py), else None
         # step N+1 is launched before step N's ids are on the host (needs an executor that offers it);
         # a step that proposes (speculative decoding) runs synchronously: _step_async
         self.async_scheduling = async_scheduling and executor.supports_async
@@ -209,6 +211,8 @@ class EngineCore:
         if not sched:
             return self._grammar_failures()
         try:
+            if self.drafter is not None:
+                fill_drafts(sched, self.drafter)
             result = self.executor.execute(sched)
             self.kv_load_seconds += result.kv_load_seconds
         except BaseException:
@@ -271,6 +275,8 @@ class EngineCore:
         launched = None
         try:
             if sched:
+                if self.drafter is not None:
+                    fill_drafts(sched, self.drafter)
                 launched = (sched, self.executor.execute_async(sched))
                 self.scheduler.advance(sched)
                 if self.timeline is not None:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pagedllm.engine.scheduler_output import PLACEHOLDER
 from pagedllm.engine.spec_config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -161,7 +162,9 @@ class TokenArrays:
 class Speculator:
     """What the scheduler asks of speculation: proposals for a decoding sequence (bounded by its
     max_tokens, max_model_len and the step's token budget), whether this step proposes at all
-    (Backoff), and the counters."""
+    (Backoff), and the counters. With a draft model the proposals are PLACEHOLDERs at schedule
+    time, as many as the bounds allow (up to k): the draft model fills them in before the step
+    runs (spec_draft.py)."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
@@ -204,7 +207,11 @@ class Speculator:
         )
         if limit <= 0:
             return []
-        drafts = self.proposer.propose(self.arrays.ids(seq), limit)
+        if self.config.uses_draft_model:
+            # a grammar cannot check proposals not yet made: such a sequence decodes plainly
+            drafts = [] if seq.grammar is not None else [PLACEHOLDER] * min(self.config.num_speculative_tokens, limit)
+        else:
+            drafts = self.proposer.propose(self.arrays.ids(seq), limit)
         self._looked = True
         if drafts and seq.grammar is not None:
             drafts = drafts[: grammar_prefix(seq.grammar, drafts)]

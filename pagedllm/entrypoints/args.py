@@ -189,8 +189,9 @@ FLAG_HELP: dict[str, FlagHelp] = {
     ),
     "speculative_config": FlagHelp(
         'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": K, '
-        '"prompt_lookup_max": A, "prompt_lookup_min": B}; exact: greedy output is unchanged and sampled '
-        "output keeps the model's distribution (docs/features/speculative-decoding.md)",
+        '"prompt_lookup_max": A, "prompt_lookup_min": B} or {"model": DRAFT_DIR, "num_speculative_tokens": K}; '
+        "exact: greedy output is unchanged and sampled output keeps the model's distribution "
+        "(docs/features/speculative-decoding.md)",
         "off",
         type=json_object,
         metavar="JSON",

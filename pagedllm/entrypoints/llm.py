@@ -85,8 +85,8 @@ class LLM:
         any other fails naming it. `enable_chunked_prefill` is always on (a prompt longer than
         max_num_batched_tokens is prefilled over several steps); False is refused.
         `speculative_config`: vLLM's dict, {"method": "ngram", "num_speculative_tokens": k,
-        "prompt_lookup_max": a, "prompt_lookup_min": b} (docs/features/speculative-decoding.md);
-        a draft model ("model") is refused."""
+        "prompt_lookup_max": a, "prompt_lookup_min": b} or {"model": DRAFT_DIR, "num_speculative_tokens": k}
+        (docs/features/speculative-decoding.md)."""
         _check_vllm_only(kwargs)
         if not enable_chunked_prefill:
             raise InvalidRequestError(
@@ -207,6 +207,12 @@ class LLM:
             quantization=quantization,
             kv_offloading_size=kv_offloading_size,
         )
+        if spec is not None and spec.uses_draft_model:  # checked against the target before any weight loads
+            from pagedllm.entrypoints.draft_check import check_draft_model
+
+            runner_kwargs["draft"] = check_draft_model(
+                spec, hf_config, self.tokenizer, max_model_len, tensor_parallel_size
+            )
         self.runner: Executor  # a ModelRunner, or a TPExecutor over tensor_parallel_size processes
         from pagedllm.worker.tp_executor import TPExecutor
 

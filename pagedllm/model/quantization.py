@@ -24,7 +24,7 @@ from pagedllm.engine.config import QUANTIZATION_METHODS
 from pagedllm.engine.errors import InvalidRequestError
 from pagedllm.model.linear import QuantizableLinear
 from pagedllm.model.moe import SparseMoeBlock
-from pagedllm.model.quant_config import CheckpointQuant
+from pagedllm.model.quant_config import CheckpointQuant, read_quant_config
 from pagedllm.ops.fp8_block_linear import block_k_tile
 from pagedllm.ops.int4_linear import MIN_BLOCK_K
 from pagedllm.ops.int4_linear import block_k_tile as int4_k_tile
@@ -156,3 +156,33 @@ def check_blocks(name: str, m: QuantizableLinear, block: tuple[int, int], field:
         raise InvalidRequestError(
             f"{field}={list(block)!r}: the GPU kernel needs the block's columns (bk) divisible by 32", field
         )
+
+
+def prepare_quantization(
+    model: nn.Module, hf_config, quantization: str | None, device: torch.device
+) -> tuple[CheckpointQuant | None, str | None]:
+    """Before the weights load: a quantized checkpoint's layers made ready for its format (refusing,
+    naming the argument, a `quantization` that disagrees with it; load_format='dummy' fills them with
+    random bytes of the format: model/loader.py), or the
+    `quantization` to apply after loading ("fp8"; a checkpoint format with no quantization_config
+    is refused). Returns the checkpoint's quantization and what is left to quantize after loading."""
+    checkpoint_quant = read_quant_config(hf_config)  # refuses what it cannot load, naming the field
+    if checkpoint_quant is not None:
+        if quantization is not None and quantization != checkpoint_quant.method:
+            raise InvalidRequestError(
+                f"quantization={quantization!r} does not match the checkpoint's quantization_config "
+                f"(quant_method {checkpoint_quant.method!r}): leave it unset or pass {checkpoint_quant.method!r}",
+                "quantization",
+            )
+        if checkpoint_quant.int4:  # packed 4-bit weights where the kernel takes them
+            prepare_checkpoint_int4(model, checkpoint_quant)
+        else:
+            prepare_checkpoint_fp8(model, checkpoint_quant, device)
+        quantization = None  # loaded quantized: nothing to quantize after loading
+    elif quantization is not None and quantization != "fp8":
+        raise InvalidRequestError(
+            f"quantization={quantization!r} names a checkpoint format, and this checkpoint has no "
+            "quantization_config; quantization='fp8' quantizes an unquantized checkpoint at load",
+            "quantization",
+        )
+    return checkpoint_quant, quantization

@@ -12,7 +12,6 @@ import numpy as np
 import torch
 
 from pagedllm import envs
-from pagedllm.engine.errors import InvalidRequestError
 from pagedllm.engine.kv_cache_groups import blocks_per_sequence
 from pagedllm.engine.scheduler_output import PLACEHOLDER, SchedulerOutput
 from pagedllm.engine.startup_times import StartupTimes
@@ -21,8 +20,7 @@ from pagedllm.engine.structured_output import grammar_bitmask
 from pagedllm.model.loader import init_dummy_weights, load_weights
 from pagedllm.model.moe import SparseMoeBlock
 from pagedllm.model.parallel import agree_min, tp_rank, tp_size
-from pagedllm.model.quant_config import read_quant_config
-from pagedllm.model.quantization import prepare_checkpoint_fp8, prepare_checkpoint_int4, quantize_linears
+from pagedllm.model.quantization import prepare_quantization, quantize_linears
 from pagedllm.model.registry import build_model
 from pagedllm.ops import PAD_SLOT_ID
 from pagedllm.ops.attention_metadata import AttentionMetadata
@@ -37,6 +35,7 @@ from pagedllm.worker.device import (
 )
 from pagedllm.worker.device import resolve_device as resolve_device  # re-exported: entrypoints/llm.py
 from pagedllm.worker.device import resolve_dtype as resolve_dtype
+from pagedllm.worker.draft_model import DraftModel, DraftSpec
 from pagedllm.worker.host_kv_cache import HostKVCache, allocate_host_kv_cache, host_kv_blocks
 from pagedllm.worker.kv_cache import allocate_kv_cache, block_bytes, groups_of, log_kv_cache
 from pagedllm.worker.kv_scales import CALIBRATION_SEQ_LEN, CALIBRATION_TOKENS, choose_kv_scales
@@ -89,13 +88,15 @@ class ModelRunner:
         load_format: str = "auto",
         quantization: str | None = None,
         kv_offloading_size: float = 0.0,
+        draft: DraftSpec | None = None,
     ):
         """quantization "fp8": the decoder layers' linear weights quantized to e4m3 after loading
         (per-channel scales; activations per token at run time: ops/fp8_linear.py).
         eos_token_ids: the ids that end a sequence, the scheduler's own set (masked while a
         request has fewer than min_tokens outputs). kv_cache_dtype: "auto" (the model's dtype),
         "fp8"/"fp8_e4m3" or "fp8_e5m2" (ops/kv_quant.py). load_format "dummy": seeded random
-        weights instead of the checkpoint's (model/loader.py: init_dummy_weights)."""
+        weights instead of the checkpoint's (model/loader.py: init_dummy_weights). draft: a draft
+        model for speculative decoding (worker/draft_model.py), its KV sized with the target's."""
         self.hf_config = hf_config
         self.device, self.dtype = device, dtype
         sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -118,25 +119,7 @@ class ModelRunner:
                 self.model = build_model(hf_config, kernels_for(device), max_model_len)
         finally:
             torch.set_default_dtype(default_dtype)
-        checkpoint_quant = read_quant_config(hf_config)  # refuses what it cannot load, naming the field
-        if checkpoint_quant is not None:
-            if quantization is not None and quantization != checkpoint_quant.method:
-                raise InvalidRequestError(
-                    f"quantization={quantization!r} does not match the checkpoint's quantization_config "
-                    f"(quant_method {checkpoint_quant.method!r}): leave it unset or pass {checkpoint_quant.method!r}",
-                    "quantization",
-                )
-            if checkpoint_quant.int4:  # packed 4-bit weights where the kernel takes them
-                prepare_checkpoint_int4(self.model, checkpoint_quant)
-            else:
-                prepare_checkpoint_fp8(self.model, checkpoint_quant, device)
-            quantization = None  # loaded quantized: nothing to quantize after loading
-        elif quantization is not None and quantization != "fp8":
-            raise InvalidRequestError(
-                f"quantization={quantization!r} names a checkpoint format, and this checkpoint has no "
-                "quantization_config; quantization='fp8' quantizes an unquantized checkpoint at load",
-                "quantization",
-            )
+        checkpoint_quant, quantization = prepare_quantization(self.model, hf_config, quantization, device)
         with self.startup.phase("weights"):
             if load_format == "dummy":
                 checkpoint_kv_scales: dict[int, dict[str, float]] = init_dummy_weights(self.model, seed)
@@ -162,6 +145,10 @@ class ModelRunner:
             for layer, (k_scale, v_scale) in zip(self.attn_layers, self.kv_scales, strict=True):
                 layer.set_kv_scales(k_scale, v_scale)
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.draft: DraftModel | None = None
+        if draft is not None:
+            with self.startup.phase("draft model"):
+                self.draft = DraftModel(draft, device, dtype, max_model_len, load_format, seed)
         self.peak_activation_bytes = 0  # measured by the profiling run (CUDA, when it sizes the KV)
         with self.startup.phase("profile run"):
             self.num_kv_blocks = self._size_kv_cache(num_kv_blocks, kv_cache_memory_bytes, gpu_memory_utilization)
@@ -169,6 +156,8 @@ class ModelRunner:
         self.num_kv_blocks = agree_min(self.num_kv_blocks)  # TP: the same block ids on every rank
         with self.startup.phase("KV allocation"):
             self._allocate_kv_cache()
+            if self.draft is not None:
+                self.draft.allocate(self.num_kv_blocks, block_size)
         self.num_host_kv_blocks = agree_min(host_kv_blocks(kv_offloading_size, self.block_bytes, tp_size()))
         self.host_kv: HostKVCache | None = None
         if self.num_host_kv_blocks:
@@ -218,11 +207,16 @@ class ModelRunner:
     def block_bytes(self) -> int:
         return block_bytes(self.kv_cache_groups, self.attn_layers[0], self.block_size, self.kv_dtype)
 
+    @property
+    def pool_block_bytes(self) -> int:
+        """What one block id costs: the target's KV and, with a draft model, the draft's (the pool's sizing unit)."""
+        return self.block_bytes + (0 if self.draft is None else self.draft.block_bytes(self.block_size))
+
     def _size_kv_cache(self, num_kv_blocks, kv_cache_memory_bytes, gpu_memory_utilization) -> int:
         if num_kv_blocks is not None:
             return int(num_kv_blocks)
         if kv_cache_memory_bytes is not None:
-            return max(1, int(kv_cache_memory_bytes) // self.block_bytes)
+            return max(1, int(kv_cache_memory_bytes) // self.pool_block_bytes)
         if self.device.type == "cuda":
             blocks, self.peak_activation_bytes = profile_kv_blocks(self, gpu_memory_utilization)
             return blocks
@@ -230,7 +224,7 @@ class ModelRunner:
         one = blocks_per_sequence(
             self.kv_cache_groups, self.max_model_len, self.block_size, self.max_num_batched_tokens
         )
-        return max(one, min(self.max_num_seqs * one, available_ram_bytes() // 10 // self.block_bytes))
+        return max(one, min(self.max_num_seqs * one, available_ram_bytes() // 10 // self.pool_block_bytes))
 
     def _calibration_forward(self) -> None:
         """The forward whose K/V ranges size the fp8 scales (worker/kv_scales.py): seeded, and the
@@ -337,7 +331,7 @@ class ModelRunner:
         if inp.blocks_to_copy:  # copy-on-write, queued before the forward (and any graph replay)
             pairs = self._to_device(np.array(inp.blocks_to_copy, dtype=np.int64).T.copy())
             self._copy_blocks(self.kv_cache, pairs[0], pairs[1])
-        fix = self._placeholder_sources(inp)
+        fix = self.placeholder_fix(inp.input_ids, inp.cu_seqlens_q, inp.seq_ids)
         logits: torch.Tensor | None = None
         prompt = None
         if self.graphs is not None and inp.decode_only and not inp.prompt_logprobs and self.graphs.can_run(inp):
@@ -378,15 +372,20 @@ class ModelRunner:
             return self.host_kv.load(inp.blocks_to_load)
         return 0.0
 
-    def _placeholder_sources(self, inp: StepInputs):
+    def propose_drafts(self, out: SchedulerOutput) -> list[int]:
+        """engine/spec_draft.py's Drafter: the draft model's forwards, before the step's own."""
+        assert self.draft is not None, "speculative_config.model: this runner was built without a draft"
+        return self.draft.propose(out, self)
+
+    def placeholder_fix(self, input_ids: np.ndarray, cu_seqlens_q: np.ndarray, seq_ids: list[int]):
         """Async scheduling: input rows whose token id is still a PLACEHOLDER, and where the
         previous step's sampled tensor holds it: (rows, sources) on the device, or None."""
-        rows = np.flatnonzero(inp.input_ids == PLACEHOLDER)
+        rows = np.flatnonzero(input_ids == PLACEHOLDER)
         if rows.size == 0:
             return None
-        seq_index = np.searchsorted(inp.cu_seqlens_q, rows, side="right") - 1
+        seq_index = np.searchsorted(cu_seqlens_q, rows, side="right") - 1
         last_row = {seq_id: i for i, seq_id in enumerate(self._last_sample_seq_ids)}
-        src = np.fromiter((last_row[inp.seq_ids[j]] for j in seq_index), dtype=np.int64, count=rows.size)
+        src = np.fromiter((last_row[seq_ids[j]] for j in seq_index), dtype=np.int64, count=rows.size)
         return self._to_device(rows), self._to_device(src)
 
     def fill_placeholders(self, input_ids: torch.Tensor, fix) -> None:

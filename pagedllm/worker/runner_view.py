@@ -48,6 +48,9 @@ class WarmUpRunner(GraphRunner, Protocol):
     @property
     def block_bytes(self) -> int: ...
 
+    @property
+    def pool_block_bytes(self) -> int: ...
+
     def _to_device(self, a: np.ndarray) -> torch.Tensor: ...
 
     def _metadata_from(

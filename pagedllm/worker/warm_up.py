@@ -70,7 +70,7 @@ def profile_kv_blocks(runner: WarmUpRunner, utilization: float) -> tuple[int, in
     stats = torch.cuda.memory_stats(runner.device)
     peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
     budget = total * utilization - used - peak + current
-    blocks = int(budget // runner.block_bytes)
+    blocks = int(budget // runner.pool_block_bytes)  # a draft model's KV shares the budget
     if blocks < 1:
         raise ValueError(
             f"no GPU memory left for the KV cache (budget {budget / GiB:.2f} GiB); raise "

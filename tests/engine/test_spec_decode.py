@@ -138,7 +138,12 @@ def test_accepted_run_is_the_matching_prefix_then_the_targets_token():
         ({"method": "ngram", "num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": True}, "speculative_config.num_speculative_tokens"),
         ({"method": "eagle", "num_speculative_tokens": 2}, "speculative_config.method"),
-        ({"model": "/some/draft", "num_speculative_tokens": 2}, "speculative_config.model"),
+        ({"model": "", "num_speculative_tokens": 2}, "speculative_config.model"),
+        ({"method": "ngram", "model": "/some/draft", "num_speculative_tokens": 2}, "speculative_config.model"),
+        (
+            {"model": "/some/draft", "num_speculative_tokens": 2, "prompt_lookup_min": 2},
+            "speculative_config.prompt_lookup_min",
+        ),
         (
             {"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
             "speculative_config.prompt_lookup_min",
@@ -158,6 +163,18 @@ def test_bad_speculative_configs_are_refused_naming_the_field(value, field):
     with pytest.raises(InvalidRequestError) as e:
         SpeculativeConfig.parse(value)
     assert e.value.param == field
+
+
+def test_a_draft_model_config_parses_with_or_without_its_method():
+    """vLLM's keys: `model` implies method "draft_model" (whether the directory holds a model is
+    checked where models load: entrypoints/draft_check.py)."""
+    for value in (
+        {"model": "/d", "num_speculative_tokens": 3},
+        {"method": "draft_model", "model": "/d", "num_speculative_tokens": 3},
+    ):
+        spec = SpeculativeConfig.parse(value)
+        assert spec is not None and spec.uses_draft_model and spec.model == "/d" and spec.num_speculative_tokens == 3
+    assert not SpeculativeConfig.parse('{"num_speculative_tokens": 2}').uses_draft_model
 
 
 def test_config_defaults_follow_vllms_rule():

@@ -3,7 +3,8 @@ steps, whole-step / piecewise graphs or eager for verification steps; async sche
 step that proposes run synchronously) and eager: greedy with n-gram speculation equals greedy
 without, token for token, with proposals accepted; also under forced preemption, for the
 bundled model, and for seeded sampling on the fused Philox sampler (a seeded row's draw is keyed
-by (seed, position), so the same tokens come out). Run with `pytest -m gpu`."""
+by (seed, position), so the same tokens come out). The same with a draft model (the target as its
+own draft, a draft of another family, the bundled model). Run with `pytest -m gpu`."""
 
 from __future__ import annotations
 
@@ -66,3 +67,57 @@ def test_seeded_sampling_draws_the_same_tokens_on_cuda(tiny_models):
                 res = llm.generate([{"prompt_token_ids": p} for p in prompts], ps, use_tqdm=False)
                 outs.append([o.outputs[0].token_ids for o in res])
         assert outs[1] == outs[0]
+
+
+# ---- draft-model speculation (worker/draft_model.py): the draft runs eagerly before the target's step,
+# whose verification rows run through the same graphs (or eagerly) as n-gram ones
+
+
+def both_draft(path: str, draft_dir: str, prompts, k: int = 3, max_tokens: int = 48, **kw):
+    outs, m = [], {}
+    for spec in (None, {"model": draft_dir, "num_speculative_tokens": k, "disable_by_batch_size": None}):
+        with LLM(path, **{**CUDA, **kw}, speculative_config=spec) as llm:
+            if spec is not None:
+                llm.engine.scheduler.speculator.backoff.FLOOR = 0.0
+            outs.append(greedy(llm, prompts, max_tokens))
+            m = llm.get_metrics()
+            assert m["num_free_kv_blocks"] == m["num_kv_blocks"]
+    return outs, m
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
+@pytest.mark.parametrize("mode", [dict(), dict(enforce_eager=True)], ids=str)
+def test_the_target_as_its_own_draft_on_cuda(tiny_models, family, mode):
+    """float32: the draft's single-token steps and the target's verification rows compute the same
+    logits up to rounding, so (nearly) every proposal is accepted; the output is the same exactly."""
+    path = tiny_models[family]
+    (plain, spec), m = both_draft(path, path, workload(200, seed=1) * 3, **mode)
+    assert spec == plain
+    assert m["spec_decode_num_drafts"] > 0 and m["spec_decode_acceptance_rate"] > 0.9, m
+
+
+def test_a_draft_under_preemption_another_family_and_the_bundled_model(tiny_models):
+    path = tiny_models["qwen3"]
+    (plain, spec), m = both_draft(path, path, workload(200, seed=2) * 2, num_kv_blocks=24, max_num_seqs=12)
+    assert spec == plain and m["num_preemptions"] > 0 and m["spec_decode_acceptance_rate"] > 0.9, m
+    (plain, spec), m = both_draft(path, tiny_models["llama"], workload(200, seed=3), k=2)
+    assert spec == plain and m["spec_decode_num_drafts"] > 0
+    bundled = default_model_path()
+    with LLM(bundled, **CUDA) as llm:
+        ids = llm.tokenizer.encode("one two three four, one two three four, one two")
+    (plain, spec), m = both_draft(bundled, bundled, [ids, ids[3:]])
+    assert spec == plain and m["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_seeded_sampling_with_a_draft_on_cuda(tiny_models):
+    path = tiny_models["qwen3"]
+    prompts = workload(200, seed=3)
+    params = [SamplingParams(temperature=0.9, seed=50 + i, max_tokens=32) for i in range(len(prompts))]
+    outs = []
+    for spec in (None, {"model": path, "num_speculative_tokens": 3, "disable_by_batch_size": None}):
+        with LLM(path, **CUDA, speculative_config=spec) as llm:
+            res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            outs.append([o.outputs[0].token_ids for o in res])
+            if spec is not None:
+                assert llm.get_metrics()["spec_decode_num_accepted_tokens"] > 0
+    assert outs[1] == outs[0]

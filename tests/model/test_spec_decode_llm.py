@@ -129,7 +129,7 @@ def test_seeded_sampling_and_logprobs_are_the_same_with_or_without_speculation(t
 def test_refusals_name_the_field(tiny_models):
     path = tiny_models["qwen3"]
     for config, field in [
-        ({"model": path, "num_speculative_tokens": 2}, "speculative_config.model"),
+        ({"model": path, "method": "ngram", "num_speculative_tokens": 2}, "speculative_config.model"),
         ({"method": "ngram", "num_speculative_tokens": -1}, "speculative_config.num_speculative_tokens"),
     ]:
         with pytest.raises(InvalidRequestError) as e:

@@ -1,0 +1,202 @@
+"""The draft model of draft-model speculative decoding (engine/spec_draft.py): its own weights, its
+own KV tensor, and the forwards that propose.
+
+The draft's KV tensor has the target pool's block count and block size, so the target's block
+tables and slot mappings index it unchanged: no block ids of its own, nothing for the engine to
+keep in step. What keeps it in step is one rule: in every step the draft runs over every token
+the target runs over, at the same positions and slots, before the target's forward:
+
+- the step's own tokens (prefill chunks, decode tokens, the last token of a verification step):
+  one forward, the "catch-up"; its last row of a verifying sequence gives d_1 (argmax);
+- then for a sequence verifying k' proposals, k' single-token forwards: d_j at position
+  T - 1 + j writes its KV and (j < k') gives d_{j+1}. The k'-th only writes d_k''s KV.
+
+So the draft writes KV exactly where the target writes it (the last token and d_1 .. d_k'), and
+after verification rolls the sequence back (spec_verify.py) every position the target's KV holds
+is held by the draft's too; prefix-cache hits, forks (their copy-on-write copies run on both
+tensors) and preemption by recompute need nothing more. Only the host tier's copies (swap,
+offloaded prefixes) move the target's KV alone: the draft's KV of such blocks is stale until
+rewritten, which lowers acceptance and nothing else (verification decides every token).
+
+The draft runs eagerly (no CUDA graphs), greedy, with the target's dtype and its own KV in that
+dtype (never fp8: no scales to choose). Tensor parallelism is refused at start-up
+(entrypoints/draft_check.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+import torch
+
+from pagedllm.engine.scheduler_output import SchedulerOutput
+from pagedllm.model.loader import init_dummy_weights, load_weights
+from pagedllm.model.registry import build_model
+from pagedllm.ops.kernels import kernels_for
+from pagedllm.worker.device import GiB, check_kernel_shapes
+from pagedllm.worker.kv_cache import allocate_kv_cache, block_bytes, groups_of
+from pagedllm.worker.step_inputs import BlockTableRows
+
+if TYPE_CHECKING:
+    from pagedllm.ops.attention_metadata import AttentionMetadata
+
+logger = logging.getLogger("pagedllm")
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """What the runner needs to build the draft: its checked config and directory (draft_check.py)."""
+
+    hf_config: Any
+    model_dir: str
+
+
+class DraftHost(Protocol):
+    """What the draft reads of the model runner that owns it (worker/model_runner.py)."""
+
+    device: torch.device
+    block_size: int
+
+    def _to_device(self, a: np.ndarray) -> torch.Tensor: ...
+
+    def _metadata_from(
+        self, *, slot_mapping, block_tables, cu, seq_lens, max_q, max_k, decode_only, no_history, groups=(), extra=()
+    ) -> tuple[AttentionMetadata, list[torch.Tensor]]: ...
+
+    def _copy_blocks(self, kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None: ...
+
+    def placeholder_fix(self, input_ids: np.ndarray, cu: np.ndarray, seq_ids: list[int]) -> Any: ...
+
+    def fill_placeholders(self, input_ids: torch.Tensor, fix: Any) -> None: ...
+
+
+class DraftModel:
+    def __init__(
+        self,
+        spec: DraftSpec,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_model_len: int,
+        load_format: str,
+        seed: int,
+    ):
+        """load_format "dummy": seeded random weights (the target's seed: the target as its own draft
+        gets the target's very weights)."""
+        self.device, self.dtype = device, dtype
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                self.model = build_model(spec.hf_config, kernels_for(device), max_model_len)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        if load_format == "dummy":
+            init_dummy_weights(self.model, seed)
+        else:
+            load_weights(self.model, spec.model_dir)
+        self.model.eval()
+        self.layers = self.model.attention_layers()
+        self.groups = groups_of(self.layers)  # one full-attention group (draft_check.py refuses windows)
+        if device.type == "cuda":
+            check_kernel_shapes(self.layers[0].head_dim, self.model.rotary_dim)
+        self.vocab_size = spec.hf_config.vocab_size
+        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.kv_cache: torch.Tensor | None = None
+        self._tables = BlockTableRows()  # the scheduled sequences' tables, as the target's runner keeps its own
+
+    def block_bytes(self, block_size: int) -> int:
+        """The draft's KV bytes of one block id (the pool is sized by the target's plus these)."""
+        return block_bytes(self.groups, self.layers[0], block_size, self.dtype)
+
+    def allocate(self, num_blocks: int, block_size: int) -> None:
+        self.kv_cache = allocate_kv_cache(self.layers, self.groups, num_blocks, block_size, self.dtype, self.device)
+        logger.info(
+            "draft model: weights %.3f GiB, KV %.3f GiB (%d blocks x %d tokens, indexed by the target's block tables)",
+            self.weights_bytes / GiB,
+            self.kv_cache.numel() * self.kv_cache.element_size() / GiB,
+            num_blocks,
+            block_size,
+        )
+
+    @torch.inference_mode()
+    def propose(self, out: SchedulerOutput, host: DraftHost) -> list[int]:
+        """engine/spec_draft.py's Drafter.propose_drafts (this module's docstring says how)."""
+        assert self.kv_cache is not None, "the draft's KV is allocated with the target's"
+        sched = out.scheduled
+        if not sched:
+            return []
+        if out.blocks_to_copy:  # the step's copy-on-write copies, before the draft writes into the copies
+            pairs = host._to_device(np.array(out.blocks_to_copy, dtype=np.int64).T.copy())
+            host._copy_blocks(self.kv_cache, pairs[0], pairs[1])
+        bs = host.block_size
+        tables = self._tables.tables(sched, len(out.scheduled[0].seq.block_tables))[0]
+        k = np.fromiter((len(s.spec_token_ids) for s in sched), dtype=np.int64, count=len(sched))
+        start = np.fromiter((s.seq.num_computed_tokens for s in sched), dtype=np.int64, count=len(sched))
+        n_new = np.fromiter((s.num_new_tokens for s in sched), dtype=np.int64, count=len(sched)) - k
+        cu = np.zeros(len(sched) + 1, dtype=np.int32)
+        np.cumsum(n_new, out=cu[1:])
+        total = int(cu[-1])
+        seq_of_token = np.repeat(np.arange(len(sched)), n_new)
+        positions = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1].astype(np.int64), n_new)
+        positions += np.repeat(start, n_new)
+        input_ids = np.concatenate(
+            [
+                np.asarray(s.seq.token_ids[a : a + n], dtype=np.int64)
+                for s, a, n in zip(sched, start, n_new, strict=True)
+            ]
+        )
+        slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        end = start + n_new
+        meta, (ids_dev, pos_dev) = host._metadata_from(
+            slot_mapping=slots,
+            block_tables=tables,
+            cu=cu,
+            seq_lens=end.astype(np.int32),
+            max_q=int(n_new.max()),
+            max_k=int(end.max()),
+            decode_only=bool((n_new == 1).all()),
+            no_history=bool((start == 0).all()),
+            extra=(input_ids, positions),
+        )
+        host.fill_placeholders(ids_dev, host.placeholder_fix(input_ids, cu, [s.seq.seq_id for s in sched]))
+        hidden = self.model(ids_dev, pos_dev, meta)
+        verifying = np.flatnonzero(k)
+        if verifying.size == 0:
+            return []  # a step that verifies nothing: the draft only wrote its KV (nothing to wait for)
+        cur = self._greedy(hidden[host._to_device(cu[1:][verifying] - 1)])  # d_1 of each verifying sequence
+        kv = k[verifying]
+        drafts = torch.empty((len(verifying), int(kv.max())), dtype=torch.int64, device=self.device)
+        drafts[:, 0] = cur
+        t_start, t_tables = start[verifying], tables[verifying]  # start: position T - 1 of the last token
+        for j in range(1, int(kv.max()) + 1):  # d_j at T - 1 + j: its KV, and d_{j+1} while j < k'
+            active = np.flatnonzero(kv >= j)
+            pos = t_start[active] + j
+            slot = t_tables[active, pos // bs].astype(np.int64) * bs + pos % bs
+            meta, (pos_dev,) = host._metadata_from(
+                slot_mapping=slot,
+                block_tables=t_tables[active],
+                cu=np.arange(len(active) + 1, dtype=np.int32),
+                seq_lens=(pos + 1).astype(np.int32),
+                max_q=1,
+                max_k=int(pos.max()) + 1,
+                decode_only=True,
+                no_history=False,
+                extra=(pos,),
+            )
+            active_dev = host._to_device(active)
+            hidden = self.model(cur[active_dev], pos_dev, meta)
+            more = np.flatnonzero(kv[active] > j)  # rows of `active` that need d_{j+1}
+            if more.size:
+                rows = active_dev if more.size == active.size else active_dev[host._to_device(more)]
+                cur = cur.clone()
+                cur[rows] = self._greedy(hidden if more.size == active.size else hidden[host._to_device(more)])
+                drafts[:, j] = cur
+        host_drafts = drafts.tolist()  # the one wait of a verifying step's draft phase
+        return [t for row, n in zip(host_drafts, kv.tolist(), strict=True) for t in row[:n]]
+
+    def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.model.compute_logits(hidden)
+        return logits[:, : self.vocab_size].argmax(dim=-1)
