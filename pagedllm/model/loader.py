@@ -74,8 +74,9 @@ def load_weights(
 ) -> dict[int, dict[str, float]]:
     """Load every weight; returns the checkpoint's KV scales, attention layer index -> {"k_scale": .., "v_scale": ..}.
     quant: the checkpoint's quantization (model/quant_config.py); a 4-bit layer's packed tensors are
-    gathered, then loaded into its packed weight (model/int4_layer.py) or, where the layer has none
-    (experts, model/quantization.py: int4_layout), as the weight they mean (model/int4_weights.py)."""
+    gathered, then loaded into its packed weight (model/int4_layer.py) or packed experts (model/moe_quant.py)
+    or, where the layer has none (model/quantization.py: int4_layout, model/quant_experts.py), as the
+    weight they mean (model/int4_weights.py)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = model.packed_modules
     loaded: set[str] = set()

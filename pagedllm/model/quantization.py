@@ -98,7 +98,7 @@ def prepare_checkpoint_fp8(model: nn.Module, quant: CheckpointQuant, device: tor
 def prepare_checkpoint_int4(model: nn.Module, quant: CheckpointQuant) -> int:
     """Before loading a 4-bit checkpoint: each decoder linear layer it quantized that the kernel takes
     (`int4_layout`) gets a packed weight to load into; returns how many. The rest keep their weight in the
-    model's dtype, and the loader dequantizes into it (model/loader.py), as it does for experts."""
+    model's dtype, and the loader dequantizes into it (model/loader.py); experts: model/quant_experts.py."""
     count = 0
     for name, m in quantized_layers(model, quant):
         group = int4_layout(name, m, quant)

@@ -287,3 +287,27 @@ def test_make_random_model_writes_quantized_moe_checkpoints(tmp_path, shape, kin
         assert isinstance(experts, Fp8FusedExperts if kind.startswith("fp8") else Int4FusedExperts)
         got = llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
         assert len(got) == GREEDY.max_tokens
+
+
+def test_a_quantized_router_is_refused_naming_the_config(moe_models, tmp_path):
+    """The router stays in the model's dtype: a checkpoint whose router is FP8 (not in its ignore list)
+    fails at start-up naming quantization_config, never loads its e4m3 bytes unscaled."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    ckpt = write(moe_models["qwen3moe_top2"], str(tmp_path / "q"), *FP8["ct-channel"])
+    tensors = checkpoint_tensors(ckpt)
+    w = tensors["model.layers.0.mlp.gate.weight"].float()
+    scale = (w.abs().amax(dim=1, keepdim=True) / 448.0).clamp(min=1e-12)
+    tensors["model.layers.0.mlp.gate.weight"] = (w / scale).to(torch.float8_e4m3fn)
+    tensors["model.layers.0.mlp.gate.weight_scale"] = scale
+    save_file(tensors, os.path.join(ckpt, "model.safetensors"))
+    path = os.path.join(ckpt, "config.json")
+    cfg = json.load(open(path))
+    cfg["quantization_config"]["ignore"] = ["lm_head"]
+    json.dump(cfg, open(path, "w"))
+    with pytest.raises(InvalidRequestError, match=r"mlp\.gate\.weight_scale.*the router") as e:
+        LLM(ckpt, num_kv_blocks=8, block_size=8)
+    assert e.value.param == "quantization_config"
