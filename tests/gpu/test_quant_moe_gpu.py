@@ -90,7 +90,10 @@ def test_float32_kernels_match_the_reference_closely(variant):
     w, ids = routing("random", 40, e, k, DEV)
     want = quant_moe_ref(x, w13, w2, w, ids)
     got = run(variant, x, w13, w2, w, ids)
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-3 * float(want.abs().max()))
+    # fp8: the kernel's float32 intermediate may differ from the reference's in its last bits, and a
+    # flipped e4m3 rounding of one of its elements moves the output by one quantization step
+    tol = 1e-2 if variant.startswith("fp8") else 1e-4
+    torch.testing.assert_close(got, want, rtol=0, atol=tol * float(want.abs().max()))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -160,7 +163,9 @@ def test_bf16_with_fp8_kv_runs_and_stays_close(moe_models, tmp_path, fmt):
     prompts, max_tokens = workload(4, n=6)
     first = {}
     for dtype in ("bfloat16", "float32"):
-        llm = LLM(ckpt, device="cuda", dtype=dtype, kv_cache_dtype="fp8", num_kv_blocks=128, block_size=16)
+        llm = LLM(
+            ckpt, device="cuda", dtype=dtype, kv_cache_dtype="fp8", num_kv_blocks=128, block_size=16, enforce_eager=True
+        )
         rows: list[torch.Tensor] = []
         real = llm.runner.sample
         llm.runner.sample = lambda lg, inp, rows=rows, real=real: (rows.append(lg.float().clone()), real(lg, inp))[1]
