@@ -80,7 +80,10 @@ def test_fp8_kernel_matches_the_reference(device, block, t, kind):
     w, ids = routing(kind, t, E, 2, device)
     want = quant_moe_ref(x.cpu(), _cpu(w13), _cpu(w2), w.cpu(), ids.cpu())
     got = fused_moe_fp8(x, w13, w2, w, ids, config=SMALL)
-    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+    # on a GPU the fp8 dots sum in another order: where that moves an element of the intermediate across
+    # an e4m3 rounding boundary, the output moves by one quantization step of it
+    atol = 1e-4 if device.type == "cpu" else 1e-2 * float(want.abs().max())
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=atol)
 
 
 @pytest.mark.parametrize(("group", "desc_act"), [(32, False), (16, True), (64, False)])
