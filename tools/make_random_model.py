@@ -9,7 +9,8 @@ Mixtral-shaped), for benchmarks without downloads.
 --quantize fp8-block|fp8-channel|awq|gptq writes the random model, then quantizes it with
 tools/quantize_checkpoint.py's own code (`quantize_dir`) into --out: block-wise FP8 (blocks of
 --quant-block square), compressed-tensors FP8 per channel, or 4-bit AWQ / GPTQ (groups of
---quant-block input rows); the tiny shapes need --quant-block 32 or less.
+--quant-block input rows); the tiny shapes need --quant-block 32 or less. MoE shapes (tiny-moe,
+tiny-mixtral, ...) get their experts quantized too, their routers not (listed in the ignore list).
 
     python tools/make_random_model.py --out /tmp/tiny-fp8-block --shape tiny --quantize fp8-block --quant-block 32
 
@@ -130,6 +131,20 @@ SHAPES = {
         num_experts=8,
         num_experts_per_tok=2,
         norm_topk_prob=True,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+        max_position_embeddings=40960,
+    ),
+    "tiny-mixtral": dict(
+        family="mixtral",
+        vocab_size=151936,
+        hidden_size=64,
+        intermediate_size=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,

@@ -1,12 +1,13 @@
 """Write an FP8 checkpoint of an unquantized Hugging Face model directory, in the layouts pagedllm
 loads (model/quant_config.py): the test checkpoints, and a way to make one without other tools.
 
-Every decoder linear weight (q/k/v/o, gate/up/down, and Phi-3's packed qkv_proj / gate_up_proj)
+Every decoder linear weight (q/k/v/o, gate/up/down, Phi-3's packed qkv_proj / gate_up_proj, and a
+mixture of experts' experts: mlp.experts.E.gate_proj..., Mixtral's block_sparse_moe.experts.E.w1/w3/w2)
 becomes e4m3 with scale = max|W| / 448 per output channel (`--weights channel`) or per tensor
-(`--weights tensor`), W_q = saturate(W / scale), stored beside it as `weight_scale`; embeddings, norms
-and the LM head stay as they are (listed in the config's ignore list). `--activations dynamic`
-quantizes activations per token at run time; `static` stores one `input_scale` per layer, the
-constant `--input-scale` (no calibration run: a test value, not a tuned one).
+(`--weights tensor`), W_q = saturate(W / scale), stored beside it as `weight_scale`; embeddings, norms,
+the LM head and MoE routers (mlp.gate) stay as they are (listed in the config's ignore list).
+`--activations dynamic` quantizes activations per token at run time; `static` stores one `input_scale`
+per layer, the constant `--input-scale` (no calibration run: a test value, not a tuned one).
 
     python tools/quantize_checkpoint.py --model DIR --out DIR [--format compressed-tensors|fp8|fp8-block]
         [--weights channel|tensor|block] [--block-size 128 [128]] [--activations dynamic|static] [--input-scale 0.05]
@@ -37,6 +38,7 @@ from safetensors.torch import save_file
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble k of an AWQ int32 holds output column AWQ_ORDER[k]
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
+EXPERT_LINEARS = ("w1", "w2", "w3")  # Mixtral's experts (block_sparse_moe.experts.E.w1); the router stays as it is
 FP8 = torch.float8_e4m3fn
 
 
@@ -117,7 +119,17 @@ def int4_tensors(w: torch.Tensor, fmt: str, group: int, sym: bool, desc_act: boo
 
 def is_linear(name: str) -> bool:
     parts = name.split(".")
-    return len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in LINEARS and ".layers." in name
+    expert = parts[-2] in EXPERT_LINEARS and ".experts." in name
+    return len(parts) >= 2 and parts[-1] == "weight" and (parts[-2] in LINEARS or expert) and ".layers." in name
+
+
+def routers(config: dict) -> list[str]:
+    """A mixture of experts' router modules (left unquantized, listed in the ignore list as checkpoints
+    list them); none for a dense model."""
+    if not (config.get("num_experts") or config.get("num_local_experts")):
+        return []
+    mlp = "block_sparse_moe" if config.get("model_type") == "mixtral" else "mlp"
+    return [f"model.layers.{i}.{mlp}.gate" for i in range(config["num_hidden_layers"])]
 
 
 def quantization_config(
@@ -128,17 +140,20 @@ def quantization_config(
     sym: bool = False,
     desc_act: bool = False,
     block: tuple[int, int] = (128, 128),
+    unquantized: tuple[str, ...] = (),
 ) -> dict:
+    """unquantized: modules besides lm_head that the checkpoint leaves in their dtype (MoE routers)."""
     if fmt == "fp8-block":
         return {
             "quant_method": "fp8",
             "fmt": "e4m3",
             "activation_scheme": "dynamic",
             "weight_block_size": list(block),
-            "modules_to_not_convert": ["lm_head"],
+            "modules_to_not_convert": ["lm_head", *unquantized],
         }
     if fmt == "awq":
-        return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
+        cfg = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
+        return {**cfg, "modules_to_not_convert": list(unquantized)} if unquantized else cfg
     if fmt == "gptq":
         return {
             "quant_method": "gptq",
@@ -152,7 +167,7 @@ def quantization_config(
         return {
             "quant_method": "fp8",
             "activation_scheme": "static" if static else "dynamic",
-            "ignored_layers": ["lm_head"],
+            "ignored_layers": ["lm_head", *unquantized],
         }
     acts = (
         {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
@@ -174,7 +189,7 @@ def quantization_config(
                 "input_activations": acts,
             }
         },
-        "ignore": ["lm_head"],
+        "ignore": ["lm_head", *unquantized],
     }
 
 
@@ -224,7 +239,9 @@ def quantize_dir(
             shutil.copy(path, os.path.join(out, name))
     with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
-    config["quantization_config"] = quantization_config(fmt, weights, static, group_size, sym, desc_act, block)
+    config["quantization_config"] = quantization_config(
+        fmt, weights, static, group_size, sym, desc_act, block, tuple(routers(config))
+    )
     with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
 

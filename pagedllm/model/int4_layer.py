@@ -19,6 +19,26 @@ from pagedllm.ops.int4_linear import dequantize, int4_linear, pack_k
 Part = tuple[int, int, int, int]  # (first column here, columns, columns in the checkpoint tensor, first taken)
 
 
+def sorted_rows(
+    name: str, g_idx: torch.Tensor | None, groups_total: int, k_first: int, k_here: int, k_total: int, group: int
+) -> tuple[torch.Tensor | None, int]:
+    """This shard's input rows [k_first, k_first + k_here) of a checkpoint tensor sorted by group (GPTQ's
+    g_idx; None: consecutive groups): (int32 perm, None for the identity; the shard's first group).
+    ValueError where a group of the shard does not hold `group` of its rows (the kernel's equal groups)."""
+    if g_idx is None:
+        g_idx = torch.arange(k_total) // (k_total // groups_total)
+    g_here = g_idx[k_first : k_first + k_here].long().cpu()
+    perm = torch.argsort(g_here, stable=True)
+    first_group = int(g_here.min())
+    if not torch.equal(g_here[perm], first_group + torch.arange(k_here) // group):
+        raise ValueError(
+            f"4-bit layer {name}: its g_idx does not put {group} input rows in each group of this shard; "
+            "pagedllm's kernel takes groups of equal size (any order)"
+        )
+    identity = torch.equal(perm, torch.arange(k_here))
+    return (None if identity else perm.to(torch.int32)), first_group
+
+
 class Int4Weight(nn.Module):
     """W [N, K] of this rank as 4-bit integers with one scale and zero point per `group` rows of K."""
 
@@ -51,28 +71,16 @@ class Int4Weight(nn.Module):
         first row, rows in the checkpoint)."""
         q, zeros, scales, g_idx = unpacked
         k_here, k_first, k_total = cols
-        groups_total = scales.shape[0]
-        if q.shape[0] != k_total or q.shape[1] != sum(p[2] for p in parts) or k_total % groups_total:
+        if q.shape[0] != k_total or q.shape[1] != sum(p[2] for p in parts) or k_total % scales.shape[0]:
             raise ValueError(
                 f"4-bit layer {name}: q {tuple(q.shape)} and scales {tuple(scales.shape)} do not match its "
                 f"{k_total} input rows x {sum(p[2] for p in parts)} outputs"
             )
-        if g_idx is None:
-            g_idx = torch.arange(k_total, device=q.device) // (k_total // groups_total)
-        rows = slice(k_first, k_first + k_here)
-        g_here = g_idx[rows].long()
-        perm = torch.argsort(g_here, stable=True)
-        first_group = int(g_here.min())
-        expected = first_group + torch.arange(k_here, device=q.device) // self.group
-        if not torch.equal(g_here[perm], expected):
-            raise ValueError(
-                f"4-bit layer {name}: its g_idx does not put {self.group} input rows in each group of this shard; "
-                "pagedllm's kernel takes groups of equal size (any order)"
-            )
-        identity = torch.equal(perm, torch.arange(k_here, device=q.device))
-        self._set_order(name, None if identity else perm.to(torch.int32))
+        perm, first_group = sorted_rows(name, g_idx, scales.shape[0], k_first, k_here, k_total, self.group)
+        self._set_order(name, perm)
         group_rows = slice(first_group, first_group + k_here // self.group)
-        q_rows = q[rows] if identity else q[rows][perm]
+        rows = slice(k_first, k_first + k_here)
+        q_rows = q[rows] if perm is None else q[rows][perm.to(q.device).long()]
         start = 0
         for offset, size, ckpt_cols, first in parts:
             c = slice(start + first, start + first + size)

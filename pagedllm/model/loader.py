@@ -3,7 +3,8 @@ packing q/k/v and gate/up into their fused parameters and slicing for this TP ra
 checkpoint that stores them packed already (Phi-3's qkv_proj, gate_up_proj) is cut into
 q/k/v and gate/up first, so each rank takes its slice of each (linear.py). Mixture-of-experts
 checkpoints name each expert's matrices; they are stacked into the experts' [E, ...] parameters
-(model/moe.py), each rank taking its slice of every expert.
+(model/moe.py), each rank taking its slice of every expert; a quantized checkpoint's experts load
+their bytes and scales into quantized experts (model/moe_quant.py) where model/quant_experts.py made them.
 
 A checkpoint made for an fp8 KV cache may carry per-layer KV scales (`...self_attn.k_scale`,
 `v_scale`, or one `kv_scale` for both; also under `self_attn.attn.`): they are returned, by
@@ -24,6 +25,7 @@ from pagedllm.model.int4_weights import PARTS as INT4_PARTS
 from pagedllm.model.int4_weights import dequantize_awq, dequantize_gptq
 from pagedllm.model.linear import QuantizableLinear
 from pagedllm.model.moe import FusedExperts, expert_target
+from pagedllm.model.moe_quant import Int4FusedExperts
 from pagedllm.model.norm import RMSNorm
 from pagedllm.model.parallel import ShardedModule
 from pagedllm.model.quant_config import CheckpointQuant
@@ -72,8 +74,9 @@ def load_weights(
 ) -> dict[int, dict[str, float]]:
     """Load every weight; returns the checkpoint's KV scales, attention layer index -> {"k_scale": .., "v_scale": ..}.
     quant: the checkpoint's quantization (model/quant_config.py); a 4-bit layer's packed tensors are
-    gathered, then loaded into its packed weight (model/int4_layer.py) or, where the layer has none
-    (experts, model/quantization.py: int4_layout), as the weight they mean (model/int4_weights.py)."""
+    gathered, then loaded into its packed weight (model/int4_layer.py) or packed experts (model/moe_quant.py)
+    or, where the layer has none (model/quantization.py: int4_layout, model/quant_experts.py), as the
+    weight they mean (model/int4_weights.py)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = model.packed_modules
     loaded: set[str] = set()
@@ -101,6 +104,15 @@ def load_weights(
     for prefix, parts in int4.items():
         assert quant is not None
         _check_int4_parts(prefix, parts, quant)
+        expert = expert_target(prefix + ".weight")
+        experts = _owner(model, expert[0]) if expert is not None else None
+        if expert is not None and isinstance(experts, Int4FusedExperts):  # packed 4-bit experts
+            experts_name, _, param_name = expert[0].rpartition(".")
+            with torch.no_grad():
+                experts.load_int4(prefix, parts, expert[1], quant.method, quant.zero_offset)
+            expert_shards.setdefault(f"{experts_name}.{param_name.partition('_')[0]}_qweight", set()).add(expert[1])
+            loaded.update(f"{experts_name}.{p}" for p, _ in experts.named_parameters())
+            continue
         owner_name, shard = _int4_owner(model, packed, prefix)
         owner = model.get_submodule(owner_name) if owner_name else None
         if isinstance(owner, QuantizableLinear) and owner.int4 is not None:
@@ -160,9 +172,18 @@ def _refuse_plain_weight_of_int4_layer(model: DecoderForCausalLM, packed, name: 
         )
 
 
+def _owner(model: DecoderForCausalLM, param: str):
+    """The module holding parameter `param` (a model name), or None."""
+    try:
+        return model.get_submodule(param.rpartition(".")[0])
+    except AttributeError:
+        return None
+
+
 def _int4_owner(model: DecoderForCausalLM, packed, prefix: str) -> tuple[str | None, int | str | None]:
     """(the model's layer that a 4-bit checkpoint layer loads into, its shard of a packed layer); (None,
-    None) for experts and names with no layer (the dequantizing path places or refuses them)."""
+    None) for experts and names with no layer (the dequantizing path places or refuses them; packed 4-bit
+    experts load before, model/moe_quant.py)."""
     name = prefix + ".weight"
     if expert_target(name) is not None:
         return None, None
@@ -214,8 +235,8 @@ def _place(model, params, packed, layer_of, loaded, kv_scales, expert_shards, na
         if name.rpartition(".")[2] in QUANT_SCALE_NAMES:  # a quantized layer the model keeps unquantized
             raise InvalidRequestError(
                 f"checkpoint tensor {name!r}: its layer is quantized, but pagedllm quantizes only the "
-                "decoder layers' linear layers (not embeddings, the LM head or experts); list it in "
-                "quantization_config's ignore list only if its weight is unquantized",
+                "decoder layers' linear layers and experts (not embeddings, the LM head or the router); list "
+                "it in quantization_config's ignore list only if its weight is unquantized",
                 "quantization_config",
             )
         raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
@@ -262,15 +283,17 @@ def init_dummy_weights(model: DecoderForCausalLM, seed: int, std: float = 0.02) 
             elif param.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
                 for row in param.data.view(param.shape[0], -1):  # a row at a time: no float32 copy of it all
                     row.copy_(torch.randn(row.shape, generator=generator, device=row.device).clamp(-448, 448))
-            elif leaf == "qweight":  # eight 4-bit levels per int32, uniform over 0..15
+            elif leaf.endswith("perm"):  # an input order (GPTQ desc_act): the identity
+                param.copy_(torch.arange(param.shape[-1], device=param.device).expand(param.shape))
+            elif leaf.endswith("qweight"):  # eight 4-bit levels per int32, uniform over 0..15
                 param.copy_(torch.randint(-(2**31), 2**31 - 1, param.shape, generator=generator, device=param.device))
-            elif leaf == "qzeros":
+            elif leaf.endswith("qzeros"):
                 param.fill_(8)
-            elif leaf == "weight_scale":
+            elif leaf.endswith("weight_scale"):
                 param.fill_(std)
-            elif leaf == "scales":
+            elif leaf.endswith("scales"):
                 param.fill_(std / 4.6)
-            elif leaf == "input_scale":
+            elif leaf.endswith("input_scale"):
                 param.fill_(0.05)
             else:
                 param.normal_(0.0, std, generator=generator)

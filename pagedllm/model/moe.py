@@ -65,8 +65,12 @@ class FusedExperts(ShardedModule):
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden, n), requires_grad=False)
 
     def num_shards(self, name: str) -> int:
-        """How many per-expert checkpoint matrices fill parameter `name` (gate and up for w13)."""
-        return self.num_experts * (2 if name == "w13_weight" else 1)
+        """How many per-expert checkpoint matrices fill parameter `name` (gate and up for w13's)."""
+        return self.num_experts * (2 if name.startswith("w13") else 1)
+
+    def run(self, kernels: Kernels, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H] through each token's experts (ids, weights [T, k]) -> [T, H], this rank's partial sum."""
+        return kernels.fused_moe(x, self.w13_weight, self.w2_weight, weights, ids)
 
     def load_weight(self, name: str, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
         """shard_id 3 * expert + part (part 0 gate, 1 up, 2 down): one expert's matrix; None: the
@@ -96,6 +100,7 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, cfg, kind: str, kernels: Kernels):
         super().__init__()
         self.kernels = kernels
+        self.kind = kind  # "qwen3_moe" or "mixtral": how the checkpoint names the experts
         self.top_k = cfg.num_experts_per_tok
         self.renormalize = kind == "mixtral" or bool(getattr(cfg, "norm_topk_prob", False))
         self.round_weights = kind == "qwen3_moe"  # HF's Qwen3-MoE rounds the weights to the model dtype
@@ -103,18 +108,18 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(cfg.hidden_size, e, bias=False)  # the router, replicated on every rank
         self.gate.weight.requires_grad_(False)
         inter = expert_intermediate_size(cfg, kind)
-        self.experts = FusedExperts(e, cfg.hidden_size, inter, intermediate_field(kind))
+        self.experts: FusedExperts = FusedExperts(e, cfg.hidden_size, inter, intermediate_field(kind))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x, self.gate.weight)
         weights, ids = self.kernels.select_experts(logits, self.top_k, self.renormalize, self.round_weights)
-        y = self.kernels.fused_moe(x, self.experts.w13_weight, self.experts.w2_weight, weights, ids)
+        y = self.experts.run(self.kernels, x, weights, ids)
         return all_reduce(y)
 
 
 _PER_EXPERT = re.compile(
     r"^(?P<prefix>.*)\.(?:mlp|block_sparse_moe)\.experts\.(?P<e>\d+)\."
-    r"(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
+    r"(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.(?P<leaf>weight|weight_scale|weight_scale_inv)$"
 )
 _PACKED = re.compile(
     r"^(?P<prefix>.*)\.(?:mlp|block_sparse_moe)\.experts\.(?P<proj>gate_up_proj|down_proj)(?:\.weight)?$"
@@ -125,11 +130,12 @@ _PART = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2
 def expert_target(name: str) -> tuple[str, int | None] | None:
     """A checkpoint name of the experts or the router -> (the model's parameter, shard id for
     FusedExperts.load_weight: 3 * expert + part, None for a packed tensor or the router); None for
-    any other name."""
+    any other name. An FP8 expert's `weight_scale` (`weight_scale_inv`) goes to w13_weight_scale or
+    w2_weight_scale (model/moe_quant.py)."""
     m = _PER_EXPERT.match(name)
     if m:
         part = _PART[m["proj"]]
-        param = "w2_weight" if part == 2 else "w13_weight"
+        param = ("w2_" if part == 2 else "w13_") + m["leaf"].removesuffix("_inv")  # FP8: the block multipliers
         return f"{m['prefix']}.mlp.experts.{param}", 3 * int(m["e"]) + part
     m = _PACKED.match(name)
     if m:

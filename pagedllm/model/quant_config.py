@@ -55,6 +55,7 @@ class CheckpointQuant:
     desc_act: bool = False  # GPTQ: groups over a permutation of the input rows (g_idx)
     weight_block: tuple[int, int] | None = None  # block-wise FP8: [bn, bk], one weight scale per block
     block_field: str = ""  # the config field that says the block (for refusals naming it)
+    activations_field: str = ""  # FP8: the config field that says the activations' scheme (ditto)
 
     def ignores(self, module: str) -> bool:
         """Is this checkpoint module (e.g. "model.layers.0.self_attn.q_proj") left unquantized?"""
@@ -121,7 +122,13 @@ def _read_fp8(q: dict[str, Any]) -> CheckpointQuant:
         return CheckpointQuant(
             "fp8", ignore=ignore, weight_block=block, block_field="quantization_config.weight_block_size"
         )
-    return CheckpointQuant("fp8", per_tensor_weights=True, static_activations=scheme == "static", ignore=ignore)
+    return CheckpointQuant(
+        "fp8",
+        per_tensor_weights=True,
+        static_activations=scheme == "static",
+        ignore=ignore,
+        activations_field="quantization_config.activation_scheme",
+    )
 
 
 def _read_compressed_tensors(q: dict[str, Any]) -> CheckpointQuant:
@@ -165,6 +172,7 @@ def _read_compressed_tensors(q: dict[str, Any]) -> CheckpointQuant:
         per_tensor_weights=w["strategy"] == "tensor",
         static_activations=static,
         ignore=tuple(q.get("ignore") or ()),
+        activations_field=f"quantization_config.{at}.input_activations",
     )
 
 

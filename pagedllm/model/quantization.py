@@ -3,8 +3,9 @@
 "fp8" quantizes every linear layer of the decoder layers (q/k/v, o, gate/up, down) to e4m3 with
 one scale per output channel, as vLLM's on-the-fly FP8 does; embeddings, norms and the LM head
 stay in the model's dtype. Activations are quantized per token at run time (ops/fp8_linear.py).
-What it cannot do exactly is refused naming the argument: a mixture of experts (the fused-MoE
-kernel takes unquantized experts) and a GPU without fp8 tensor cores (compute capability < 8.9).
+A mixture of experts' experts are quantized too (model/moe_quant.py), the router stays in the model's
+dtype (as vLLM). What it cannot do exactly is refused naming the argument: a GPU without fp8 tensor
+cores (compute capability < 8.9).
 A checkpoint that is already quantized (config.json's quantization_config, read by
 model/quant_config.py) is loaded as it is: `prepare_checkpoint_fp8` makes its layers e4m3 before
 the weights load into them (model/loader.py), its `ignore` list's layers staying unquantized.
@@ -13,6 +14,7 @@ shard, a multiple of the block in the dimension it splits, else refused naming t
 A 4-bit checkpoint (AWQ, GPTQ): `prepare_checkpoint_int4` gives each of its layers a packed weight
 (model/int4_layer.py) for the kernel (ops/int4_linear.py), or leaves it in the model's dtype, to be
 dequantized at load, where the kernel cannot take it (`int4_layout`).
+A mixture of experts' quantized experts: model/quant_experts.py.
 """
 
 from __future__ import annotations
@@ -24,20 +26,17 @@ from pagedllm.engine.config import QUANTIZATION_METHODS
 from pagedllm.engine.errors import InvalidRequestError
 from pagedllm.model.linear import QuantizableLinear
 from pagedllm.model.moe import SparseMoeBlock
+from pagedllm.model.moe_quant import Fp8FusedExperts
 from pagedllm.model.quant_config import CheckpointQuant, read_quant_config
+from pagedllm.model.quant_experts import prepare_experts_fp8, prepare_experts_int4
 from pagedllm.ops.fp8_block_linear import block_k_tile
 from pagedllm.ops.int4_linear import MIN_BLOCK_K
 from pagedllm.ops.int4_linear import block_k_tile as int4_k_tile
 
 
-def check_fp8_runs(model: nn.Module, device: torch.device, what: str, param: str) -> None:
-    """FP8 linear layers need what they run on: refused (InvalidRequestError naming `param`) for a
-    mixture of experts (the fused-MoE kernel takes unquantized experts) and a GPU without fp8 tensor
-    cores (compute capability < 8.9)."""
-    if any(isinstance(m, SparseMoeBlock) for m in model.modules()):
-        raise InvalidRequestError(
-            f"{what} on a mixture of experts: the fused-MoE kernel takes unquantized experts", param
-        )
+def check_fp8_runs(device: torch.device, what: str, param: str) -> None:
+    """FP8 layers need fp8 tensor cores: refused (InvalidRequestError naming `param`) on a GPU of compute
+    capability < 8.9."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         raise InvalidRequestError(
             f"{what} needs fp8 tensor cores (compute capability >= 8.9); this GPU has "
@@ -47,15 +46,18 @@ def check_fp8_runs(model: nn.Module, device: torch.device, what: str, param: str
 
 
 def quantize_linears(model: nn.Module, method: str, device: torch.device) -> int:
-    """Quantize the model's decoder linear layers in place; returns how many. InvalidRequestError
-    (param "quantization") for a method or a model it cannot quantize exactly."""
+    """Quantize the model's decoder linear layers and experts in place (one scale per output row); returns
+    how many layers. InvalidRequestError (param "quantization") for a method it cannot apply."""
     if method not in QUANTIZATION_METHODS:
         raise InvalidRequestError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}", "quantization")
-    check_fp8_runs(model, device, "quantization='fp8'", "quantization")
+    check_fp8_runs(device, "quantization='fp8'", "quantization")
     layers = [m for m in model.modules() if isinstance(m, QuantizableLinear)]
     for m in layers:
         m.quantize_fp8()
-    return len(layers)
+    moes = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    for moe in moes:
+        moe.experts = Fp8FusedExperts(moe.experts, None, quantize=True)
+    return len(layers) + len(moes)
 
 
 def quantized_layers(model: nn.Module, quant: CheckpointQuant) -> list[tuple[str, QuantizableLinear]]:
@@ -84,19 +86,19 @@ def prepare_checkpoint_fp8(model: nn.Module, quant: CheckpointQuant, device: tor
     """Before loading an FP8 checkpoint: every decoder linear layer it quantized gets an e4m3 weight
     and scales to load into; returns how many. A packed layer (qkv, gate_up) whose checkpoint parts
     are quantized and not is refused, as are a mixture of experts and a GPU without fp8 tensor cores."""
-    check_fp8_runs(model, device, f"an FP8 checkpoint ({quant.method})", "quantization_config")
+    check_fp8_runs(device, f"an FP8 checkpoint ({quant.method})", "quantization_config")
     layers = quantized_layers(model, quant)
     for name, m in layers:
         if quant.weight_block is not None:
             check_blocks(name, m, quant.weight_block, quant.block_field, device)
         m.prepare_fp8(quant.static_activations, quant.weight_block)
-    return len(layers)
+    return len(layers) + prepare_experts_fp8(model, quant, device)
 
 
 def prepare_checkpoint_int4(model: nn.Module, quant: CheckpointQuant) -> int:
     """Before loading a 4-bit checkpoint: each decoder linear layer it quantized that the kernel takes
     (`int4_layout`) gets a packed weight to load into; returns how many. The rest keep their weight in the
-    model's dtype, and the loader dequantizes into it (model/loader.py), as it does for experts."""
+    model's dtype, and the loader dequantizes into it (model/loader.py); experts: model/quant_experts.py."""
     count = 0
     for name, m in quantized_layers(model, quant):
         group = int4_layout(name, m, quant)
@@ -104,7 +106,7 @@ def prepare_checkpoint_int4(model: nn.Module, quant: CheckpointQuant) -> int:
             dtype = m.weight.dtype
             m.prepare_int4(group, torch.float32 if dtype == torch.float32 else torch.float16)
             count += 1
-    return count
+    return count + prepare_experts_int4(model, quant)
 
 
 def int4_layout(name: str, m: QuantizableLinear, quant: CheckpointQuant) -> int | None:

@@ -6,7 +6,8 @@ given one `Kernels` object when the model is built and calls it; no layer looks 
   the oracle of the kernel tests (tests/ops), which therefore test what the CPU path runs;
   its paged attention is the references' grouped form (decode rows batched by length), tested
   equal to the looped `paged_attention_ref` in tests/ops/test_attention_ref.py.
-- `TritonKernels`: the Triton kernels (fused.py, store_kv.py, prepare_qkv.py, paged_attention.py, fused_moe.py), on CUDA.
+- `TritonKernels`: the Triton kernels (fused.py, store_kv.py, prepare_qkv.py, paged_attention.py, fused_moe.py,
+  fused_moe_quant.py), on CUDA.
 
 The KV caches are in the model's dtype or in fp8 (ops/kv_quant.py); `store_kv` and `attend` take
 the layer's K and V scales, which only an fp8 cache uses. `prepare_qkv` is what a layer calls
@@ -27,6 +28,7 @@ from pagedllm.ops.attention_ref import (
     store_kvcache_ref,
 )
 from pagedllm.ops.fused_ref import apply_rotary_ref, gelu_tanh_and_mul_ref, rms_norm_ref, silu_and_mul_ref
+from pagedllm.ops.moe_quant import ExpertStack, quant_moe_ref
 from pagedllm.ops.moe_ref import fused_moe_ref, select_experts
 
 if TYPE_CHECKING:
@@ -74,6 +76,12 @@ class Kernels(Protocol):
         """Mixture of experts, x [T, H] -> [T, H]: sum over each token's k experts (topk_ids [T, k]
         int32, topk_weights [T, k] float32) of weight * down(silu(gate(x)) * up(x)); w13 [E, 2I, H]
         (gate rows then up rows), w2 [E, H, I] (ops/moe_ref.py)."""
+        ...
+
+    def fused_moe_quant(
+        self, x: torch.Tensor, w13: ExpertStack, w2: ExpertStack, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """fused_moe with FP8 or 4-bit experts, both stacks of one kind (ops/moe_quant.py: quant_moe_ref)."""
         ...
 
     def store_kv(
@@ -168,6 +176,11 @@ class TorchKernels:
         self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+
+    def fused_moe_quant(
+        self, x: torch.Tensor, w13: ExpertStack, w2: ExpertStack, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        return quant_moe_ref(x, w13, w2, topk_weights, topk_ids)
 
     def store_kv(
         self,
@@ -264,7 +277,7 @@ class TritonKernels:
     """The Triton kernels; imported when constructed (CUDA only), so CPU never imports triton."""
 
     def __init__(self) -> None:
-        from pagedllm.ops import fused, fused_moe, paged_attention, prepare_qkv, store_kv
+        from pagedllm.ops import fused, fused_moe, fused_moe_quant, paged_attention, prepare_qkv, store_kv
 
         self._rms_norm = fused.rms_norm
         self._silu_and_mul = fused.silu_and_mul
@@ -275,6 +288,7 @@ class TritonKernels:
         self._paged_attention = paged_attention.paged_attention
         self._fused_moe = fused_moe.fused_moe
         self._select_experts = fused_moe.select_experts
+        self._fused_moe_quant = fused_moe_quant.fused_moe_quant
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
         return self._rms_norm(x, weight, eps, unit_offset=unit_offset)
@@ -304,6 +318,11 @@ class TritonKernels:
         self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         return self._fused_moe(x, w13, w2, topk_weights, topk_ids)
+
+    def fused_moe_quant(
+        self, x: torch.Tensor, w13: ExpertStack, w2: ExpertStack, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        return self._fused_moe_quant(x, w13, w2, topk_weights, topk_ids)
 
     def store_kv(
         self,
@@ -336,21 +355,9 @@ class TritonKernels:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # one launch (ops/prepare_qkv.py); q and k in place
         return self._prepare_qkv(
-            q,
-            k,
-            v,
-            positions,
-            cos_sin_cache,
-            q_norm_weight,
-            k_norm_weight,
-            eps,
-            unit_offset,
-            k_cache,
-            v_cache,
-            slot_mapping,
-            k_scale,
-            v_scale,
-        )
+            q, k, v, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps, unit_offset,
+            k_cache, v_cache, slot_mapping, k_scale, v_scale,
+        )  # fmt: skip
 
     def attend(
         self,

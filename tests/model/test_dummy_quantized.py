@@ -26,20 +26,21 @@ def make_random_model():
     return tool
 
 
-def config_only(tmp_path, fmt: str | None) -> str:
-    out = str(tmp_path / (fmt or "plain"))
-    argv = ["--out", out, "--shape", "tiny", "--config-only", "--device", "cpu"]
+def config_only(tmp_path, fmt: str | None, shape: str) -> str:
+    out = str(tmp_path / f"{shape}-{fmt or 'plain'}")
+    argv = ["--out", out, "--shape", shape, "--config-only", "--device", "cpu"]
     make_random_model().main(argv + (["--quantize", fmt, "--quant-block", "32"] if fmt else []))
     return out
 
 
+@pytest.mark.parametrize("shape", ["tiny", "tiny-moe"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_dummy_weights_in_each_quantized_format(tmp_path, fmt):
-    path = config_only(tmp_path, fmt)
+def test_dummy_weights_in_each_quantized_format(tmp_path, fmt, shape):
+    path = config_only(tmp_path, fmt, shape)
     with open(os.path.join(path, "config.json")) as f:
         assert "quantization_config" in json.load(f)
     assert not [f for f in os.listdir(path) if f.endswith(".safetensors")]
-    plain = config_only(tmp_path, None)
+    plain = config_only(tmp_path, None, shape)
     outs = []
     for _ in range(2):  # seeded: the same bytes, the same tokens
         with LLM(path, load_format="dummy", seed=3, num_kv_blocks=32, max_model_len=128) as llm:
@@ -53,7 +54,7 @@ def test_dummy_weights_in_each_quantized_format(tmp_path, fmt):
     if fmt.startswith("fp8"):
         fp8 = [p for n, p in params.items() if p.dtype == torch.float8_e4m3fn]
         assert fp8 and all(p.float().abs().max() > 0 for p in fp8)
-        scales = [p for n, p in params.items() if n.endswith("weight_scale")]
+        scales = [p for n, p in params.items() if n.endswith("weight_scale")]  # experts: w13_weight_scale
         assert len(scales) == len(fp8) and all(torch.all(s == 0.02) for s in scales)
     else:
         packed = [p for n, p in params.items() if n.endswith("qweight")]

@@ -198,17 +198,6 @@ def test_the_quantization_argument_must_agree_with_the_checkpoint(tiny_models, t
     assert e.value.param == "quantization"
 
 
-def test_a_mixture_of_experts_checkpoint_is_refused(tiny_models, tmp_path_factory, tmp_path):
-    """The fused-MoE kernel takes unquantized experts: refused naming quantization_config."""
-    from tests.model.test_moe import MOE_KINDS, moe_checkpoints
-
-    src = moe_checkpoints(tiny_models["qwen3"], tmp_path_factory)[MOE_KINDS[0]]
-    ckpt = write(src, str(tmp_path / "q"))
-    with pytest.raises(InvalidRequestError) as e:
-        LLM(ckpt, num_kv_blocks=8)
-    assert e.value.param == "quantization_config"
-
-
 def test_the_tool_keeps_the_other_files(tiny_models, tmp_path):
     ckpt = write(tiny_models["qwen3"], str(tmp_path / "q"))
     src_files = {f for f in os.listdir(tiny_models["qwen3"]) if not f.endswith((".safetensors", ".index.json"))}

@@ -188,13 +188,3 @@ def test_dummy_load_format_needs_no_weights(moe_models, tmp_path):
         assert bool((norm == 1).all())
     assert runs[0] == runs[1] and len(runs[0]) == 6
     assert llm.runner.model.model.layers[0].mlp.experts.w13_weight.std() > 0.01
-
-
-def test_fp8_weight_quantization_is_refused_for_a_mixture_of_experts(moe_models):
-    """quantization="fp8" would leave the experts unquantized (the fused-MoE kernel takes bf16/fp32
-    experts): refused naming the argument rather than half applied."""
-    from pagedllm.engine.errors import InvalidRequestError
-
-    with pytest.raises(InvalidRequestError, match="mixture of experts") as e:
-        LLM(moe_models[MOE_KINDS[0]], quantization="fp8", num_kv_blocks=8)
-    assert e.value.param == "quantization"
