@@ -51,7 +51,18 @@ def model_dir(shape: str, fmt: str, root: str) -> str:
 
 
 def measure(path: str, args, queue) -> None:
-    """One engine: its sizes, batch-1 TPOT and the standard workload's throughput (into `queue`)."""
+    """One engine's row into `queue` (or the error's last lines: the row says what failed)."""
+    import traceback
+
+    try:
+        queue.put(_measure(path, args))
+    except BaseException:
+        queue.put({"error": traceback.format_exc()[-2000:]})
+        raise
+
+
+def _measure(path: str, args) -> dict:
+    """One engine: its sizes, batch-1 TPOT and the standard workload's throughput."""
     import random
 
     from pagedllm import LLM, SamplingParams
@@ -84,7 +95,7 @@ def measure(path: str, args, queue) -> None:
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         row.update(output_tokens=tokens, seconds=round(seconds, 2), tokens_per_s=round(tokens / seconds, 1))
     llm.close()
-    queue.put(row)
+    return row
 
 
 def main(argv=None) -> None:
