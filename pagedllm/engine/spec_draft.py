@@ -7,10 +7,10 @@ each step the core calls `fill_drafts`: the draft runs over the step's tokens an
 greedy proposals, which replace the placeholders; from there the step is an n-gram verification
 step like any other (spec_verify.py), and as exact: a greedy proposal is a point mass.
 
-The draft's KV is kept in step with the target's by construction (worker/draft_model.py): its own
+The draft's KV is kept in step with the target's by the worker (worker/draft_model.py): its own
 KV tensor has the target pool's block count and block size and is indexed by the target's block
-tables, and the draft runs over every token the target runs over in every step, so wherever the
-target's KV of a token is written, the draft's is too. The engine keeps no draft state at all.
+tables, and before it proposes for a sequence it catches up over that sequence's tokens its KV
+does not hold yet. The engine keeps no draft state at all.
 """
 
 from __future__ import annotations

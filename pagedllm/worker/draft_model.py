@@ -2,21 +2,23 @@
 own KV tensor, and the forwards that propose.
 
 The draft's KV tensor has the target pool's block count and block size, so the target's block
-tables and slot mappings index it unchanged: no block ids of its own, nothing for the engine to
-keep in step. What keeps it in step is one rule: in every step the draft runs over every token
-the target runs over, at the same positions and slots, before the target's forward:
+tables and slot mappings index it unchanged: no block ids of its own. It runs only in a step that
+verifies proposals, and only for the sequences that do, lazily:
 
-- the step's own tokens (prefill chunks, decode tokens, the last token of a verification step):
-  one forward, the "catch-up"; its last row of a verifying sequence gives d_1 (argmax);
-- then for a sequence verifying k' proposals, k' single-token forwards: d_j at position
-  T - 1 + j writes its KV and (j < k') gives d_{j+1}. The k'-th only writes d_k''s KV.
+- a "catch-up" forward over the tokens of the sequence whose draft KV is not written yet, up to
+  and including its last token (at position P, written by this step): after a verification step
+  usually one or two tokens; after steps without proposals (a pause, a batch above
+  disable_by_batch_size) what it missed; for a new sequence (a fork, a prefix-cache or host-tier
+  hit) or one preempted since, everything from position 0 (its blocks are not the ones the draft
+  wrote, or were freed). Its last row gives d_1 (argmax);
+- then k' single-token forwards: d_j at position P + j writes its KV and (j < k') gives d_{j+1}.
 
-So the draft writes KV exactly where the target writes it (the last token and d_1 .. d_k'), and
-after verification rolls the sequence back (spec_verify.py) every position the target's KV holds
-is held by the draft's too; prefix-cache hits, forks (their copy-on-write copies run on both
-tensors) and preemption by recompute need nothing more. Only the host tier's copies (swap,
-offloaded prefixes) move the target's KV alone: the draft's KV of such blocks is stale until
-rewritten, which lowers acceptance and nothing else (verification decides every token).
+What is written is remembered per sequence (`_written`: the count, and the sequence's
+num_preemptions then), cut back to the target's computed tokens when read: verification's rollback
+gives rejected proposals' slots back, so the positions of rejected proposals are rewritten by the
+next catch-up. So whenever the draft proposes, every position before the last token holds the
+draft's KV of the sequence's own tokens; copy-on-write copies of a step run on both tensors. A step
+without proposals costs the draft nothing.
 
 The draft runs eagerly (no CUDA graphs), greedy, with the target's dtype and its own KV in that
 dtype (never fp8: no scales to choose). Tensor parallelism is refused at start-up
@@ -68,12 +70,10 @@ class DraftHost(Protocol):
 
     def _copy_blocks(self, kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None: ...
 
-    def placeholder_fix(self, input_ids: np.ndarray, cu: np.ndarray, seq_ids: list[int]) -> Any: ...
-
-    def fill_placeholders(self, input_ids: torch.Tensor, fix: Any) -> None: ...
-
 
 class DraftModel:
+    MAX_TRACKED = 65536  # sequences whose draft KV is remembered (a dropped live one catches up from 0)
+
     def __init__(
         self,
         spec: DraftSpec,
@@ -106,6 +106,8 @@ class DraftModel:
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.kv_cache: torch.Tensor | None = None
         self._tables = BlockTableRows()  # the scheduled sequences' tables, as the target's runner keeps its own
+        # seq_id -> (its num_preemptions then, leading positions whose draft KV was written)
+        self._written: dict[int, tuple[int, int]] = {}
 
     def block_bytes(self, block_size: int) -> int:
         """The draft's KV bytes of one block id (the pool is sized by the target's plus these)."""
@@ -126,30 +128,33 @@ class DraftModel:
         """engine/spec_draft.py's Drafter.propose_drafts (this module's docstring says how)."""
         assert self.kv_cache is not None, "the draft's KV is allocated with the target's"
         sched = out.scheduled
-        if not sched:
-            return []
-        if out.blocks_to_copy:  # the step's copy-on-write copies, before the draft writes into the copies
+        if out.blocks_to_copy:  # the step's copy-on-write copies: a sharer's draft KV goes with its block
             pairs = host._to_device(np.array(out.blocks_to_copy, dtype=np.int64).T.copy())
             host._copy_blocks(self.kv_cache, pairs[0], pairs[1])
+        verifying_seqs = [s for s in sched if s.spec_token_ids]
+        if not verifying_seqs:
+            return []  # nothing to propose: the draft does no work (it catches up when it next proposes)
         bs = host.block_size
-        tables = self._tables.tables(sched, len(out.scheduled[0].seq.block_tables))[0]
-        k = np.fromiter((len(s.spec_token_ids) for s in sched), dtype=np.int64, count=len(sched))
-        start = np.fromiter((s.seq.num_computed_tokens for s in sched), dtype=np.int64, count=len(sched))
-        n_new = np.fromiter((s.num_new_tokens for s in sched), dtype=np.int64, count=len(sched)) - k
-        cu = np.zeros(len(sched) + 1, dtype=np.int32)
+        tables = self._tables.tables(verifying_seqs, len(verifying_seqs[0].seq.block_tables))[0]
+        kv = np.fromiter((len(s.spec_token_ids) for s in verifying_seqs), dtype=np.int64, count=len(verifying_seqs))
+        # the last token's position P (its KV is written by this step) and where the draft's KV stops
+        last = np.fromiter((s.seq.num_computed_tokens for s in verifying_seqs), dtype=np.int64, count=len(kv))
+        start = np.fromiter((self._valid(s.seq) for s in verifying_seqs), dtype=np.int64, count=len(kv))
+        n_new = last + 1 - start  # the catch-up: every token from where the draft's KV stops to the last
+        cu = np.zeros(len(kv) + 1, dtype=np.int32)
         np.cumsum(n_new, out=cu[1:])
         total = int(cu[-1])
-        seq_of_token = np.repeat(np.arange(len(sched)), n_new)
+        seq_of_token = np.repeat(np.arange(len(kv)), n_new)
         positions = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1].astype(np.int64), n_new)
         positions += np.repeat(start, n_new)
         input_ids = np.concatenate(
             [
-                np.asarray(s.seq.token_ids[a : a + n], dtype=np.int64)
-                for s, a, n in zip(sched, start, n_new, strict=True)
+                np.asarray(s.seq.token_ids[a : b + 1], dtype=np.int64)
+                for s, a, b in zip(verifying_seqs, start, last, strict=True)
             ]
         )
         slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        end = start + n_new
+        end = last + 1
         meta, (ids_dev, pos_dev) = host._metadata_from(
             slot_mapping=slots,
             block_tables=tables,
@@ -161,16 +166,14 @@ class DraftModel:
             no_history=bool((start == 0).all()),
             extra=(input_ids, positions),
         )
-        host.fill_placeholders(ids_dev, host.placeholder_fix(input_ids, cu, [s.seq.seq_id for s in sched]))
         hidden = self.model(ids_dev, pos_dev, meta)
-        verifying = np.flatnonzero(k)
-        if verifying.size == 0:
-            return []  # a step that verifies nothing: the draft only wrote its KV (nothing to wait for)
-        cur = self._greedy(hidden[host._to_device(cu[1:][verifying] - 1)])  # d_1 of each verifying sequence
-        kv = k[verifying]
+        for s, p, k in zip(verifying_seqs, last.tolist(), kv.tolist(), strict=True):
+            self._note(s.seq, p + k + 1)  # the forwards below write d_1 .. d_k' at P + 1 .. P + k'
+        verifying = np.arange(len(kv))
+        cur = self._greedy(hidden[host._to_device(cu[1:] - 1)])  # d_1 of each verifying sequence
         drafts = torch.empty((len(verifying), int(kv.max())), dtype=torch.int64, device=self.device)
         drafts[:, 0] = cur
-        t_start, t_tables = start[verifying], tables[verifying]  # start: position T - 1 of the last token
+        t_start, t_tables = last, tables  # position P = T - 1 of the last token
         for j in range(1, int(kv.max()) + 1):  # d_j at T - 1 + j: its KV, and d_{j+1} while j < k'
             active = np.flatnonzero(kv >= j)
             pos = t_start[active] + j
@@ -196,6 +199,23 @@ class DraftModel:
                 drafts[:, j] = cur
         host_drafts = drafts.tolist()  # the one wait of a verifying step's draft phase
         return [t for row, n in zip(host_drafts, kv.tolist(), strict=True) for t in row[:n]]
+
+    def _valid(self, seq) -> int:
+        """How many leading positions of `seq` hold the draft's KV: what its forwards wrote, cut back
+        to the target's computed tokens (a rollback gave rejected proposals' slots back), or none if
+        it was preempted since (its blocks were freed or swapped) or is new (a fork, a prefix-cache
+        or host-tier hit: the draft never ran over those blocks' tokens as this sequence)."""
+        entry = self._written.get(seq.seq_id)
+        if entry is None or entry[0] != seq.num_preemptions:
+            return 0
+        return min(entry[1], seq.num_computed_tokens)
+
+    def _note(self, seq, written: int) -> None:
+        self._written.pop(seq.seq_id, None)
+        self._written[seq.seq_id] = (seq.num_preemptions, written)  # newest last
+        if len(self._written) > self.MAX_TRACKED:  # finished sequences: drop the oldest half
+            for key in list(self._written)[: len(self._written) // 2]:
+                del self._written[key]
 
     def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.model.compute_logits(hidden)

@@ -111,6 +111,43 @@ def test_async_scheduling(tiny_models, pause):
     assert outs[1] == outs[0] and m["spec_decode_num_drafts"] > 0
 
 
+def test_the_draft_runs_only_in_steps_that_propose(tiny_models):
+    """Lazy catch-up: with disable_by_batch_size 2, no step proposes while more than 2 of the 6
+    requests run, and the draft runs no forward in those steps; when the last two propose, the
+    draft first catches up over everything it missed, and the target as its own draft still
+    accepts every proposal (its KV is right)."""
+    path = tiny_models["qwen3"]
+    prompts = workload(200, seed=12)[:6]
+    limits = [8, 10, 12, 14, 40, 40]
+    spec = {"model": path, "num_speculative_tokens": 3, "disable_by_batch_size": 2}
+    outs, calls = [], {"forwards": 0, "steps": 0, "proposing": 0}
+    for s in (None, spec):
+        with LLM(path, device="cpu", block_size=8, num_kv_blocks=128, speculative_config=s) as llm:
+            if s is not None:
+                llm.engine.scheduler.speculator.backoff.FLOOR = 0.0
+                model, runner = llm.runner.draft.model, llm.runner
+                real_forward, real_propose = model.forward, runner.propose_drafts
+
+                def forward(*a, real_forward=real_forward, **kw):
+                    calls["forwards"] += 1
+                    return real_forward(*a, **kw)
+
+                def propose(out, real_propose=real_propose):
+                    calls["steps"] += 1
+                    calls["proposing"] += any(x.spec_token_ids for x in out.scheduled)
+                    return real_propose(out)
+
+                model.forward, runner.propose_drafts = forward, propose
+            params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in limits]
+            res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            outs.append([o.outputs[0].token_ids for o in res])
+            m = llm.get_metrics()
+    assert outs[1] == outs[0]
+    assert m["spec_decode_num_drafts"] > 0 and m["spec_decode_acceptance_rate"] == 1.0, m
+    assert calls["steps"] > calls["proposing"] > 0
+    assert 0 < calls["forwards"] <= 4 * calls["proposing"]  # a catch-up and k' = 3 forwards a proposing step
+
+
 def test_sampled_tokens_keep_the_target_distribution(tiny_models):
     """Each request samples 4 tokens at temperature 1 over the top 2 (so 16 outcomes); with k = 2
     the second step verifies the draft's greedy d_1, d_2 for tokens 2 and 3. The joint law of the
