@@ -37,6 +37,10 @@ from tests.model.test_fp8_checkpoints import (
 from tests.model.test_int4_checkpoints import reference_model, reference_weight
 from tests.model.test_moe import moe_checkpoints
 
+# against HF for every layout on both families, and TP=2: about 80 s on 2 cores, run by .ci/run after
+# the README's test command (pyproject.toml: the slow marker)
+pytestmark = pytest.mark.slow
+
 KINDS = ["qwen3moe_top2", "mixtral"]
 ROW_ATOL, ROW_SHARE, FLIP_ATOL = 1e-5, 0.9, 5e-3
 FP8 = {  # name -> the tool's flags
