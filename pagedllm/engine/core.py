@@ -24,6 +24,7 @@ from typing import IO, TYPE_CHECKING
 from pagedllm.engine.beam_search import BeamSearch
 from pagedllm.engine.config import SchedulerConfig
 from pagedllm.engine.core_metrics import core_metrics
+from pagedllm.engine.core_outputs import beam_outputs, grammar_failure_output, token_output
 from pagedllm.engine.errors import InvalidRequestError
 from pagedllm.engine.executor import Executor, StepHandle
 from pagedllm.engine.kv_cache_manager import KVCacheManager
@@ -189,7 +190,7 @@ class EngineCore:
         if seqs is None:
             return
         self.scheduler.finish(seqs[index], SequenceStatus.FINISHED_STOPPED)
-        self._forget_if_done(request_id, seqs)
+        self._forget_if_done(request_id)
 
     def request_ids(self) -> list[str]:
         return list(self.requests)
@@ -316,38 +317,17 @@ class EngineCore:
             first = seq.num_resolved_output_tokens == len(tokens)
             if first and index == 0:
                 self.num_prompt_tokens += seq.num_prompt_tokens
-            out = EngineCoreOutput(
-                seq.request_id,
-                index,
-                tokens,
-                None,
-                None,
-                seq.num_cached_tokens,
-                seq.first_token_time,
-                None,
-                None if logprobs is None else [x for x in logprobs if x is not None] or None,
-                seq.prompt_logprobs if first and seq.sampling_params.prompt_logprobs is not None else None,
-            )
-            if seq.status.finished:  # the finish fields only once (this loop runs per token)
-                out.finish_reason, out.stop_reason, out.finish_time = (
-                    seq.finish_reason,
-                    seq.stop_reason,
-                    seq.finish_time,
-                )
-                out.stop_token = seq.stopped_on_token
+            outputs.append(token_output(seq, index, tokens, logprobs, first))  # core_outputs.py
+            if seq.status.finished:
                 done.append(seq.request_id)
-            outputs.append(out)
         for rid in done:
-            seqs = self.requests.get(rid)
-            if seqs is not None:
-                self._forget_if_done(rid, seqs)
+            self._forget_if_done(rid)
         for search in searches:
             outputs += self._beam_outputs(search)
         return outputs
 
     def _grammar_failures(self) -> list[EngineCoreOutput]:
-        """Sequences the scheduler ended because their grammar failed to compile: each ends with
-        no token, finish_reason "error" and llguidance's message."""
+        """Sequences the scheduler ended because their grammar failed to compile (one output each)."""
         if not self.scheduler.grammar_failed:
             return []
         failed, self.scheduler.grammar_failed = self.scheduler.grammar_failed, []
@@ -356,16 +336,9 @@ class EngineCore:
             index = self._index.get(seq.seq_id)
             if index is None:
                 continue
-            error = f"structured_outputs cannot be compiled: {why}"
-            outputs.append(
-                EngineCoreOutput(
-                    seq.request_id, index, [], seq.finish_reason, None, 0, None, seq.finish_time, error=error
-                )
-            )
+            outputs.append(grammar_failure_output(seq, index, why))
         for rid in {s.request_id for s, _ in failed}:
-            seqs = self.requests.get(rid)
-            if seqs is not None:
-                self._forget_if_done(rid, seqs)
+            self._forget_if_done(rid)
         return outputs
 
     def _beam_outputs(self, search: BeamSearch[Sequence]) -> list[EngineCoreOutput]:
@@ -375,25 +348,11 @@ class EngineCore:
             return []  # aborted meanwhile
         del self.requests[search.request_id]
         self.num_prompt_tokens += first.num_prompt_tokens
-        now = time.monotonic()
-        return [
-            EngineCoreOutput(
-                search.request_id,
-                rank,
-                hyp.token_ids,
-                hyp.finish_reason,
-                None,
-                first.num_cached_tokens,
-                first.first_token_time,
-                now,
-                cumulative_logprob=hyp.cumulative_logprob,
-                score=hyp.score,
-            )
-            for rank, hyp in enumerate(search.results())
-        ]
+        return beam_outputs(search, first)
 
-    def _forget_if_done(self, request_id: str, seqs: list[Sequence]) -> None:
-        if all(s.status.finished for s in seqs):
+    def _forget_if_done(self, request_id: str) -> None:
+        seqs = self.requests.get(request_id)
+        if seqs is not None and all(s.status.finished for s in seqs):
             del self.requests[request_id]
             for s in seqs:
                 self._index.pop(s.seq_id, None)

@@ -17,10 +17,10 @@ samples from that step's logits row and they run on as separate sequences sharin
 blocks. A request's sequences are admitted together (they need n sequence slots) and preempted
 together (those of them not yet scheduled in the step), and come back in order.
 
-Beam search (beam_search.py decides, this file acts): a beam's step returns its top-k instead
-of a token; the beam then has nothing to compute until every live beam of its request has its
-result, when the search steps: a beam chosen once is extended in place, one chosen again is
-forked (it shares the blocks; copy-on-write on the partial one), one not chosen is freed at once.
+Beam search (beam_search.py decides, beam_step.py acts on the beams): a beam's step returns its
+top-k instead of a token; the beam then has nothing to compute until every live beam of its
+request has its result, when the search steps: a beam chosen once is extended in place, one chosen
+again is forked (it shares the blocks; copy-on-write on the partial one), one not chosen is freed.
 No beam carries a PLACEHOLDER: async scheduling simply skips beams that wait for their search.
 
 Structured output (structured_output.py): a sequence with a grammar is admitted only once its
@@ -41,6 +41,7 @@ import time
 from collections import deque
 
 from pagedllm.engine.beam_search import BeamSearch
+from pagedllm.engine.beam_step import keep_beam_result, next_beams
 from pagedllm.engine.kv_cache_manager import KVCacheManager
 from pagedllm.engine.scheduler_output import PLACEHOLDER, ScheduledSequence, SchedulerOutput
 from pagedllm.engine.sequence import Sequence, SequenceStatus
@@ -281,7 +282,7 @@ class Scheduler:
             if not sched.sampled:
                 continue
             if sched.seq.beam is not None:
-                self._keep_beam_result(sched.seq, result, next(rows), now, searches)
+                keep_beam_result(sched.seq, result, next(rows), now, searches)
                 continue
             idx = sched.placeholder_index
             drafts = sched.spec_token_ids
@@ -319,47 +320,13 @@ class Scheduler:
                 self._step_search(search, out)
         return touched
 
-    @staticmethod
-    def _keep_beam_result(
-        seq: Sequence, result: StepResult, row: int, now: float, searches: dict[int, BeamSearch[Sequence]]
-    ) -> None:
-        if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != seq.num_tokens:
-            return  # freed (abort, preempted) after this step launched: it recomputes
-        assert result.logprobs is not None and seq.beam is not None
-        seq.beam_result = result.logprobs[row]
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        searches[id(seq.beam)] = seq.beam
-
     def _step_search(self, search: BeamSearch[Sequence], out: SchedulerOutput) -> None:
-        """Every live beam has its top-k: step the search and make its next beams (forks first,
-        from the unchanged parents; then the tokens; then the dropped beams' blocks freed)."""
-        parents = list(search.beams)
-        topk: list[TokenLogprobs] = []
-        for b in parents:
-            assert b.beam_result is not None  # the caller checked
-            topk.append(b.beam_result)
-            b.beam_result = None
-        survivors = search.step([b.output_token_ids for b in parents], topk)
-        beams: list[Sequence] = []
-        taken: set[int] = set()
-        for sv in survivors:
-            parent = parents[sv.parent]
-            if sv.parent in taken:
-                child = parent.fork_child()
-                self.kv.fork(parent, child)
-                self.running.append(child)
-                self.num_forked_sequences += 1
-                beams.append(child)
-            else:
-                taken.add(sv.parent)
-                beams.append(parent)
-        for beam, sv in zip(beams, survivors, strict=True):
-            beam.append_token(sv.token)
-        for i, parent in enumerate(parents):
-            if i not in taken:
-                self.finish(parent, SequenceStatus.FINISHED_STOPPED)
-        search.beams[:] = beams
+        """Every live beam has its top-k: its next beams run, the ones not chosen are freed (beam_step.py)."""
+        forks, dropped = next_beams(search, self.kv)
+        self.running += forks
+        self.num_forked_sequences += len(forks)
+        for parent in dropped:
+            self.finish(parent, SequenceStatus.FINISHED_STOPPED)
         if search.done:
             out.finished_searches.append(search)
 

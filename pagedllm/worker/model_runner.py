@@ -4,7 +4,6 @@ into sampled token ids. It never decides policy: the scheduler does. It is an Ex
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -12,13 +11,11 @@ import numpy as np
 import torch
 
 from pagedllm import envs
-from pagedllm.engine.kv_cache_groups import blocks_per_sequence
 from pagedllm.engine.scheduler_output import PLACEHOLDER, SchedulerOutput
 from pagedllm.engine.startup_times import StartupTimes
 from pagedllm.engine.step_result import StepResult
 from pagedllm.engine.structured_output import grammar_bitmask
 from pagedllm.model.loader import init_dummy_weights, load_weights
-from pagedllm.model.moe import SparseMoeBlock
 from pagedllm.model.parallel import agree_min, tp_rank, tp_size
 from pagedllm.model.quantization import prepare_quantization, quantize_linears
 from pagedllm.model.registry import build_model
@@ -27,36 +24,27 @@ from pagedllm.ops.attention_metadata import AttentionMetadata
 from pagedllm.ops.copy_blocks import copy_blocks, copy_blocks_ref
 from pagedllm.ops.kernels import kernels_for
 from pagedllm.ops.kv_quant import is_fp8
-from pagedllm.worker.device import (
-    available_ram_bytes,
-    check_kernel_shapes,
-    kv_cache_dtype_name,
-    resolve_kv_cache_dtype,
-)
+from pagedllm.worker.device import check_kernel_shapes, kv_cache_dtype_name, resolve_kv_cache_dtype
 from pagedllm.worker.device import resolve_device as resolve_device  # re-exported: entrypoints/llm.py
 from pagedllm.worker.device import resolve_dtype as resolve_dtype
 from pagedllm.worker.draft_model import DraftModel, DraftSpec
+from pagedllm.worker.graph_capture import capture_graphs
 from pagedllm.worker.host_kv_cache import HostKVCache, allocate_host_kv_cache, host_kv_blocks
-from pagedllm.worker.kv_cache import allocate_kv_cache, block_bytes, groups_of, log_kv_cache
+from pagedllm.worker.kv_cache import block_bytes, groups_of
 from pagedllm.worker.kv_scales import CALIBRATION_SEQ_LEN, CALIBRATION_TOKENS, choose_kv_scales
+from pagedllm.worker.kv_sizing import allocate_and_log_kv_cache, size_kv_cache
 from pagedllm.worker.logits_controls import TokenHistory
 from pagedllm.worker.logprobs import PendingSampleLogprobs, prompt_logprobs
 from pagedllm.worker.sampler import sample, sampling_tensors
 from pagedllm.worker.staging import Staging, pad_to
 from pagedllm.worker.step_handle import LaunchedStep, LoadTime, StepHandle
 from pagedllm.worker.step_inputs import BlockTableRows, StepInputs, build_step_inputs
-from pagedllm.worker.warm_up import forward_without_kv, profile_kv_blocks, warm_up_kernels
+from pagedllm.worker.warm_up import forward_without_kv, warm_up_kernels
 
 if TYPE_CHECKING:
     from pagedllm.worker.cuda_graphs import DecodeGraphs
     from pagedllm.worker.mixed_graphs import MixedGraphs
     from pagedllm.worker.piecewise_graphs import PiecewiseGraphs
-
-logger = logging.getLogger("pagedllm")
-
-# steps of more tokens run eagerly: their launch cost is small beside their device time, and
-# each bucket is L + 1 graphs captured at start-up
-PIECEWISE_MAX_TOKENS = 8192
 
 
 def _is_arange(a: np.ndarray, n: int) -> bool:
@@ -149,16 +137,17 @@ class ModelRunner:
         if draft is not None:
             with self.startup.phase("draft model"):
                 self.draft = DraftModel(draft, device, dtype, max_model_len, load_format, seed)
-        self.peak_activation_bytes = 0  # measured by the profiling run (CUDA, when it sizes the KV)
-        with self.startup.phase("profile run"):
-            self.num_kv_blocks = self._size_kv_cache(num_kv_blocks, kv_cache_memory_bytes, gpu_memory_utilization)
+        with self.startup.phase("profile run"):  # kv_sizing.py; peak: measured by the profile run (CUDA), else 0
+            blocks, self.peak_activation_bytes = size_kv_cache(
+                self, num_kv_blocks, kv_cache_memory_bytes, gpu_memory_utilization
+            )
         self.is_driver = tp_rank() == 0  # with TP, rank 0 alone samples
-        self.num_kv_blocks = agree_min(self.num_kv_blocks)  # TP: the same block ids on every rank
+        self.num_kv_blocks: int = agree_min(blocks)  # TP: the same block ids on every rank
         with self.startup.phase("KV allocation"):
-            self._allocate_kv_cache()
+            self.kv_cache = allocate_and_log_kv_cache(self)
             if self.draft is not None:
                 self.draft.allocate(self.num_kv_blocks, block_size)
-        self.num_host_kv_blocks = agree_min(host_kv_blocks(kv_offloading_size, self.block_bytes, tp_size()))
+        self.num_host_kv_blocks: int = agree_min(host_kv_blocks(kv_offloading_size, self.block_bytes, tp_size()))
         self.host_kv: HostKVCache | None = None
         if self.num_host_kv_blocks:
             with self.startup.phase("host KV tier"):
@@ -179,23 +168,11 @@ class ModelRunner:
         # decoding one per verified position (1 + k of a sequence), so at most one per scheduled token
         rows = max(max_num_seqs, max_num_batched_tokens)
         self._host_ids = [torch.zeros(rows, dtype=torch.int64, pin_memory=device.type == "cuda") for _ in range(2)]
-        self.graphs: DecodeGraphs | None = None
-        self.piecewise: PiecewiseGraphs | None = None
+        self.graphs: DecodeGraphs | None = None  # CUDA graphs: decode, whole small steps, piecewise (graph_capture.py)
         self.mixed: MixedGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None
         if not self.enforce_eager:
-            from pagedllm.worker.cuda_graphs import DecodeGraphs
-            from pagedllm.worker.mixed_graphs import MixedGraphs
-            from pagedllm.worker.piecewise_graphs import PiecewiseGraphs
-
-            with self.startup.phase("decode graphs"):
-                self.graphs = DecodeGraphs(self)
-            mode = envs.prefill_graphs()
-            if mode == "full" and not any(isinstance(m, SparseMoeBlock) for m in self.model.modules()):
-                with self.startup.phase("whole-step graphs"):
-                    self.mixed = MixedGraphs(self)  # small prefill and mixed steps: one replay each
-            if mode in ("full", "piecewise"):
-                with self.startup.phase("piecewise graphs"):
-                    self.piecewise = PiecewiseGraphs(self, min(self.max_num_batched_tokens, PIECEWISE_MAX_TOKENS))
+            self.graphs, self.mixed, self.piecewise = capture_graphs(self, self.startup)
 
     # ---- KV cache ----------------------------------------------------------------------
     @property
@@ -212,20 +189,6 @@ class ModelRunner:
         """What one block id costs: the target's KV and, with a draft model, the draft's (the pool's sizing unit)."""
         return self.block_bytes + (0 if self.draft is None else self.draft.block_bytes(self.block_size))
 
-    def _size_kv_cache(self, num_kv_blocks, kv_cache_memory_bytes, gpu_memory_utilization) -> int:
-        if num_kv_blocks is not None:
-            return int(num_kv_blocks)
-        if kv_cache_memory_bytes is not None:
-            return max(1, int(kv_cache_memory_bytes) // self.pool_block_bytes)
-        if self.device.type == "cuda":
-            blocks, self.peak_activation_bytes = profile_kv_blocks(self, gpu_memory_utilization)
-            return blocks
-        # CPU: a tenth of available RAM, no more than max_num_seqs full-length sequences need
-        one = blocks_per_sequence(
-            self.kv_cache_groups, self.max_model_len, self.block_size, self.max_num_batched_tokens
-        )
-        return max(one, min(self.max_num_seqs * one, available_ram_bytes() // 10 // self.pool_block_bytes))
-
     def _calibration_forward(self) -> None:
         """The forward whose K/V ranges size the fp8 scales (worker/kv_scales.py): seeded, and the
         same batch whatever the scheduler's limits (a start-up pass, not a step), so engines that
@@ -233,32 +196,6 @@ class ModelRunner:
         seq_len = min(CALIBRATION_SEQ_LEN, self.max_model_len)
         num_seqs = -(-CALIBRATION_TOKENS // seq_len)
         forward_without_kv(self, num_seqs * seq_len, num_seqs, np.random.default_rng(self.seed))
-
-    def _allocate_kv_cache(self) -> None:
-        groups = self.kv_cache_groups
-        self.kv_cache = allocate_kv_cache(
-            self.attn_layers, groups, self.num_kv_blocks, self.block_size, self.kv_dtype, self.device
-        )
-        log_kv_cache(
-            self.kv_cache,
-            self.kv_cache_dtype,
-            groups,
-            self.num_kv_blocks,
-            self.block_size,
-            self.weights_bytes,
-            self.peak_activation_bytes,
-        )
-        if is_fp8(self.kv_dtype):
-            ks, vs = [k for k, _ in self.kv_scales], [v for _, v in self.kv_scales]
-            logger.info(
-                "KV scales (%s): k %.4g..%.4g, v %.4g..%.4g over %d layers",
-                self.kv_scales_source,
-                min(ks),
-                max(ks),
-                min(vs),
-                max(vs),
-                len(ks),
-            )
 
     # ---- one step ----------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> StepResult:
