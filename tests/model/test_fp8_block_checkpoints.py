@@ -270,6 +270,7 @@ def test_modules_to_not_convert_stay_in_the_model_dtype(tiny_models, tmp_path):
     assert float((rows[0][0] - hf).abs().max()) < LOGIT_ATOL
 
 
+@pytest.mark.slow  # 4 x 4.5 s on 2 cores: run after the README command (.ci/run)
 @pytest.mark.parametrize("kind", ["fp8-block", "fp8-channel", "awq", "gptq"])
 def test_make_random_model_writes_each_format_through_the_tool(tmp_path, kind):
     """tools/make_random_model.py --quantize: the random model quantized by quantize_checkpoint.py's

@@ -94,6 +94,7 @@ def test_fp8_kv_and_swap_preemption(tiny_models):
     assert outs["swap"] == outs["recompute"]
 
 
+@pytest.mark.slow  # 8 s on 2 cores: run after the README command (.ci/run)
 def test_tp2_each_rank_holds_its_shard(tiny_models):
     path = tiny_models["qwen3"]
     want, got, m = run_both(path, tensor_parallel_size=2)

@@ -196,6 +196,7 @@ def test_windowed_and_soft_capped_families(window_families, kind):
     assert m["spec_decode_num_accepted_tokens"] > 0
 
 
+@pytest.mark.slow  # 9 s on 2 cores: run after the README command (.ci/run)
 def test_tensor_parallel(tiny_models):
     """TP = 2 (gloo on CPU): rank 0 builds the verification step's inputs once for both ranks."""
     prompts = workload(200, seed=13)

@@ -67,6 +67,7 @@ def client(server_model):
     async_llm.shutdown()
 
 
+@pytest.mark.slow  # 16 s on 2 cores: run after the README command (.ci/run)
 def test_50_seeded_samples_per_mode_all_valid(client):
     c, async_llm = client
     for name, (fields, valid) in MODES.items():

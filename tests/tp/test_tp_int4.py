@@ -11,6 +11,9 @@ from pagedllm import LLM, SamplingParams
 from tests.model.test_fp8_checkpoints import reference_greedy, write
 from tests.model.test_int4_checkpoints import reference_model
 
+# 4-bit under TP=2 against HF: about 14 s on 2 cores, run after the README command (.ci/run)
+pytestmark = pytest.mark.slow
+
 PROMPTS = [[5, 9, 14, 22, 31, 40, 7], [100 + i for i in range(19)]]
 
 

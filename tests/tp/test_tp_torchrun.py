@@ -8,12 +8,15 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from pagedllm import envs
 from tests.tp.common import PREEMPTING, hf_reference, workload
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.slow  # 9 s on 2 cores: run after the README command (.ci/run)
 def test_torchrun_two_ranks_match_hf(tiny_models):
     path = tiny_models["qwen3"]
     prompts, _ = workload()
