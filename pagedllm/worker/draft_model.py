@@ -61,6 +61,7 @@ class DraftHost(Protocol):
 
     device: torch.device
     block_size: int
+    max_num_batched_tokens: int  # the most tokens one catch-up forward takes (as a target step)
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor: ...
 
@@ -140,33 +141,17 @@ class DraftModel:
         # the last token's position P (its KV is written by this step) and where the draft's KV stops
         last = np.fromiter((s.seq.num_computed_tokens for s in verifying_seqs), dtype=np.int64, count=len(kv))
         start = np.fromiter((self._valid(s.seq) for s in verifying_seqs), dtype=np.int64, count=len(kv))
-        n_new = last + 1 - start  # the catch-up: every token from where the draft's KV stops to the last
-        cu = np.zeros(len(kv) + 1, dtype=np.int32)
-        np.cumsum(n_new, out=cu[1:])
-        total = int(cu[-1])
-        seq_of_token = np.repeat(np.arange(len(kv)), n_new)
-        positions = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1].astype(np.int64), n_new)
-        positions += np.repeat(start, n_new)
-        input_ids = np.concatenate(
-            [
-                np.asarray(s.seq.token_ids[a : b + 1], dtype=np.int64)
-                for s, a, b in zip(verifying_seqs, start, last, strict=True)
-            ]
-        )
-        slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        end = last + 1
-        meta, (ids_dev, pos_dev) = host._metadata_from(
-            slot_mapping=slots,
-            block_tables=tables,
-            cu=cu,
-            seq_lens=end.astype(np.int32),
-            max_q=int(n_new.max()),
-            max_k=int(end.max()),
-            decode_only=bool((n_new == 1).all()),
-            no_history=bool((start == 0).all()),
-            extra=(input_ids, positions),
-        )
-        hidden = self.model(ids_dev, pos_dev, meta)
+        # the catch-up, every token from where the draft's KV stops to the last, in forwards of at
+        # most max_num_batched_tokens tokens (as the target's chunks): the last one holds every
+        # sequence's last token, whose row gives d_1
+        budget = host.max_num_batched_tokens
+        while int((last + 1 - start).sum()) > budget:
+            take = np.minimum(last - start, np.maximum(budget - np.cumsum(last - start) + (last - start), 0))
+            if not take.any():
+                break
+            self._forward(verifying_seqs, tables, start, take, host)
+            start = start + take
+        hidden, cu = self._forward(verifying_seqs, tables, start, last + 1 - start, host)
         for s, p, k in zip(verifying_seqs, last.tolist(), kv.tolist(), strict=True):
             self._note(s.seq, p + k + 1)  # the forwards below write d_1 .. d_k' at P + 1 .. P + k'
         verifying = np.arange(len(kv))
@@ -199,6 +184,42 @@ class DraftModel:
                 drafts[:, j] = cur
         host_drafts = drafts.tolist()  # the one wait of a verifying step's draft phase
         return [t for row, n in zip(host_drafts, kv.tolist(), strict=True) for t in row[:n]]
+
+    def _forward(
+        self, seqs: list, tables: np.ndarray, start: np.ndarray, n: np.ndarray, host: DraftHost
+    ) -> tuple[torch.Tensor, np.ndarray]:
+        """The draft over tokens [start, start + n) of each sequence (n may be 0 for some): their KV
+        written; returns the hidden states and cu over the sequences with n > 0 (all of them in
+        the final forward, where every n >= 1)."""
+        rows = np.flatnonzero(n)
+        start, n, tables = start[rows], n[rows], tables[rows]
+        cu = np.zeros(len(rows) + 1, dtype=np.int32)
+        np.cumsum(n, out=cu[1:])
+        total = int(cu[-1])
+        seq_of_token = np.repeat(np.arange(len(rows)), n)
+        positions = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1].astype(np.int64), n)
+        positions += np.repeat(start, n)
+        input_ids = np.concatenate(
+            [
+                np.asarray(seqs[r].seq.token_ids[a : a + m], dtype=np.int64)
+                for r, a, m in zip(rows, start, n, strict=True)
+            ]
+        )
+        bs = host.block_size
+        slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        end = start + n
+        meta, (ids_dev, pos_dev) = host._metadata_from(
+            slot_mapping=slots,
+            block_tables=tables,
+            cu=cu,
+            seq_lens=end.astype(np.int32),
+            max_q=int(n.max()),
+            max_k=int(end.max()),
+            decode_only=bool((n == 1).all()),
+            no_history=bool((start == 0).all()),
+            extra=(input_ids, positions),
+        )
+        return self.model(ids_dev, pos_dev, meta), cu
 
     def _valid(self, seq) -> int:
         """How many leading positions of `seq` hold the draft's KV: what its forwards wrote, cut back
