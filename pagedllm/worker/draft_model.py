@@ -10,7 +10,8 @@ verifies proposals, and only for the sequences that do, lazily:
   usually one or two tokens; after steps without proposals (a pause, a batch above
   disable_by_batch_size) what it missed; for a new sequence (a fork, a prefix-cache or host-tier
   hit) or one preempted since, everything from position 0 (its blocks are not the ones the draft
-  wrote, or were freed). Its last row gives d_1 (argmax);
+  wrote, or were freed). In forwards of at most max_num_batched_tokens tokens; the last row of
+  the last gives d_1 (argmax);
 - then k' single-token forwards: d_j at position P + j writes its KV and (j < k') gives d_{j+1}.
 
 What is written is remembered per sequence (`_written`: the count, and the sequence's
