@@ -94,13 +94,17 @@ def prompts(seed, n=8):
     return [(shared if i % 2 else []) + [rng.randrange(97) for _ in range(rng.randrange(2, 20))] for i in range(n)]
 
 
-def run_all(engine, reqs, params):
+def run_all(engine, reqs, params, abort: tuple[int, str] | None = None):
+    """Every request to the end, the invariants checked after every step; `abort` (step, request
+    id): that request is aborted before that step."""
     for i, p in enumerate(reqs):
         engine.add_request(f"r{i}", p, params(i))
     done = {}
-    for _ in range(5000):  # a wrong rollback can stall a sequence: fail, do not hang
+    for step in range(5000):  # a wrong rollback can stall a sequence: fail, do not hang
         if not engine.has_unfinished_requests():
             break
+        if abort is not None and step == abort[0]:
+            engine.abort_request(abort[1])
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
@@ -410,25 +414,15 @@ def test_random_configurations_keep_every_invariant(seed):
     refs = [reference_generate(p, 30, seed=50 + i, copy_period=PERIOD) for i, p in enumerate(reqs)]
     stop = {i: refs[i][rng.randrange(30)] for i in range(len(reqs)) if rng.random() < 0.4}
     n = {i: 2 for i in range(len(reqs)) if rng.random() < 0.3}
-    for i, p in enumerate(reqs):
-        params = SamplingParams(
-            n=n.get(i, 1), seed=50 + i, max_tokens=30, ignore_eos=True, stop_token_ids=[stop[i]] if i in stop else None
-        )
-        engine.add_request(f"r{i}", p, params)
     aborted = f"r{rng.randrange(len(reqs))}"
-    done = {}
-    for step in range(5000):
-        if not engine.has_unfinished_requests():
-            break
-        if step == 6:
-            engine.abort_request(aborted)
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        engine.kv.check_invariants()
-        check_findable_blocks_hold_accepted_kv(engine)
-    assert not engine.has_unfinished_requests()
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    done = run_all(
+        engine,
+        reqs,
+        lambda i: SamplingParams(
+            n=n.get(i, 1), seed=50 + i, max_tokens=30, ignore_eos=True, stop_token_ids=[stop[i]] if i in stop else None
+        ),
+        abort=(6, aborted),
+    )
     for i in range(len(reqs)):
         rid = f"r{i}"
         if rid == aborted or rid not in done:
