@@ -223,7 +223,7 @@ class EngineCore:
             step = self._note_launch(sched, t0)
             self.timeline.event("resolve", step=step)
         touched = self.scheduler.update(sched, result)
-        outputs = self._outputs(touched, len(result.sampled) - sched.num_rejected_tokens, sched.finished_searches)
+        outputs = self._outputs(touched, sched, len(result.sampled))
         return self._grammar_failures() + outputs
 
     def _step_async(self) -> list[EngineCoreOutput]:
@@ -242,7 +242,7 @@ class EngineCore:
             result = handle.result()
             self.kv_load_seconds += result.kv_load_seconds
             touched = self.scheduler.resolve(prev, result)
-            outputs = self._outputs(touched, len(result.sampled) - prev.num_rejected_tokens, prev.finished_searches)
+            outputs = self._outputs(touched, prev, len(result.sampled))
         except BaseException:
             self.kv.uncache(prev.new_cached, prev.new_host_cached)
             self._inflight = None
@@ -290,7 +290,7 @@ class EngineCore:
                 if self.timeline is not None:
                     self.timeline.event("resolve", step=prev.step_id)
                 touched = self.scheduler.resolve(prev, result, sched)
-                outputs = self._outputs(touched, len(result.sampled) - prev.num_rejected_tokens, prev.finished_searches)
+                outputs = self._outputs(touched, prev, len(result.sampled))
             outputs = self._grammar_failures() + outputs
         except BaseException:
             for failed in (self._inflight[0] if self._inflight else None, sched):
@@ -304,10 +304,12 @@ class EngineCore:
     def _outputs(
         self,
         touched: list[Resolved],
+        step: SchedulerOutput,
         num_sampled: int,
-        searches: list[BeamSearch[Sequence]],
     ) -> list[EngineCoreOutput]:
-        self.num_generation_tokens += num_sampled
+        """The outputs of a resolved step's touched sequences and finished searches; its sampled rows,
+        less those thrown away (rejected proposals' rows), count as generation tokens."""
+        self.num_generation_tokens += num_sampled - step.num_rejected_tokens
         outputs = []
         done: list[str] = []
         for seq, tokens, logprobs in touched:
@@ -322,7 +324,7 @@ class EngineCore:
                 done.append(seq.request_id)
         for rid in done:
             self._forget_if_done(rid)
-        for search in searches:
+        for search in step.finished_searches:
             outputs += self._beam_outputs(search)
         return outputs
 
