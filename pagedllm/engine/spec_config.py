@@ -29,7 +29,6 @@ _KEYS = (
     "disable_by_batch_size",
     "model",
 )
-_UNSET = object()
 
 
 @dataclass(frozen=True)
@@ -82,11 +81,9 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in value:
             raise InvalidRequestError(f"{FIELD}.num_speculative_tokens is required", f"{FIELD}.num_speculative_tokens")
         k = _int(value, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
-        limit = value.get("disable_by_batch_size", _UNSET)
-        if limit is _UNSET:
-            limit = DEFAULT_DISABLE_BY_BATCH_SIZE
-        elif limit is not None:
-            limit = _int(value, "disable_by_batch_size", 1, 1 << 20)
+        limit: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE  # absent; null: any batch size
+        if "disable_by_batch_size" in value:
+            limit = None if value["disable_by_batch_size"] is None else _int(value, "disable_by_batch_size", 1, 1 << 20)
         if method == "draft_model":
             return cls(k, method, disable_by_batch_size=limit, model=_draft_dir(value))
         if model is not None:
