@@ -281,8 +281,10 @@ def init_dummy_weights(model: DecoderForCausalLM, seed: int, std: float = 0.02) 
             if leaf == "bias":
                 param.zero_()
             elif param.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-                for row in param.data.view(param.shape[0], -1):  # a row at a time: no float32 copy of it all
-                    row.copy_(torch.randn(row.shape, generator=generator, device=row.device).clamp(-448, 448))
+                flat = param.data.view(param.shape[0], -1)  # in chunks of rows: no float32 copy of it all,
+                step = max(1, (1 << 24) // flat.shape[1])  # and not a launch per row (millions for a 32B model)
+                for chunk in flat.split(step):
+                    chunk.copy_(torch.randn(chunk.shape, generator=generator, device=chunk.device).clamp(-448, 448))
             elif leaf.endswith("perm"):  # an input order (GPTQ desc_act): the identity
                 param.copy_(torch.arange(param.shape[-1], device=param.device).expand(param.shape))
             elif leaf.endswith("qweight"):  # eight 4-bit levels per int32, uniform over 0..15
