@@ -155,18 +155,16 @@ class DraftModel:
         hidden, cu = self._forward(verifying_seqs, tables, start, last + 1 - start, host)
         for s, p, k in zip(verifying_seqs, last.tolist(), kv.tolist(), strict=True):
             self._note(s.seq, p + k + 1)  # the forwards below write d_1 .. d_k' at P + 1 .. P + k'
-        verifying = np.arange(len(kv))
         cur = self._greedy(hidden[host._to_device(cu[1:] - 1)])  # d_1 of each verifying sequence
-        drafts = torch.empty((len(verifying), int(kv.max())), dtype=torch.int64, device=self.device)
+        drafts = torch.empty((len(kv), int(kv.max())), dtype=torch.int64, device=self.device)
         drafts[:, 0] = cur
-        t_start, t_tables = last, tables  # position P = T - 1 of the last token
-        for j in range(1, int(kv.max()) + 1):  # d_j at T - 1 + j: its KV, and d_{j+1} while j < k'
+        for j in range(1, int(kv.max()) + 1):  # d_j at P + j (P = T - 1): its KV, and d_{j+1} while j < k'
             active = np.flatnonzero(kv >= j)
-            pos = t_start[active] + j
-            slot = t_tables[active, pos // bs].astype(np.int64) * bs + pos % bs
+            pos = last[active] + j
+            slot = tables[active, pos // bs].astype(np.int64) * bs + pos % bs
             meta, (pos_dev,) = host._metadata_from(
                 slot_mapping=slot,
-                block_tables=t_tables[active],
+                block_tables=tables[active],
                 cu=np.arange(len(active) + 1, dtype=np.int32),
                 seq_lens=(pos + 1).astype(np.int32),
                 max_q=1,
