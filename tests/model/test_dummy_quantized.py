@@ -5,7 +5,6 @@ from disk, and the engine runs; the benchmarks of shapes too large to write (Qwe
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
@@ -13,23 +12,15 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from tests.helpers import load_script
 
 FORMATS = ("fp8-block", "fp8-channel", "awq", "gptq")
-
-
-def make_random_model():
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "make_random_model.py")
-    spec = importlib.util.spec_from_file_location("make_random_model", path)
-    assert spec is not None and spec.loader is not None
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
 
 
 def config_only(tmp_path, fmt: str | None, shape: str) -> str:
     out = str(tmp_path / f"{shape}-{fmt or 'plain'}")
     argv = ["--out", out, "--shape", shape, "--config-only", "--device", "cpu"]
-    make_random_model().main(argv + (["--quantize", fmt, "--quant-block", "32"] if fmt else []))
+    load_script("tools/make_random_model.py").main(argv + (["--quantize", fmt, "--quant-block", "32"] if fmt else []))
     return out
 
 
