@@ -5,10 +5,20 @@ rest: "full" also captures whole small prefill and mixed steps, one replay each 
 not for a model with MoE blocks), and "full" or "piecewise" captures the layers between the
 attention calls for steps of up to PIECEWISE_MAX_TOKENS tokens (piecewise_graphs.py); "eager"
 captures neither. ModelRunner.forward tries them in that order and runs eagerly what none holds.
+
+No Python garbage collection runs while they are captured: torch.cuda.graph no longer collects
+before a capture (torch.compiler.config.force_cudagraph_gc), so an earlier engine's CUDA graphs,
+left in a reference cycle in the same process, could be destroyed by a collection that starts in
+the middle of a capture, which invalidates it ("operation not permitted when stream is
+capturing"). One collection first frees them while nothing is captured; collection is then off
+until the captures end.
 """
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from pagedllm import envs
@@ -36,13 +46,28 @@ def capture_graphs(
 
     mixed: MixedGraphs | None = None
     piecewise: PiecewiseGraphs | None = None
-    with startup.phase("decode graphs"):
-        graphs = DecodeGraphs(runner)
-    mode = envs.prefill_graphs()
-    if mode == "full" and not any(isinstance(m, SparseMoeBlock) for m in runner.model.modules()):
-        with startup.phase("whole-step graphs"):
-            mixed = MixedGraphs(runner)  # small prefill and mixed steps: one replay each
-    if mode in ("full", "piecewise"):
-        with startup.phase("piecewise graphs"):
-            piecewise = PiecewiseGraphs(runner, min(runner.max_num_batched_tokens, PIECEWISE_MAX_TOKENS))
+    with no_collection_while_capturing():
+        with startup.phase("decode graphs"):
+            graphs = DecodeGraphs(runner)
+        mode = envs.prefill_graphs()
+        if mode == "full" and not any(isinstance(m, SparseMoeBlock) for m in runner.model.modules()):
+            with startup.phase("whole-step graphs"):
+                mixed = MixedGraphs(runner)  # small prefill and mixed steps: one replay each
+        if mode in ("full", "piecewise"):
+            with startup.phase("piecewise graphs"):
+                piecewise = PiecewiseGraphs(runner, min(runner.max_num_batched_tokens, PIECEWISE_MAX_TOKENS))
     return graphs, mixed, piecewise
+
+
+@contextmanager
+def no_collection_while_capturing() -> Iterator[None]:
+    """One garbage collection now, none until the block ends (the module docstring says why);
+    collection is left as it was found (a caller may have turned it off itself)."""
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()

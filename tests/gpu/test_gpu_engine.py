@@ -74,3 +74,35 @@ def test_profiled_kv_sizing_and_preemption_free_all(tiny_models):
     greedy(llm, prompts, max_tokens)
     m = llm.get_metrics()
     assert m["num_free_kv_blocks"] == m["num_kv_blocks"]
+
+
+def test_an_earlier_engine_left_in_a_cycle_does_not_break_the_next_ones_capture(tiny_models, monkeypatch):
+    """Seen on the H200: in one process, an engine built after others (whose CUDA graphs sat in a
+    reference cycle) failed its capture when a garbage collection destroyed the old graphs
+    mid-capture. Here the old engine is put in a cycle on purpose and collection is made eager;
+    every capture must run with collection off, and the new engine must work."""
+    import gc
+
+    seen = []
+    real_begin = torch.cuda.CUDAGraph.capture_begin
+
+    def begin(self, *args, **kwargs):
+        seen.append(gc.isenabled())
+        return real_begin(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", begin)
+    kw = dict(device="cuda", dtype="float32", num_kv_blocks=256, block_size=16, max_num_seqs=16)
+    old = LLM(tiny_models["qwen3"], **kw)
+    cycle: list = [old]
+    cycle.append(cycle)
+    del old, cycle
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        new = LLM(tiny_models["qwen3"], **kw)
+    finally:
+        gc.set_threshold(*thresholds)
+    assert seen and not any(seen)
+    cpu = LLM(tiny_models["qwen3"], device="cpu", num_kv_blocks=256, block_size=16)
+    prompts, max_tokens = workload(3, n=4)
+    assert greedy(new, prompts, max_tokens) == greedy(cpu, prompts, max_tokens)
