@@ -65,4 +65,4 @@ def check_draft_model(
     if draft_tokenizer is not None and target_tokenizer is not None:
         if draft_tokenizer.get_vocab() != target_tokenizer.get_vocab():
             raise InvalidRequestError(f"{FIELD}: the draft's tokenizer vocabulary differs from the target's", FIELD)
-    return DraftSpec(config, path)
+    return DraftSpec(config, path, spec.disable_by_batch_size)

@@ -11,18 +11,33 @@ Each KV-cache group after the first has its own slot-mapping and block-table buf
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
 
 from pagedllm.ops import PAD_SLOT_ID
 from pagedllm.ops.attention_metadata import AttentionMetadata
-from pagedllm.worker.step_inputs import StepInputs
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
 
     from pagedllm.worker.runner_view import GraphRunner
+
+
+class DecodeRows(Protocol):
+    """What a replay reads of a decode step: one row per sequence (StepInputs is one; the draft
+    model's single-token forwards build their own, worker/draft_model.py)."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    seq_lens: np.ndarray
+    block_tables: np.ndarray
+    group_tables: list[tuple[np.ndarray, np.ndarray]]
+
+    @property
+    def num_seqs(self) -> int: ...
 
 
 def batch_size_ladder(max_num_seqs: int) -> list[int]:
@@ -101,12 +116,12 @@ class DecodeGraphs:
             self.graphs[bs] = g
         torch.cuda.synchronize()
 
-    def can_run(self, inp: StepInputs) -> bool:
+    def can_run(self, inp: DecodeRows) -> bool:
         return inp.num_seqs <= self.sizes[-1] and all(
             t.shape[1] <= self.max_blocks for t in [inp.block_tables, *(t for _, t in inp.group_tables)]
         )
 
-    def run(self, inp: StepInputs, fix=None) -> torch.Tensor:
+    def run(self, inp: DecodeRows, fix=None) -> torch.Tensor:
         bs = inp.num_seqs
         padded = self.sizes[bisect.bisect_left(self.sizes, bs)]
         self.turn ^= 1

@@ -21,9 +21,10 @@ next catch-up. So whenever the draft proposes, every position before the last to
 draft's KV of the sequence's own tokens; copy-on-write copies of a step run on both tensors. A step
 without proposals costs the draft nothing.
 
-The draft runs eagerly (no CUDA graphs), greedy, with the target's dtype and its own KV in that
-dtype (never fp8: no scales to choose). Tensor parallelism is refused at start-up
-(entrypoints/draft_check.py).
+With CUDA graphs, the forwards of one token per sequence (the k' forwards, and a catch-up of one
+token each) replay the draft's own decode graphs (worker/draft_graphs.py); longer catch-ups run
+eagerly. The draft is greedy, with the target's dtype and its own KV in that dtype (never fp8: no
+scales to choose). Tensor parallelism is refused at start-up (entrypoints/draft_check.py).
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ from pagedllm.engine.scheduler_output import SchedulerOutput
 from pagedllm.model.loader import init_dummy_weights, load_weights
 from pagedllm.model.registry import build_model
 from pagedllm.ops.kernels import kernels_for
+from pagedllm.worker.cuda_graphs import DecodeGraphs
 from pagedllm.worker.device import GiB, check_kernel_shapes
+from pagedllm.worker.draft_graphs import DraftGraphView, DraftRows, draft_batch_limit, replay
 from pagedllm.worker.kv_cache import allocate_kv_cache, block_bytes, groups_of
 from pagedllm.worker.step_inputs import BlockTableRows
 
@@ -55,6 +58,7 @@ class DraftSpec:
 
     hf_config: Any
     model_dir: str
+    max_batch: int | None = None  # the most sequences a step proposes for (disable_by_batch_size; None: any)
 
 
 class DraftHost(Protocol):
@@ -106,7 +110,9 @@ class DraftModel:
             check_kernel_shapes(self.layers[0].head_dim, self.model.rotary_dim)
         self.vocab_size = spec.hf_config.vocab_size
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.max_batch = spec.max_batch
         self.kv_cache: torch.Tensor | None = None
+        self.graphs: DecodeGraphs | None = None  # capture_graphs: the single-token forwards
         self._tables = BlockTableRows()  # the scheduled sequences' tables, as the target's runner keeps its own
         # seq_id -> (its num_preemptions then, leading positions whose draft KV was written)
         self._written: dict[int, tuple[int, int]] = {}
@@ -125,6 +131,24 @@ class DraftModel:
             block_size,
         )
 
+    def capture_graphs(
+        self, block_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
+    ) -> None:
+        """The draft's decode forward as CUDA graphs, for batches up to the most a step proposes for
+        (after allocate: the graphs write the draft's KV)."""
+        assert self.kv_cache is not None, "the draft's graphs are captured over its allocated KV"
+        view = DraftGraphView(
+            self.device,
+            self.dtype,
+            block_size,
+            draft_batch_limit(max_num_seqs, self.max_batch),
+            max_num_batched_tokens,
+            max_model_len,
+            self.model,
+            self.groups,
+        )
+        self.graphs = DecodeGraphs(view)
+
     @torch.inference_mode()
     def propose(self, out: SchedulerOutput, host: DraftHost) -> list[int]:
         """engine/spec_draft.py's Drafter.propose_drafts (this module's docstring says how)."""
@@ -136,7 +160,6 @@ class DraftModel:
         verifying_seqs = [s for s in sched if s.spec_token_ids]
         if not verifying_seqs:
             return []  # nothing to propose: the draft does no work (it catches up when it next proposes)
-        bs = host.block_size
         tables = self._tables.tables(verifying_seqs, len(verifying_seqs[0].seq.block_tables))[0]
         kv = np.fromiter((len(s.spec_token_ids) for s in verifying_seqs), dtype=np.int64, count=len(verifying_seqs))
         # the last token's position P (its KV is written by this step) and where the draft's KV stops
@@ -152,37 +175,68 @@ class DraftModel:
                 break
             self._forward(verifying_seqs, tables, start, take, host)
             start = start + take
-        hidden, cu = self._forward(verifying_seqs, tables, start, last + 1 - start, host)
+        everyone = np.arange(len(kv))
+        if self.graphs is not None and (start == last).all():  # one token each: a decode forward
+            ids = np.fromiter((s.seq.token_ids[-1] for s in verifying_seqs), dtype=np.int64, count=len(kv))
+            cur = self._decode(everyone, last, tables, ids, None, host)
+        else:
+            hidden, cu = self._forward(verifying_seqs, tables, start, last + 1 - start, host)
+            cur = self._greedy(hidden[host._to_device(cu[1:] - 1)])
         for s, p, k in zip(verifying_seqs, last.tolist(), kv.tolist(), strict=True):
             self._note(s.seq, p + k + 1)  # the forwards below write d_1 .. d_k' at P + 1 .. P + k'
-        cur = self._greedy(hidden[host._to_device(cu[1:] - 1)])  # d_1 of each verifying sequence
         drafts = torch.empty((len(kv), int(kv.max())), dtype=torch.int64, device=self.device)
         drafts[:, 0] = cur
         for j in range(1, int(kv.max()) + 1):  # d_j at P + j (P = T - 1): its KV, and d_{j+1} while j < k'
-            active = np.flatnonzero(kv >= j)
-            pos = last[active] + j
-            slot = tables[active, pos // bs].astype(np.int64) * bs + pos % bs
-            meta, (pos_dev,) = host._metadata_from(
-                slot_mapping=slot,
-                block_tables=tables[active],
-                cu=np.arange(len(active) + 1, dtype=np.int32),
-                seq_lens=(pos + 1).astype(np.int32),
-                max_q=1,
-                max_k=int(pos.max()) + 1,
-                decode_only=True,
-                no_history=False,
-                extra=(pos,),
-            )
-            active_dev = host._to_device(active)
-            hidden = self.model(cur[active_dev], pos_dev, meta)
+            active = everyone if j == 1 else np.flatnonzero(kv >= j)
+            ids_dev = cur if active.size == len(kv) else cur[host._to_device(active)]
+            nxt = self._decode(active, last[active] + j, tables, None, ids_dev, host)
             more = np.flatnonzero(kv[active] > j)  # rows of `active` that need d_{j+1}
             if more.size:
-                rows = active_dev if more.size == active.size else active_dev[host._to_device(more)]
-                cur = cur.clone()
-                cur[rows] = self._greedy(hidden if more.size == active.size else hidden[host._to_device(more)])
+                if more.size == len(kv):
+                    cur = nxt
+                else:
+                    cur = cur.clone()
+                    cur[host._to_device(active[more])] = nxt[host._to_device(more)]
                 drafts[:, j] = cur
         host_drafts = drafts.tolist()  # the one wait of a verifying step's draft phase
         return [t for row, n in zip(host_drafts, kv.tolist(), strict=True) for t in row[:n]]
+
+    def _decode(
+        self,
+        rows: np.ndarray,
+        pos: np.ndarray,
+        tables: np.ndarray,
+        ids: np.ndarray | None,
+        ids_dev: torch.Tensor | None,
+        host: DraftHost,
+    ) -> torch.Tensor:
+        """One token for each sequence of `rows` at positions `pos` (ids on the host, or on the
+        device): its KV written at its slot, and the greedy next token of each, on the device. A
+        replay of the draft's decode graphs where they hold the batch, else eager."""
+        bs = host.block_size
+        slot = tables[rows, pos // bs].astype(np.int64) * bs + pos % bs
+        step = DraftRows(
+            input_ids=ids if ids is not None else np.zeros(len(rows), dtype=np.int64),
+            positions=pos,
+            slot_mapping=slot,
+            seq_lens=(pos + 1).astype(np.int32),
+            block_tables=tables[rows],
+        )
+        if self.graphs is not None and self.graphs.can_run(step):
+            return replay(self.graphs, step, ids_dev, self.vocab_size)
+        meta, dev = host._metadata_from(
+            slot_mapping=slot,
+            block_tables=step.block_tables,
+            cu=np.arange(len(rows) + 1, dtype=np.int32),
+            seq_lens=step.seq_lens,
+            max_q=1,
+            max_k=int(pos.max()) + 1,
+            decode_only=True,
+            no_history=False,
+            extra=(pos,) if ids_dev is not None else (ids, pos),
+        )
+        input_ids = ids_dev if ids_dev is not None else dev[0]
+        return self._greedy(self.model(input_ids, dev[-1], meta))
 
     def _forward(
         self, seqs: list, tables: np.ndarray, start: np.ndarray, n: np.ndarray, host: DraftHost

@@ -28,7 +28,7 @@ from pagedllm.worker.device import check_kernel_shapes, kv_cache_dtype_name, res
 from pagedllm.worker.device import resolve_device as resolve_device  # re-exported: entrypoints/llm.py
 from pagedllm.worker.device import resolve_dtype as resolve_dtype
 from pagedllm.worker.draft_model import DraftModel, DraftSpec
-from pagedllm.worker.graph_capture import capture_graphs
+from pagedllm.worker.graph_capture import capture_graphs, no_collection_while_capturing
 from pagedllm.worker.host_kv_cache import HostKVCache, allocate_host_kv_cache, host_kv_blocks
 from pagedllm.worker.kv_cache import block_bytes, groups_of
 from pagedllm.worker.kv_scales import CALIBRATION_SEQ_LEN, CALIBRATION_TOKENS, choose_kv_scales
@@ -173,6 +173,9 @@ class ModelRunner:
         self.piecewise: PiecewiseGraphs | None = None
         if not self.enforce_eager:
             self.graphs, self.mixed, self.piecewise = capture_graphs(self, self.startup)
+            if self.draft is not None:
+                with self.startup.phase("draft graphs"), no_collection_while_capturing():
+                    self.draft.capture_graphs(block_size, max_num_seqs, max_num_batched_tokens, max_model_len)
 
     # ---- KV cache ----------------------------------------------------------------------
     @property

@@ -69,8 +69,9 @@ def test_seeded_sampling_draws_the_same_tokens_on_cuda(tiny_models):
         assert outs[1] == outs[0]
 
 
-# ---- draft-model speculation (worker/draft_model.py): the draft runs eagerly before the target's step,
-# whose verification rows run through the same graphs (or eagerly) as n-gram ones
+# ---- draft-model speculation (worker/draft_model.py): the draft runs before the target's step (its
+# single-token forwards through its own decode graphs, worker/draft_graphs.py, unless eager), and the
+# verification rows run through the same graphs (or eagerly) as n-gram ones
 
 
 def both_draft(path: str, draft_dir: str, prompts, k: int = 3, max_tokens: int = 48, **kw):
@@ -121,3 +122,24 @@ def test_seeded_sampling_with_a_draft_on_cuda(tiny_models):
             if spec is not None:
                 assert llm.get_metrics()["spec_decode_num_accepted_tokens"] > 0
     assert outs[1] == outs[0]
+
+
+def test_the_drafts_single_token_forwards_replay_its_graphs(tiny_models):
+    """With graphs, the draft's decode forwards are replays (up to disable_by_batch_size sequences),
+    and the output is still the target's own."""
+    path = tiny_models["qwen3"]
+    prompts = workload(200, seed=4)[:6]
+    with LLM(path, **CUDA) as llm:
+        plain = greedy(llm, prompts, 40)
+    spec = {"model": path, "num_speculative_tokens": 3, "disable_by_batch_size": 8}
+    with LLM(path, **CUDA, max_num_seqs=16, speculative_config=spec) as llm:
+        llm.engine.scheduler.speculator.backoff.FLOOR = 0.0
+        graphs = llm.runner.draft.graphs
+        assert graphs is not None and graphs.sizes[-1] == 8
+        replays = []
+        real = graphs.run
+        graphs.run = lambda rows, fix=None: (replays.append(rows.num_seqs), real(rows, fix))[1]
+        assert greedy(llm, prompts, 40) == plain
+        m = llm.get_metrics()
+    assert replays and max(replays) == len(prompts)
+    assert m["spec_decode_acceptance_rate"] > 0.9, m
