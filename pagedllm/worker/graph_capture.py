@@ -12,6 +12,10 @@ left in a reference cycle in the same process, could be destroyed by a collectio
 the middle of a capture, which invalidates it ("operation not permitted when stream is
 capturing"). One collection first frees them while nothing is captured; collection is then off
 until the captures end.
+
+The graphs' memory is not in the KV sizing (they are captured over the allocated KV): it comes
+from what gpu_memory_utilization leaves free. A capture that runs out of it fails with an error
+that names the settings to change (explain_capture_oom), not a bare CUDA out-of-memory.
 """
 
 from __future__ import annotations
@@ -71,3 +75,24 @@ def no_collection_while_capturing() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+@contextmanager
+def explain_capture_oom(gpu_memory_utilization: float, kv_cache_bytes: int, sizing: str) -> Iterator[None]:
+    """An out-of-memory error inside the block (or one a failed capture raised on top of it)
+    becomes a ValueError naming what to change; sizing: how the KV cache was sized."""
+    import torch
+
+    try:
+        yield
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        cause: BaseException | None = e
+        while cause is not None and not isinstance(cause, torch.OutOfMemoryError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        raise ValueError(
+            f"capturing CUDA graphs ran out of GPU memory after the KV cache took {kv_cache_bytes / 2**30:.2f} GiB "
+            f"({sizing}): lower gpu_memory_utilization (now {gpu_memory_utilization}), kv_cache_memory_bytes or "
+            "num_kv_blocks, or max_num_seqs / max_num_batched_tokens, or pass enforce_eager=True"
+        ) from e

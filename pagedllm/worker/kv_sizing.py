@@ -49,6 +49,15 @@ class KVAllocRunner(Protocol):
     def kv_cache_dtype(self) -> str: ...
 
 
+def sizing_source(num_kv_blocks: int | None, kv_cache_memory_bytes: int | None) -> str:
+    """What sized the KV cache (size_kv_cache's first rule that applies), for messages."""
+    if num_kv_blocks is not None:
+        return "sized by num_kv_blocks"
+    if kv_cache_memory_bytes is not None:
+        return "sized by kv_cache_memory_bytes"
+    return "sized by the profile run"
+
+
 def size_kv_cache(
     runner: WarmUpRunner, num_kv_blocks: int | None, kv_cache_memory_bytes: int | None, gpu_memory_utilization: float
 ) -> tuple[int, int]:

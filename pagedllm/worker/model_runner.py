@@ -28,11 +28,11 @@ from pagedllm.worker.device import check_kernel_shapes, kv_cache_dtype_name, res
 from pagedllm.worker.device import resolve_device as resolve_device  # re-exported: entrypoints/llm.py
 from pagedllm.worker.device import resolve_dtype as resolve_dtype
 from pagedllm.worker.draft_model import DraftModel, DraftSpec
-from pagedllm.worker.graph_capture import capture_graphs, no_collection_while_capturing
+from pagedllm.worker.graph_capture import capture_graphs, explain_capture_oom, no_collection_while_capturing
 from pagedllm.worker.host_kv_cache import HostKVCache, allocate_host_kv_cache, host_kv_blocks
 from pagedllm.worker.kv_cache import block_bytes, groups_of
 from pagedllm.worker.kv_scales import CALIBRATION_SEQ_LEN, CALIBRATION_TOKENS, choose_kv_scales
-from pagedllm.worker.kv_sizing import allocate_and_log_kv_cache, size_kv_cache
+from pagedllm.worker.kv_sizing import allocate_and_log_kv_cache, size_kv_cache, sizing_source
 from pagedllm.worker.logits_controls import TokenHistory
 from pagedllm.worker.logprobs import PendingSampleLogprobs, prompt_logprobs
 from pagedllm.worker.sampler import sample, sampling_tensors
@@ -172,10 +172,13 @@ class ModelRunner:
         self.mixed: MixedGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
         if not self.enforce_eager:
-            self.graphs, self.mixed, self.piecewise = capture_graphs(self, self.startup)
-            if self.draft is not None:
-                with self.startup.phase("draft graphs"), no_collection_while_capturing():
-                    self.draft.capture_graphs(block_size, max_num_seqs, max_num_batched_tokens, max_model_len)
+            sizing = sizing_source(num_kv_blocks, kv_cache_memory_bytes)
+            kv_bytes = self.num_kv_blocks * self.pool_block_bytes
+            with explain_capture_oom(gpu_memory_utilization, kv_bytes, sizing):
+                self.graphs, self.mixed, self.piecewise = capture_graphs(self, self.startup)
+                if self.draft is not None:
+                    with self.startup.phase("draft graphs"), no_collection_while_capturing():
+                        self.draft.capture_graphs(block_size, max_num_seqs, max_num_batched_tokens, max_model_len)
 
     # ---- KV cache ----------------------------------------------------------------------
     @property
