@@ -175,10 +175,9 @@ class DraftModel:
                 break
             self._forward(verifying_seqs, tables, start, take, host)
             start = start + take
-        everyone = np.arange(len(kv))
-        if self.graphs is not None and (start == last).all():  # one token each: a decode forward
+        if (start == last).all():  # one token each (the usual case after verifying): a decode forward
             ids = np.fromiter((s.seq.token_ids[-1] for s in verifying_seqs), dtype=np.int64, count=len(kv))
-            cur = self._decode(everyone, last, tables, ids, None, host)
+            cur = self._decode(np.arange(len(kv)), last, tables, ids, None, host)
         else:
             hidden, cu = self._forward(verifying_seqs, tables, start, last + 1 - start, host)
             cur = self._greedy(hidden[host._to_device(cu[1:] - 1)])
@@ -187,7 +186,7 @@ class DraftModel:
         drafts = torch.empty((len(kv), int(kv.max())), dtype=torch.int64, device=self.device)
         drafts[:, 0] = cur
         for j in range(1, int(kv.max()) + 1):  # d_j at P + j (P = T - 1): its KV, and d_{j+1} while j < k'
-            active = everyone if j == 1 else np.flatnonzero(kv >= j)
+            active = np.flatnonzero(kv >= j)
             ids_dev = cur if active.size == len(kv) else cur[host._to_device(active)]
             nxt = self._decode(active, last[active] + j, tables, None, ids_dev, host)
             more = np.flatnonzero(kv[active] > j)  # rows of `active` that need d_{j+1}

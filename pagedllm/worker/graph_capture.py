@@ -25,6 +25,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+import torch
+
 from pagedllm import envs
 from pagedllm.engine.startup_times import StartupTimes
 from pagedllm.model.moe import SparseMoeBlock
@@ -81,8 +83,6 @@ def no_collection_while_capturing() -> Iterator[None]:
 def explain_capture_oom(gpu_memory_utilization: float, kv_cache_bytes: int, sizing: str) -> Iterator[None]:
     """An out-of-memory error inside the block (or one a failed capture raised on top of it)
     becomes a ValueError naming what to change; sizing: how the KV cache was sized."""
-    import torch
-
     try:
         yield
     except (torch.OutOfMemoryError, RuntimeError) as e:

@@ -49,30 +49,23 @@ class KVAllocRunner(Protocol):
     def kv_cache_dtype(self) -> str: ...
 
 
-def sizing_source(num_kv_blocks: int | None, kv_cache_memory_bytes: int | None) -> str:
-    """What sized the KV cache (size_kv_cache's first rule that applies), for messages."""
-    if num_kv_blocks is not None:
-        return "sized by num_kv_blocks"
-    if kv_cache_memory_bytes is not None:
-        return "sized by kv_cache_memory_bytes"
-    return "sized by the profile run"
-
-
 def size_kv_cache(
     runner: WarmUpRunner, num_kv_blocks: int | None, kv_cache_memory_bytes: int | None, gpu_memory_utilization: float
-) -> tuple[int, int]:
-    """(the block count, the peak activation bytes the profile run measured: 0 where none ran)."""
+) -> tuple[int, int, str]:
+    """(the block count, the peak activation bytes the profile run measured: 0 where none ran,
+    which rule sized it: "sized by ...", for messages)."""
     if num_kv_blocks is not None:
-        return int(num_kv_blocks), 0
+        return int(num_kv_blocks), 0, "sized by num_kv_blocks"
     if kv_cache_memory_bytes is not None:
-        return max(1, int(kv_cache_memory_bytes) // runner.pool_block_bytes), 0
+        return max(1, int(kv_cache_memory_bytes) // runner.pool_block_bytes), 0, "sized by kv_cache_memory_bytes"
     if runner.device.type == "cuda":
-        return profile_kv_blocks(runner, gpu_memory_utilization)
+        return (*profile_kv_blocks(runner, gpu_memory_utilization), "sized by the profile run")
     # CPU: a tenth of available RAM, no more than max_num_seqs full-length sequences need
     one = blocks_per_sequence(
         runner.kv_cache_groups, runner.max_model_len, runner.block_size, runner.max_num_batched_tokens
     )
-    return max(one, min(runner.max_num_seqs * one, available_ram_bytes() // 10 // runner.pool_block_bytes)), 0
+    blocks = max(one, min(runner.max_num_seqs * one, available_ram_bytes() // 10 // runner.pool_block_bytes))
+    return blocks, 0, "sized by a tenth of the RAM"
 
 
 def allocate_and_log_kv_cache(runner: KVAllocRunner) -> torch.Tensor:

@@ -32,7 +32,7 @@ from pagedllm.worker.graph_capture import capture_graphs, explain_capture_oom, n
 from pagedllm.worker.host_kv_cache import HostKVCache, allocate_host_kv_cache, host_kv_blocks
 from pagedllm.worker.kv_cache import block_bytes, groups_of
 from pagedllm.worker.kv_scales import CALIBRATION_SEQ_LEN, CALIBRATION_TOKENS, choose_kv_scales
-from pagedllm.worker.kv_sizing import allocate_and_log_kv_cache, size_kv_cache, sizing_source
+from pagedllm.worker.kv_sizing import allocate_and_log_kv_cache, size_kv_cache
 from pagedllm.worker.logits_controls import TokenHistory
 from pagedllm.worker.logprobs import PendingSampleLogprobs, prompt_logprobs
 from pagedllm.worker.sampler import sample, sampling_tensors
@@ -138,7 +138,7 @@ class ModelRunner:
             with self.startup.phase("draft model"):
                 self.draft = DraftModel(draft, device, dtype, max_model_len, load_format, seed)
         with self.startup.phase("profile run"):  # kv_sizing.py; peak: measured by the profile run (CUDA), else 0
-            blocks, self.peak_activation_bytes = size_kv_cache(
+            blocks, self.peak_activation_bytes, kv_sizing = size_kv_cache(
                 self, num_kv_blocks, kv_cache_memory_bytes, gpu_memory_utilization
             )
         self.is_driver = tp_rank() == 0  # with TP, rank 0 alone samples
@@ -172,9 +172,8 @@ class ModelRunner:
         self.mixed: MixedGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
         if not self.enforce_eager:
-            sizing = sizing_source(num_kv_blocks, kv_cache_memory_bytes)
             kv_bytes = self.num_kv_blocks * self.pool_block_bytes
-            with explain_capture_oom(gpu_memory_utilization, kv_bytes, sizing):
+            with explain_capture_oom(gpu_memory_utilization, kv_bytes, kv_sizing):
                 self.graphs, self.mixed, self.piecewise = capture_graphs(self, self.startup)
                 if self.draft is not None:
                     with self.startup.phase("draft graphs"), no_collection_while_capturing():
