@@ -89,6 +89,7 @@ def _host_tier_metrics(self: MetricsSource) -> Metrics:
         "prefix_cache_preempted_host_hit_tokens": stats.preempted_host_hits,
         "num_offloaded_blocks": moved.offloaded_blocks,
         "num_loaded_blocks": moved.loaded_blocks,
+        "num_prefetched_blocks": moved.prefetched_blocks,
         "num_swapped_out_blocks": moved.swapped_out_blocks,
         "kv_offload_bytes": moved.offloaded_blocks * block_bytes,
         "kv_load_bytes": moved.loaded_blocks * block_bytes,

@@ -18,6 +18,10 @@ Invariants (checked by `check_invariants`, exercised by tests/engine/test_host_t
 - LOAD: a prefix hit that continues into the host tier takes a new GPU block per host block;
   the copy runs in the step that first reads it (after that step's offloads, before its forward),
   and the GPU block is registered (findable) from that step on, like a block the step computes.
+  A prefetch (a sequence admitted with no token to compute once the step's budget ran out) runs
+  in the step before the one that reads it, beside that step's forward: no sequence of that step
+  reads it (only later admissions could hit it, and the prefetch pass comes last), and the next
+  step waits for it before its first copy.
   The host blocks of a step's loads are held (ref_cnt > 0: out of the host LRU) until the step
   is scheduled, so no offload of the same step can overwrite them first.
 - A step that never runs gives back what it registered: its offloads' host blocks
@@ -62,6 +66,7 @@ class Transfers:
 
     offloads: list[tuple[int, int]] = field(default_factory=list)  # (GPU block, host block)
     loads: list[tuple[int, int]] = field(default_factory=list)  # (host block, GPU block)
+    prefetches: list[tuple[int, int]] = field(default_factory=list)  # loads the next step reads (the same pairs)
     new_host_cached: list[Block] = field(default_factory=list)  # host blocks the offloads registered
     loaded: list[Block] = field(default_factory=list)  # GPU blocks the loads registered
 
@@ -72,6 +77,7 @@ class HostTierStats:
 
     offloaded_blocks: int = 0
     loaded_blocks: int = 0
+    prefetched_blocks: int = 0  # of loaded_blocks, those loaded a step ahead (beside the previous forward)
     swapped_out_blocks: int = 0
 
 
@@ -144,15 +150,18 @@ class HostTier:
         self.pool.touch(host, seq_id)
         self._pinned.append(host)
 
-    def load(self, host: Block, gpu: Block, seq_id: int | None) -> None:
-        """Copy a pinned host block into a newly allocated GPU block, which holds its prefix from now on."""
+    def load(self, host: Block, gpu: Block, seq_id: int | None, prefetch: bool = False) -> None:
+        """Copy a pinned host block into a newly allocated GPU block, which holds its prefix from now
+        on. prefetch: no sequence of this step reads it (the scheduler admitted its sequence for the
+        next step), so the copy may run beside this step's forward."""
         assert host.ref_cnt > 0 and host.block_hash is not None and host.token_ids is not None
         self.gpu.register(
             gpu, host.block_hash, host.token_ids, host.extra, host.parent_prefix_id, prefix_id=host.prefix_id
         )
-        self.pending.loads.append((host.block_id, gpu.block_id))
+        (self.pending.prefetches if prefetch else self.pending.loads).append((host.block_id, gpu.block_id))
         self.pending.loaded.append(gpu)
         self.stats.loaded_blocks += 1
+        self.stats.prefetched_blocks += prefetch
         self._event("LOAD", gpu, host, seq_id)
 
     # ---- swap ----------------------------------------------------------------------------

@@ -213,11 +213,18 @@ class KVCacheManager:
                     n, settled = len(hit), False
         return ComputedBlocks([(hit or [])[:n] for hit in hits], n)
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: ComputedBlocks | None = None) -> bool:
+    def allocate_slots(
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        computed_blocks: ComputedBlocks | None = None,
+        prefetch: bool = False,
+    ) -> bool:
         """Give seq room for num_new_tokens more tokens after its computed ones (and after the
         prefix hit `computed_blocks`, which this call takes) in every group. False, with no block
         taken, when the pool cannot provide them (a sliding-window group may still have given
-        back blocks that left its window: they are not needed whatever happens)."""
+        back blocks that left its window: they are not needed whatever happens). prefetch: the
+        hit's host blocks are read from the next step on (host_tier.py, LOAD)."""
         self._give_tables(seq)
         hit = computed_blocks if computed_blocks is not None and computed_blocks.num_blocks else None
         num_cached = hit.num_blocks * self.block_size if hit else 0
@@ -248,7 +255,7 @@ class KVCacheManager:
         for m, h in zip(managers, hits, strict=True):
             m.take_hit(seq, h)  # every group's hit first: none may be allocated as another's new block
         for m, h in zip(managers, hits, strict=True):
-            m.load_hits(seq, h)  # then the GPU blocks that host-tier hits are loaded into
+            m.load_hits(seq, h, prefetch)  # then the GPU blocks that host-tier hits are loaded into
         if self.host is not None:
             self.host.release_swapped(seq.seq_id)  # admitted: what it swapped out is hit or lost
         for m in managers:
@@ -337,6 +344,14 @@ class KVCacheManager:
             if b >= 0 and self.pool.blocks[b].block_hash is not None
         ]
         return self.host.swap_out(seq.seq_id, blocks)
+
+    @property
+    def has_host_tier(self) -> bool:
+        return self.host is not None
+
+    def hit_loads_from_host(self, hit: ComputedBlocks) -> bool:
+        """Whether taking this hit loads blocks from the host tier."""
+        return any(isinstance(b, HostBlock) for blocks in hit.blocks for b in blocks)
 
     def take_transfers(self) -> Transfers:
         """The host-tier copies recorded for the step being scheduled (none without a tier)."""

@@ -8,6 +8,9 @@ admitted running sequence is preempted by recompute: its blocks are freed and it
 to the front of the waiting queue; on resume it re-hits its own cached prefix (a lookup the
 prefix-cache statistics count apart: kv_cache_manager.PrefixCacheStats). preemption_mode="swap"
 first writes its blocks to the host tier, held there until its resume loads them (host_tier.py).
+With the host tier, once the token budget runs out, the waiting sequences at the queue's head
+whose prefix hit continues into host memory are admitted with no token to compute, so their loads
+run beside the step's forward (a prefetch) and the next step schedules them (`_prefetch`).
 
 A scheduled sequence's full blocks are registered in the prefix cache at once, so the
 sequences admitted after it in the same step, and in every later step, hit them
@@ -127,6 +130,8 @@ class Scheduler:
             break  # seq itself was preempted: everything after it already was
         if out.num_preempted == 0:
             budget = self._admit(out, budget, forked)
+            if budget == 0:  # something was scheduled
+                self._prefetch(forked)
             if not out.scheduled and self.waiting:
                 # every running sequence is a beam waiting for its search while the queue's head
                 # cannot get blocks: free the newest other search, or nothing would ever move
@@ -141,7 +146,7 @@ class Scheduler:
         out.blocks_to_copy = self.kv.take_blocks_to_copy()
         if out.scheduled:  # a step that launches nothing keeps its copies for the next one
             t = self.kv.take_transfers()
-            out.blocks_to_offload, out.blocks_to_load = t.offloads, t.loads
+            out.blocks_to_offload, out.blocks_to_load, out.blocks_to_prefetch = t.offloads, t.loads, t.prefetches
             out.new_host_cached = t.new_host_cached
             out.new_cached += t.loaded
         return out
@@ -166,19 +171,45 @@ class Scheduler:
             num_new = min(seq.num_tokens - computed.num_blocks * self.kv.block_size, budget)
             if not self.kv.allocate_slots(seq, num_new, computed):
                 break
-            self.waiting.popleft()
-            if (preempted_at := self._preempted_at.pop(seq.seq_id, None)) is not None:
-                self.preempted_wait_s, self.num_resumed = (
-                    self.preempted_wait_s + time.monotonic() - preempted_at,
-                    self.num_resumed + 1,
-                )
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._start(seq)
             slots += self._reserved(seq)
             self._scheduled(out, ScheduledSequence(seq, num_new), forked)
             budget -= num_new
         self.waiting.extendleft(reversed(compiling))
         return budget
+
+    def _start(self, seq: Sequence) -> None:
+        """The queue's head joins the running sequences (it holds its blocks from now on)."""
+        self.waiting.popleft()
+        if (preempted_at := self._preempted_at.pop(seq.seq_id, None)) is not None:
+            self.preempted_wait_s, self.num_resumed = (
+                self.preempted_wait_s + time.monotonic() - preempted_at,
+                self.num_resumed + 1,
+            )
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def _prefetch(self, forked: list[Sequence]) -> None:
+        """The token budget ran out with sequences still waiting. Those at the queue's head whose
+        prefix hit continues into the host tier are admitted now with no token to compute: they
+        take their blocks and their loads are queued as this step's prefetch, which runs beside
+        its forward (host_kv_cache.py), so the next step, which schedules them first among the
+        admitted, does not wait for PCIe. In queue order, while the next step's budget covers
+        their prompts, stopping at the first sequence with nothing to load (it keeps its place)."""
+        if not self.kv.has_host_tier or not self.waiting:
+            return
+        slots = len(self.running) + len(forked) + sum(self._reserved(s) - 1 for s in self.running)
+        ahead = self.max_num_batched_tokens
+        while self.waiting and ahead > 0:
+            seq = self.waiting[0]
+            if seq.grammar is not None or slots + self._reserved(seq) > self.max_num_seqs:
+                break  # a grammar may still be compiling: _admit decides when it may start
+            computed = self.kv.get_computed_blocks(seq)
+            if not self.kv.hit_loads_from_host(computed) or not self.kv.allocate_slots(seq, 0, computed, prefetch=True):
+                break
+            self._start(seq)
+            slots += self._reserved(seq)
+            ahead -= seq.num_tokens - seq.num_computed_tokens
 
     def _grammar_failed(self, seq: Sequence) -> None:
         """The edge compiled the grammar over the same tokenizer (grammar.GrammarChecker), so this

@@ -1,7 +1,8 @@
 """What the scheduler hands the executor for one step: the scheduled sequences and their token
 counts, the blocks to copy (copy-on-write), the blocks registered at scheduling, and the copies
 between the GPU pool and the host tier (engine/host_tier.py). The executor runs the step's
-offloads, then its loads, then its copy-on-write copies, then its forward, in that order.
+offloads, then its loads, then its copy-on-write copies, then its forward, in that order; its
+prefetch loads (read from the next step on) run beside the forward, and the next step waits for them.
 
 A plain message module that the scheduler (which fills it) and the executors (which run it)
 both import, so neither imports the other (as vLLM v1's `sched/output.py`).
@@ -53,6 +54,8 @@ class SchedulerOutput:
     new_cached: list[Block] = field(default_factory=list)  # registered at scheduling: uncached if it never runs
     blocks_to_offload: list[tuple[int, int]] = field(default_factory=list)  # (GPU block, host block)
     blocks_to_load: list[tuple[int, int]] = field(default_factory=list)  # (host block, GPU block)
+    # loads of sequences admitted for the next step (Scheduler._prefetch): they run beside this forward
+    blocks_to_prefetch: list[tuple[int, int]] = field(default_factory=list)
     new_host_cached: list[Block] = field(default_factory=list)  # host blocks its offloads registered
     finished_searches: list[BeamSearch[Sequence]] = field(
         default_factory=list

@@ -100,16 +100,17 @@ class FullAttentionManager:
             last = next((b for b in reversed(hit) if b is not None), None)
             seq.chain_prefix_ids[self.group] = None if last is None else last.prefix_id
 
-    def load_hits(self, seq: Sequence, hit: list[Block | None]) -> None:
+    def load_hits(self, seq: Sequence, hit: list[Block | None], prefetch: bool = False) -> None:
         """A new GPU block for each host block of the hit (after every group took its GPU hits:
-        the allocation may evict any free block), its KV loaded before the step's forward."""
+        the allocation may evict any free block), its KV loaded before the step's forward (before
+        the next step's, for a prefetch)."""
         if self.host is None:
             return
         table = seq.block_tables[self.group]
         for i, block in enumerate(hit):
             if isinstance(block, HostBlock):
                 gpu = self.pool.allocate(seq.seq_id, self.group)
-                self.host.load(block, gpu, seq.seq_id)
+                self.host.load(block, gpu, seq.seq_id, prefetch)
                 table[i] = gpu.block_id
 
     def allocate(

@@ -10,16 +10,22 @@ is one contiguous transfer. Block b of the device tensor [2, slots, N, Hkv, bloc
 the strided slice kv[:, :, b].
 
 Order (the scheduler's SchedulerOutput says why): a step's offloads, then its loads, then its
-copy-on-write copies and forward.
+copy-on-write copies and forward. Three streams on CUDA: the current one (the forward), an offload
+stream (device to host) and a load stream (host to device), so the two directions of PCIe run at
+once and beside the forward.
 - Offload (device to host): the evicted blocks are gathered on the device into a staging
   tensor, on the current stream, in the step's order (a device copy: far faster than PCIe); the
-  PCIe transfer into pinned memory then runs on a side stream while the step's forward
+  PCIe transfer into pinned memory then runs on the offload stream while the step's forward
   overwrites the blocks. Past STAGING_BYTES of staging per step, the rest goes over PCIe on the
-  current stream (bounded device memory, the same order).
-- Load (host to device): on the current stream, after waiting for the side stream (a load may
-  read a host block whose offload is still in flight), into the newly allocated GPU blocks.
-- The side stream waits for the current stream before each offload batch, so a transfer never
-  writes a host block that an earlier load still reads.
+  current stream (bounded device memory, the same order). The offload stream first waits for
+  the load stream's last load, so a transfer never writes a host block that a load still reads.
+- Load (host to device), on the load stream, after everything queued so far on the current stream
+  (its destination blocks were free: the step's offloads, or a finished step, may still read
+  them), and after the offloads still in flight that write any of its host blocks.
+  - `load(pairs)`: blocks this step's forward reads; the current stream waits for them at once.
+  - `load(pairs, now=False)` (prefetch): blocks of sequences admitted for the next step
+    (engine/scheduler.py); the forward runs beside them and `begin_step` makes the next step's
+    current stream wait for them before anything else (its offloads may read those blocks).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import time
 import torch
 
 from pagedllm.ops.kv_quant import bytes_view
+from pagedllm.worker.step_handle import LoadTime
 
 logger = logging.getLogger("pagedllm")
 
@@ -66,8 +73,12 @@ class HostKVCache:
             raw = zeroed_host_bytes(nbytes)
         self.host = raw.view(kv.dtype).view(shape)
         self.nbytes = nbytes
-        self.stream = torch.cuda.Stream(kv.device) if self.on_cuda else None
-        self._offloaded = torch.cuda.Event() if self.on_cuda else None  # the side stream's last transfer
+        self.stream = torch.cuda.Stream(kv.device) if self.on_cuda else None  # offloads (device to host)
+        self.load_stream = torch.cuda.Stream(kv.device) if self.on_cuda else None
+        # offload batches whose transfer may still be in flight: (done event, the host blocks it writes)
+        self._offloading: list[tuple[torch.cuda.Event, set[int]]] = []
+        self._loaded = torch.cuda.Event() if self.on_cuda else None  # the load stream's last load (recorded: no wait)
+        self._prefetched: torch.cuda.Event | None = None  # prefetch loads the next step must wait for
 
     def _device_blocks(self) -> torch.Tensor:
         """The device tensor as [N, 2, slots, Hkv, block_size, D] (a strided view, uint8 for fp8)."""
@@ -76,6 +87,13 @@ class HostKVCache:
     def _ids(self, ids: list[int]) -> torch.Tensor:
         t = torch.tensor(ids, dtype=torch.int64)
         return t.to(self.kv.device, non_blocking=True) if self.on_cuda else t
+
+    def begin_step(self) -> None:
+        """Before a step's first copy or forward: the current stream waits for the loads the last
+        step prefetched (their sequences run now, and this step's offloads may read those blocks)."""
+        if self._prefetched is not None:
+            torch.cuda.current_stream(self.kv.device).wait_event(self._prefetched)
+            self._prefetched = None
 
     def offload(self, pairs: list[tuple[int, int]]) -> None:
         """Copy device block g into host block h for each (g, h); a host block named twice ends
@@ -89,10 +107,11 @@ class HostKVCache:
         if not self.on_cuda:
             host.index_copy_(0, torch.tensor(order), dev.index_select(0, torch.tensor(gpu)))
             return
-        assert self.stream is not None and self._offloaded is not None
+        assert self.stream is not None and self._loaded is not None
         per_block = self.nbytes // self.num_blocks
         staged = max(1, STAGING_BYTES // per_block)
         main = torch.cuda.current_stream(self.kv.device)
+        self._offloading = [(e, ids) for e, ids in self._offloading if not e.query()]
         for start in range(0, len(order), staged):
             chunk = slice(start, start + staged)
             snapshot = dev.index_select(0, self._ids(gpu[chunk]))  # on the current stream, in order
@@ -100,16 +119,21 @@ class HostKVCache:
             stream = self.stream if side else main
             if side:
                 self.stream.wait_stream(main)
+                self.stream.wait_event(self._loaded)  # no host block is written while a load reads it
                 snapshot.record_stream(self.stream)
             with torch.cuda.stream(stream):
                 for pos, first, n in _runs(order[chunk]):
                     host[first : first + n].copy_(snapshot[pos : pos + n], non_blocking=True)
             if side:
-                self._offloaded.record(self.stream)
+                done = torch.cuda.Event()
+                done.record(self.stream)
+                self._offloading.append((done, set(order[chunk])))
 
-    def load(self, pairs: list[tuple[int, int]]) -> float:
-        """Copy host block h into device block g for each (h, g), on the current stream. Returns
-        the seconds it took on CPU (0.0 on CUDA: the caller times it with events)."""
+    def load(self, pairs: list[tuple[int, int]], now: bool = True) -> LoadTime:
+        """Copy host block h into device block g for each (h, g). now: the current stream waits for
+        the copies (this step reads them); else the next step's `begin_step` does (a prefetch).
+        Returns the seconds it took on CPU; on CUDA a pair of events around the copies on the load
+        stream (read once they are done)."""
         if not pairs:
             return 0.0
         t0 = time.perf_counter()
@@ -118,21 +142,36 @@ class HostKVCache:
         if not self.on_cuda:
             dev.index_copy_(0, torch.tensor([g for _, g in pairs]), host.index_select(0, torch.tensor(ids)))
             return time.perf_counter() - t0
-        assert self._offloaded is not None
-        torch.cuda.current_stream(self.kv.device).wait_event(self._offloaded)
+        assert self.load_stream is not None and self._loaded is not None
+        main = torch.cuda.current_stream(self.kv.device)
+        self.load_stream.wait_stream(main)
+        wanted = set(ids)
+        for done, written in self._offloading:
+            if written & wanted:  # a host block whose offload may still be in flight
+                self.load_stream.wait_event(done)
         staged = max(1, STAGING_BYTES // (self.nbytes // self.num_blocks))
-        for start in range(0, len(pairs), staged):
-            chunk = pairs[start : start + staged]
-            staging = torch.empty((len(chunk), *host.shape[1:]), dtype=host.dtype, device=self.kv.device)
-            for pos, first, n in _runs([h for h, _ in chunk]):
-                staging[pos : pos + n].copy_(host[first : first + n], non_blocking=True)
-            dev.index_copy_(0, self._ids([g for _, g in chunk]), staging)
-        return 0.0
+        began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        began.record(self.load_stream)
+        with torch.cuda.stream(self.load_stream):
+            for start in range(0, len(pairs), staged):
+                chunk = pairs[start : start + staged]
+                staging = torch.empty((len(chunk), *host.shape[1:]), dtype=host.dtype, device=self.kv.device)
+                for pos, first, n in _runs([h for h, _ in chunk]):
+                    staging[pos : pos + n].copy_(host[first : first + n], non_blocking=True)
+                dev.index_copy_(0, self._ids([g for _, g in chunk]), staging)
+        ended.record(self.load_stream)
+        self._loaded = ended
+        if now:
+            main.wait_event(ended)
+        else:
+            self._prefetched = ended
+        return (began, ended)
 
     def close(self) -> None:
         """Let go of the buffer (pinned memory goes back to the driver when the last view does)."""
-        if self.on_cuda and self.stream is not None:
+        if self.on_cuda and self.stream is not None and self.load_stream is not None:
             self.stream.synchronize()
+            self.load_stream.synchronize()
         del self.host
 
 

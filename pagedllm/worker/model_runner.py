@@ -300,19 +300,23 @@ class ModelRunner:
         return LaunchedStep(sampled, None if pending is None else pending.finish(sampled), prompt, load_time)
 
     def _kv_transfers(self, inp: StepInputs) -> LoadTime:
-        """The step's host-tier copies, before its copy-on-write copies and forward; the loads'
-        time (seconds on CPU, a pair of CUDA events to read once the step is done)."""
-        if inp.blocks_to_offload or inp.blocks_to_load:
-            assert self.host_kv is not None, "host-tier copies sent to a runner without kv_offloading_size"
-            self.host_kv.offload(inp.blocks_to_offload)
-            if inp.blocks_to_load and self.device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                self.host_kv.load(inp.blocks_to_load)
-                end.record()
-                return (start, end)
-            return self.host_kv.load(inp.blocks_to_load)
-        return 0.0
+        """The step's host-tier copies, before its copy-on-write copies and forward: offloads, the
+        loads this step reads, then the prefetch loads the next step reads (host_kv_cache.py). The
+        loads' time: seconds on CPU, a pair of CUDA events to read once the step is done."""
+        if self.host_kv is None:
+            assert not (inp.blocks_to_offload or inp.blocks_to_load or inp.blocks_to_prefetch), (
+                "host-tier copies sent to a runner without kv_offloading_size"
+            )
+            return 0.0
+        self.host_kv.begin_step()
+        self.host_kv.offload(inp.blocks_to_offload)
+        now = self.host_kv.load(inp.blocks_to_load)
+        ahead = self.host_kv.load(inp.blocks_to_prefetch, now=False)
+        if isinstance(now, tuple) and isinstance(ahead, tuple):
+            return (now[0], ahead[1])
+        if isinstance(now, tuple) or isinstance(ahead, tuple):
+            return now if isinstance(now, tuple) else ahead
+        return now + ahead
 
     def propose_drafts(self, out: SchedulerOutput) -> list[int]:
         """engine/spec_draft.py's Drafter: the draft model's forwards, before the step's own."""

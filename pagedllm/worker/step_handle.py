@@ -53,6 +53,8 @@ class StepHandle:
         if self.event is not None:
             self.event.synchronize()
         load = self.load_time
+        if isinstance(load, tuple):
+            load[1].synchronize()  # prefetch loads may end after the step
         return StepResult(
             [] if self.host is None else self.host[: self.n].tolist(),
             None if self.logprobs is None else self.logprobs.entries(),

@@ -48,6 +48,7 @@ class StepInputs:
     # the host tier's copies (engine/host_tier.py): (GPU, host) offloads, then (host, GPU) loads
     blocks_to_offload: list[tuple[int, int]]
     blocks_to_load: list[tuple[int, int]]
+    blocks_to_prefetch: list[tuple[int, int]]  # (host, GPU) loads the next step reads
     seq_ids: list[int]  # [B] the scheduled sequences, in order
     # sampling, one row per sampled sequence (only rank 0 uses these)
     sample_seq_ids: list[int]
@@ -217,6 +218,7 @@ def build_step_inputs(
         blocks_to_copy=list(out.blocks_to_copy),
         blocks_to_offload=list(out.blocks_to_offload),
         blocks_to_load=list(out.blocks_to_load),
+        blocks_to_prefetch=list(out.blocks_to_prefetch),
         seq_ids=[s.seq.seq_id for s in sched],
         sample_seq_ids=[q.seq_id for q in sampled],
         temperature=np.array([p.temperature for p in params], dtype=np.float32),

@@ -120,6 +120,8 @@ class ShadowRunner:
         self.shadow: dict[int, tuple[int, ...]] = {}  # slot -> (position, token) or (group, position, token)
         self.host_shadow: dict[int, tuple[int, ...]] = {}  # host slot -> what the GPU slot held
         self.num_loaded_blocks = 0
+        self.num_prefetched_blocks = 0
+        self.prefetched: set[int] = set()  # GPU blocks the last step prefetched
         self.device_tokens: dict[tuple[int, int], int] = {}
         self.steps = 0
         self.decode_and_prefill_mixed = 0
@@ -147,22 +149,22 @@ class ShadowRunner:
             else:
                 dst[d * bs + off] = value
 
-    def _check_loads(self, out: SchedulerOutput) -> None:
-        """Every block loaded this step holds exactly the KV of the tokens its table position names."""
-        loaded = {gpu for _, gpu in out.blocks_to_load}
+    def _check_loads(self, out: SchedulerOutput, loaded: set[int], all_read: bool = True) -> None:
+        """Every loaded block a scheduled sequence reads holds exactly the KV of the tokens its table
+        position names; all_read: every one of them is read (loads for this step)."""
         seen = set()
         for s in out.scheduled:
             seq = s.seq
             for g, table in enumerate(seq.block_tables):
                 for i, block in enumerate(table):
-                    if block not in loaded:
-                        continue
+                    if block not in loaded or (not all_read and (i + 1) * self.block_size > seq.num_computed_tokens):
+                        continue  # (a block prefetched last step may have been evicted and be written now)
                     seen.add(block)
                     span = range(i * self.block_size, (i + 1) * self.block_size)
                     want = [(p, seq.token_ids[p]) if self.windows is None else (g, p, seq.token_ids[p]) for p in span]
                     got = [self.shadow.get(block * self.block_size + j) for j in range(self.block_size)]
                     assert got == want, (seq.seq_id, g, i, block, got, want)
-        assert seen == loaded, loaded - seen  # a load no scheduled sequence reads
+        assert seen == loaded or not all_read, loaded - seen  # a load no scheduled sequence reads
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         self.steps += 1
@@ -173,7 +175,13 @@ class ShadowRunner:
             self._copy(self.host_shadow, host, self.shadow, gpu)
         if out.blocks_to_load:
             self.num_loaded_blocks += len(out.blocks_to_load)
-            self._check_loads(out)
+            self._check_loads(out, {gpu for _, gpu in out.blocks_to_load})
+        if self.prefetched:  # the last step's prefetch, read from this step on
+            self._check_loads(out, self.prefetched, all_read=False)
+        # a prefetch runs beside the forward: no sequence of this step may hold its blocks (here the
+        # copies land after the forward, so a read of one would see the block's old KV)
+        prefetch = {gpu for _, gpu in out.blocks_to_prefetch}
+        assert not any(prefetch.intersection(t) for s in out.scheduled for t in s.seq.block_tables), prefetch
         for src, dst in out.blocks_to_copy:
             for off in range(bs):
                 if src * bs + off in self.shadow:
@@ -213,6 +221,10 @@ class ShadowRunner:
                     self.device_tokens[(q.seq_id, seq.num_tokens)] = token
                     num = q.num_logprobs
                     logprobs.append(None if num is None else fake_logprobs(token, num, ctx))
+        for host, gpu in out.blocks_to_prefetch:
+            self._copy(self.host_shadow, host, self.shadow, gpu)
+        self.prefetched = prefetch
+        self.num_prefetched_blocks += len(prefetch)
         has_logprobs = any(x is not None for x in logprobs)
         return StepResult(sampled, logprobs if has_logprobs else None, prompt or None)
 

@@ -218,3 +218,32 @@ def test_config_refuses_swap_without_a_tier_and_negative_sizes():
     with pytest.raises(InvalidRequestError) as e:
         SchedulerConfig(num_kv_blocks=8, num_host_kv_blocks=-1)
     assert e.value.param == "num_host_kv_blocks"
+
+
+def test_loads_of_waiting_requests_are_prefetched_beside_the_step():
+    """All requests arrive at once behind a small token budget: those left waiting when the budget
+    runs out, whose prefix is on the host, are admitted with no token to compute and their loads
+    queued as the step's prefetch. The shadow runner lands a prefetch only after the step's forward
+    (a read in the same step would see old KV) and checks each prefetched block when it is first
+    read; the outputs still equal the reference."""
+    reqs = revisiting(n_prefixes=6, turns=3)
+    cfg = SchedulerConfig(
+        num_kv_blocks=40, block_size=4, max_num_seqs=8, max_num_batched_tokens=12, max_model_len=256,
+        num_host_kv_blocks=200,
+    )  # fmt: skip
+    runner = ShadowRunner(4)
+    engine = LLMEngine(cfg, runner)
+    results, turn = {}, 0
+    while turn < 3 or engine.has_unfinished_requests():
+        if not engine.has_unfinished_requests():  # a turn: every conversation at once
+            for rid, p, m in reqs[turn * 6 : (turn + 1) * 6]:
+                engine.add_request(rid, p, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
+            turn += 1
+        for o in engine.step():
+            if o.finished:
+                results[o.request_id] = o.outputs[0].token_ids
+        engine.kv.check_invariants()
+        check_host_blocks_hold_their_kv(engine, runner)
+    assert results == expected(reqs)
+    assert runner.num_prefetched_blocks > 0
+    assert engine.get_metrics()["prefix_cache_host_hit_tokens"] > 0

@@ -66,3 +66,48 @@ def test_pinned_buffer_round_trips_blocks(monkeypatch, dtype):
     for g, _ in pairs:
         assert torch.equal(kv.view(torch.uint8)[:, :, g], before[:, :, g])
     cache.close()
+
+
+@pytest.mark.parametrize("mode", [dict(), dict(enforce_eager=True)], ids=str)
+def test_prefetched_loads_on_cuda(tiny_models, mode):
+    """The prefetch path on the load stream (the CPU test's workload): outputs equal the tier-off ones."""
+    from tests.model.test_host_tier_llm import host_gib
+
+    path = tiny_models["qwen3"]
+    first, second = conversations(n=6)
+    params = SamplingParams(max_tokens=4, **GREEDY)
+
+    def turns(llm: LLM) -> list[list[int]]:
+        out = [list(r.outputs[0].token_ids) for r in llm.generate(first, params, use_tqdm=False)]
+        return out + [list(r.outputs[0].token_ids) for r in llm.generate(second, params, use_tqdm=False)]
+
+    kw = {**CUDA, **mode, "num_kv_blocks": 20, "max_num_batched_tokens": 16}
+    with LLM(path, **kw) as off:
+        want = turns(off)
+        size = host_gib(off, 64)
+    with LLM(path, **kw, kv_offloading_size=size) as on:
+        got = turns(on)
+        m = on.get_metrics()
+    assert got == want
+    assert m["num_prefetched_blocks"] > 0
+
+
+def test_prefetch_and_offload_streams_keep_their_order():
+    """A prefetch (load stream) of host blocks whose offload (offload stream) was just queued reads
+    the offloaded KV; an offload queued after a prefetch that reads the same host block does not
+    overwrite it first; begin_step makes the current stream wait for the prefetch."""
+    kv = torch.randn(2, 2, 64, 2, 16, 64, device="cuda", dtype=torch.bfloat16)
+    cache = HostKVCache(kv, 16)
+    before = kv.clone()
+    torch.cuda._sleep(50_000_000)  # the current stream stays busy: nothing below may run early
+    cache.offload([(g, g - 1) for g in range(1, 9)])  # host 0..7 from GPU 1..8
+    cache.load([(h, 40 + h) for h in range(8)], now=False)  # prefetch: reads host 0..7
+    cache.offload([(20 + h, h) for h in range(8)])  # overwrites host 0..7 after the prefetch read them
+    cache.begin_step()
+    got = kv[:, :, 40:48].clone()  # on the current stream: after the prefetch
+    torch.cuda.synchronize()
+    assert torch.equal(got, before[:, :, 1:9])
+    cache.load([(h, 50 + h) for h in range(8)])
+    torch.cuda.synchronize()
+    assert torch.equal(kv[:, :, 50:58], before[:, :, 20:28])
+    cache.close()

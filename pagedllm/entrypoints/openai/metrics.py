@@ -64,6 +64,11 @@ COUNTERS = [  # exposed with the _total suffix
     ("pagedllm:kv_offload_bytes", "KV bytes copied from the GPU pool to the host tier.", "kv_offload_bytes"),
     ("pagedllm:kv_load_bytes", "KV bytes copied from the host tier to the GPU pool.", "kv_load_bytes"),
     ("pagedllm:kv_load_seconds", "Device time spent loading KV from the host tier.", "kv_load_seconds"),
+    (
+        "pagedllm:kv_prefetched_blocks",
+        "KV blocks loaded from the host tier a step ahead, beside the previous step's forward.",
+        "num_prefetched_blocks",
+    ),
     ("pagedllm:num_preemptions", "Sequences preempted (by recompute or swap).", "num_preemptions"),
     (
         "pagedllm:preempted_wait_seconds",
