@@ -68,9 +68,17 @@ fi
 # against its prefill; swap vs recompute under a 512-block pool that forces preemption. Rows in $OUT/offload.jsonl
 if [ "$MODE" = offload ]; then
   [ -d $MODEL ] || python3 tools/make_random_model.py --shape qwen3-0.6b --out $MODEL 2>&1 | tail -1
-  O="--model $MODEL --max-model-len 4096 --max-num-seqs 64 --output-json $OUT/offload.jsonl"
-  timeout ${T_CHAT:-300} python3 -m pagedllm bench offload $O --num-kv-blocks 2048 --scenario chat --system-prompts 8 \
-      --system-len 1024 --conversations 96 --turns 4 --turn-len 128 --output-len 64 --tier-multiples 0 1 2 4 2>&1 | grep '^{'
+  O="--model $MODEL --max-model-len 4096 --output-json $OUT/offload.jsonl"
+  # CHAT_CONFIGS: ';'-separated extra flags, one chat run each (default: rounds, every conversation's turn at
+  # once, 64 sequence slots); e.g. "--max-num-seqs 64;--max-num-seqs 64 --concurrency 16" adds 16 closed-loop clients
+  IFS=';' read -ra CFGS <<< "${CHAT_CONFIGS:---max-num-seqs 64}"
+  for cfg in "${CFGS[@]}"; do
+    timeout ${T_CHAT:-300} python3 -m pagedllm bench offload $O $cfg --num-kv-blocks 2048 --scenario chat \
+        --system-prompts 8 --system-len 1024 --conversations 96 --turns 4 --turn-len 128 --output-len 64 \
+        --tier-multiples ${TIERS:-0 1 2 4} 2>&1 | grep '^{'
+  done
+  [ "${CHAT_ONLY:-0}" = 1 ] && exit 0
+  O="$O --max-num-seqs 64"
   timeout ${T_COPY:-120} python3 -m pagedllm bench offload $O --num-kv-blocks 2048 --scenario copy --prefix-len 2048 \
       --tier-multiples 1 2>&1 | grep '^{'
   timeout ${T_SWAP:-150} python3 -m pagedllm bench offload $O --num-kv-blocks 512 --scenario preemption \

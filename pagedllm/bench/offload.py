@@ -39,6 +39,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conversations", type=int, default=16)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--turn-len", type=int, default=32, help="user tokens per turn")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=0,
+        help="chat: 0 sends every conversation's next turn at once (rounds); K > 0 runs K clients, each "
+        "sending its conversations' turns one at a time, the next when the answer is in (closed loop)",
+    )
     p.add_argument("--output-len", type=int, default=16, help="answer tokens per turn (preemption: per request)")
     p.add_argument("--prefix-len", type=int, default=2048, help="copy: the prefix whose load is timed")
     p.add_argument("--output-json", help="append the rows (JSON lines) to this file")
@@ -58,6 +65,46 @@ def _remember(tokens: list[int], seen: set[tuple[int, ...]], bs: int) -> None:
         seen.add(tuple(tokens[: k * bs]))
 
 
+def _closed_loop(llm, args, history, rng, vocab: int, seen, params) -> tuple[list[float], int, int, int]:
+    """K clients (--concurrency); client k owns conversations k, k + K, ... and sends, turn by turn,
+    each one's next turn once the previous request's answer is in: a conversation comes back after
+    every other one's turn passed (its prefix evicted from a pool smaller than all of them), while
+    only K requests are ever in flight. Returns (TTFTs, ideal hit tokens, query tokens, output tokens)."""
+    bs = llm.engine.config.block_size
+    k = args.concurrency
+    schedule = [[c for _ in range(args.turns) for c in range(j, args.conversations, k)] for j in range(k)]
+    engine, inflight = llm.engine, {}
+    ttfts, ideal, queries, out_tokens = [], 0, 0, 0
+
+    def send(client: int) -> None:
+        nonlocal ideal, queries
+        if not schedule[client]:
+            return
+        c = schedule[client].pop(0)
+        h = history[c]
+        h += [rng.randrange(1, vocab) for _ in range(args.turn_len)]
+        ideal += _ideal_hits(h, seen, bs)
+        queries += len(h)
+        _remember(h, seen, bs)
+        inflight[engine.add_request(None, list(h), params, stream=False)] = (client, c)
+
+    for client in range(k):
+        send(client)
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if not o.finished:
+                continue
+            client, c = inflight.pop(o.request_id)
+            ids = list(o.outputs[0].token_ids)
+            out_tokens += len(ids)
+            _remember(history[c] + ids, seen, bs)
+            history[c] += ids
+            if o.metrics is not None and o.metrics.first_token_time is not None:
+                ttfts.append(o.metrics.first_token_time - o.metrics.arrival_time)
+            send(client)
+    return ttfts, ideal, queries, out_tokens
+
+
 def run_chat(llm, args, vocab: int) -> dict:
     from pagedllm import SamplingParams
 
@@ -67,10 +114,13 @@ def run_chat(llm, args, vocab: int) -> dict:
     history = [list(systems[c % len(systems)]) for c in range(args.conversations)]
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     seen: set[tuple[int, ...]] = set()
-    ttfts, ideal, queries, out_tokens = [], 0, 0, 0
+    ttfts: list[float] = []
+    ideal, queries, out_tokens = 0, 0, 0
     before = llm.get_metrics()
     t0 = time.perf_counter()
-    for _ in range(args.turns):
+    if args.concurrency > 0:
+        ttfts, ideal, queries, out_tokens = _closed_loop(llm, args, history, rng, vocab, seen, params)
+    for _ in range(args.turns if args.concurrency <= 0 else 0):
         prompts = []
         for h in history:
             h += [rng.randrange(1, vocab) for _ in range(args.turn_len)]
@@ -97,12 +147,16 @@ def run_chat(llm, args, vocab: int) -> dict:
         "gpu_hit_rate": (d["prefix_cache_hit_tokens"] - host) / q,
         "host_hit_rate": host / q,
         "ideal_hit_rate": ideal / max(1, queries),
+        "concurrency": args.concurrency,
         "mean_ttft_s": sum(ttfts) / max(1, len(ttfts)),
+        "median_ttft_s": sorted(ttfts)[len(ttfts) // 2] if ttfts else 0.0,
         "output_tok_s": out_tokens / elapsed,
         "elapsed_s": elapsed,
         "kv_load_seconds": m["kv_load_seconds"],
         "kv_load_bytes": m["kv_load_bytes"],
         "kv_offload_bytes": m["kv_offload_bytes"],
+        "num_loaded_blocks": m["num_loaded_blocks"],
+        "num_prefetched_blocks": m["num_prefetched_blocks"],
     }
 
 
@@ -195,6 +249,8 @@ def main(args) -> int:
             }
             row.update(run(llm, args, vocab))
             row["num_kv_blocks"] = llm.runner.num_kv_blocks
+            row["max_num_seqs"] = llm.engine.config.max_num_seqs
+            row["max_num_batched_tokens"] = llm.engine.config.max_num_batched_tokens
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.output_json:

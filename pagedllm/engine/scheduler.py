@@ -190,26 +190,30 @@ class Scheduler:
         self.running.append(seq)
 
     def _prefetch(self, forked: list[Sequence]) -> None:
-        """The token budget ran out with sequences still waiting. Those at the queue's head whose
-        prefix hit continues into the host tier are admitted now with no token to compute: they
-        take their blocks and their loads are queued as this step's prefetch, which runs beside
-        its forward (host_kv_cache.py), so the next step, which schedules them first among the
-        admitted, does not wait for PCIe. In queue order, while the next step's budget covers
-        their prompts, stopping at the first sequence with nothing to load (it keeps its place)."""
-        if not self.kv.has_host_tier or not self.waiting:
+        """The token budget ran out with sequences still waiting. If some at the queue's head (as
+        many as the next step's budget covers) hit prefixes in the host tier, they and the ones
+        before them are admitted now, in queue order, with no token to compute: they take their
+        blocks, and their loads run as this step's prefetch beside its forward (host_kv_cache.py),
+        so the next step schedules them without waiting for PCIe. A sequence with a grammar ends
+        the look-ahead (it may still be compiling: _admit decides when it starts)."""
+        if not self.kv.has_host_tier:
             return
         slots = len(self.running) + len(forked) + sum(self._reserved(s) - 1 for s in self.running)
-        ahead = self.max_num_batched_tokens
-        while self.waiting and ahead > 0:
-            seq = self.waiting[0]
-            if seq.grammar is not None or slots + self._reserved(seq) > self.max_num_seqs:
-                break  # a grammar may still be compiling: _admit decides when it may start
+        ahead, count, last = self.max_num_batched_tokens, 0, 0
+        for seq in self.waiting:  # lookups only: nothing is taken yet
+            slots += self._reserved(seq)
+            if ahead <= 0 or seq.grammar is not None or slots > self.max_num_seqs:
+                break
             computed = self.kv.get_computed_blocks(seq)
-            if not self.kv.hit_loads_from_host(computed) or not self.kv.allocate_slots(seq, 0, computed, prefetch=True):
+            ahead -= seq.num_tokens - computed.num_blocks * self.kv.block_size
+            count += 1
+            if self.kv.hit_loads_from_host(computed):
+                last = count
+        for _ in range(last):
+            seq = self.waiting[0]
+            if not self.kv.allocate_slots(seq, 0, self.kv.get_computed_blocks(seq), prefetch=True):
                 break
             self._start(seq)
-            slots += self._reserved(seq)
-            ahead -= seq.num_tokens - seq.num_computed_tokens
 
     def _grammar_failed(self, seq: Sequence) -> None:
         """The edge compiled the grammar over the same tokenizer (grammar.GrammarChecker), so this
