@@ -4,6 +4,9 @@
 # core in its own process). Also the engine alone on the same workload, for reference.
 # Writes five files under $OUT (default ./gpu_out): results/serving-gpu.json (one row per run,
 # as `pagedllm bench serve` appends them), bench.txt, engine_only.json, server.log, env.txt.
+# Where .whl/vclient/vllm_bench/benchmark_serving.py exists (vLLM's own client, v0.9.2, with its
+# siblings; not committed: its README.txt), each server also gets that client's two runs right after
+# ours, same workload: its JSON under $OUT/vllm-client/<tag>-<rate>.json, its table in bench.txt.
 #
 #   bash scripts/serving_gpu_check.sh            # the two runs
 #   AB=1 bash scripts/serving_gpu_check.sh       # and again with --no-engine-process (engine thread)
@@ -20,6 +23,14 @@ if ! $PY -c "import fastapi, uvicorn" 2>/dev/null && ls .whl/server/*.whl >/dev/
       .whl/server/*.whl || exit 1
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
+VB=.whl/vclient/vllm_bench   # vLLM's client; its wheels (aiohttp, datasets, ...) in .whl/vclient/
+[ -f $VB/benchmark_serving.py ] || VB=
+if [ -n "$VB" ] && ! $PY -c "import aiohttp, datasets" 2>/dev/null && ls .whl/vclient/*.whl >/dev/null 2>&1; then
+  if $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/vclient/*.whl; then
+    [[ ":${PYTHONPATH:-}:" == *:/tmp/site:* ]] || export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+  else echo "== vLLM client's wheels did not install: its runs are skipped"; VB=; fi
+fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 export PAGEDLLM_COMMIT=${PAGEDLLM_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
 $PY -c 'import torch, transformers, fastapi, uvicorn, httpx; print("torch", torch.__version__, "transformers",
@@ -27,6 +38,11 @@ transformers.__version__, "fastapi", fastapi.__version__, "uvicorn", uvicorn.__v
 torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")' \
     | tee "$OUT/env.txt" || exit 1
 nproc >> "$OUT/env.txt"
+if [ -n "$VB" ]; then   # the client's imports, checked before any server starts
+  (cd $VB && $PY -c 'import aiohttp, datasets, benchmark_serving
+print("aiohttp", aiohttp.__version__, "datasets", datasets.__version__)') | sed "s/^/vLLM client $(cat $VB/VERSION): /" \
+      | tee -a "$OUT/env.txt" || { echo "== vLLM client does not import: its runs are skipped"; VB=; }
+fi
 MODEL=${MODEL:-/tmp/qwen3-0.6b}
 [ -f $MODEL/config.json ] || $PY tools/make_random_model.py --shape qwen3-0.6b --out $MODEL 2>&1 | tail -2
 NUM=${NUM:-500}; IN=${IN:-512}; OUTLEN=${OUTLEN:-128}; RATE=${RATE:-16}
@@ -83,6 +99,22 @@ serve_and_bench() {   # $1 = tag, $2 = extra server flags
   echo "#### $tag, $RATE req/s" >> "$OUT/bench.txt"
   timeout ${T_BENCH:-240} $B --seed 2 --request-rate $RATE --label "$tag; $RATE req/s; server: $SARGS $extra" 2>&1 \
       | tee -a "$OUT/bench.txt"
+  if [ -n "$VB" ]; then   # vLLM's client, same workload: --model is the name the server answers to
+    local name r seed=1; mkdir -p "$OUT/vllm-client"
+    name=$($PY -c "import httpx; print(httpx.get('http://127.0.0.1:$PORT/v1/models').json()['data'][0]['id'])" \
+        2>/dev/null) || name=$MODEL
+    local V="$PY $VB/benchmark_serving.py --backend openai --base-url http://127.0.0.1:$PORT --endpoint /v1/completions
+             --model $name --tokenizer $MODEL --dataset-name random --random-input-len $IN --random-output-len $OUTLEN
+             --num-prompts $NUM --ignore-eos --disable-tqdm --save-result --result-dir $OUT/vllm-client
+             --metadata pagedllm_commit=$PAGEDLLM_COMMIT server=$tag"
+    for r in inf $RATE; do
+      echo "#### $tag, $([ $r = inf ] && echo all at once || echo $r req/s): vLLM's benchmark_serving.py" \
+          "$(cat $VB/VERSION)" >> "$OUT/bench.txt"
+      timeout ${T_BENCH:-240} $V --seed $seed --request-rate $r --result-filename $tag-$r.json 2>&1 \
+          | tee -a "$OUT/bench.txt"
+      seed=2
+    done
+  fi
   kill -TERM $spid; wait $spid; echo "== $tag: server exit code $? (0 expected)"
   for i in $(seq 1 50); do   # the engine core (and multiprocessing's resource tracker) must be gone
     local left=""; for c in $children; do kill -0 $c 2>/dev/null && left="$left $c"; done
@@ -102,11 +134,16 @@ else
   serve_and_bench engine-process ""
 fi
 [ "${AB:-0}" = 1 ] && serve_and_bench engine-thread "--no-engine-process"
-$PY - "$OUT/results/serving-gpu.json" <<'EOF'
-import json, sys
+$PY - "$OUT/results/serving-gpu.json" "$OUT/vllm-client" <<'EOF'
+import glob, json, os, sys
 for r in json.load(open(sys.argv[1])):
     s = r["results"]
     print(f"{r['label'][:60]:<60} {s['request_throughput']:>7.1f} req/s  TTFT med {s['median_ttft_ms']:>8.1f} ms  "
           f"TPOT med {s['median_tpot_ms']:>6.2f} ms  failed {s['failed']}")
+for path in sorted(glob.glob(os.path.join(sys.argv[2], "*.json")), key=os.path.getmtime):
+    s = json.load(open(path))
+    label = f"vLLM client: {s.get('server', '?')}; {s['request_rate']} req/s"
+    print(f"{label[:60]:<60} {s['request_throughput']:>7.1f} req/s  TTFT med {s['median_ttft_ms']:>8.1f} ms  "
+          f"TPOT med {s['median_tpot_ms']:>6.2f} ms  failed {s['num_prompts'] - s['completed']}")
 EOF
 ls "$OUT"
