@@ -65,16 +65,21 @@ def _remember(tokens: list[int], seen: set[tuple[int, ...]], bs: int) -> None:
         seen.add(tuple(tokens[: k * bs]))
 
 
-def _closed_loop(llm, args, history, rng, vocab: int, seen, params) -> tuple[list[float], int, int, int]:
+def _closed_loop(llm, args, history, rng, vocab: int, seen, params) -> tuple[list[float], int, int, int, dict]:
     """K clients (--concurrency); client k owns conversations k, k + K, ... and sends, turn by turn,
     each one's next turn once the previous request's answer is in: a conversation comes back after
     every other one's turn passed (its prefix evicted from a pool smaller than all of them), while
-    only K requests are ever in flight. Returns (TTFTs, ideal hit tokens, query tokens, output tokens)."""
+    only K requests are ever in flight. Returns (TTFTs, ideal hit tokens, query tokens, output
+    tokens, a breakdown: engine steps from arrival to the first token, and step times)."""
     bs = llm.engine.config.block_size
     k = args.concurrency
     schedule = [[c for _ in range(args.turns) for c in range(j, args.conversations, k)] for j in range(k)]
     engine, inflight = llm.engine, {}
-    ttfts, ideal, queries, out_tokens = [], 0, 0, 0
+    ttfts: list[float] = []
+    ideal, queries, out_tokens = 0, 0, 0
+    sent_at: dict[str, int] = {}  # request id -> steps run before it arrived
+    first_steps: list[int] = []
+    step_s: list[float] = []
 
     def send(client: int) -> None:
         nonlocal ideal, queries
@@ -86,12 +91,18 @@ def _closed_loop(llm, args, history, rng, vocab: int, seen, params) -> tuple[lis
         ideal += _ideal_hits(h, seen, bs)
         queries += len(h)
         _remember(h, seen, bs)
-        inflight[engine.add_request(None, list(h), params, stream=False)] = (client, c)
+        rid = engine.add_request(None, list(h), params, stream=True)
+        inflight[rid], sent_at[rid] = (client, c), len(step_s)
 
     for client in range(k):
         send(client)
     while engine.has_unfinished_requests():
-        for o in engine.step():
+        t = time.perf_counter()
+        outs = engine.step()
+        step_s.append(time.perf_counter() - t)
+        for o in outs:
+            if o.request_id in sent_at and o.outputs[0].token_ids:
+                first_steps.append(len(step_s) - sent_at.pop(o.request_id))
             if not o.finished:
                 continue
             client, c = inflight.pop(o.request_id)
@@ -102,7 +113,14 @@ def _closed_loop(llm, args, history, rng, vocab: int, seen, params) -> tuple[lis
             if o.metrics is not None and o.metrics.first_token_time is not None:
                 ttfts.append(o.metrics.first_token_time - o.metrics.arrival_time)
             send(client)
-    return ttfts, ideal, queries, out_tokens
+    mid = len(first_steps) // 2
+    breakdown = {
+        "median_steps_to_first_token": sorted(first_steps)[mid] if first_steps else 0,
+        "median_step_ms": 1e3 * sorted(step_s)[len(step_s) // 2] if step_s else 0.0,
+        "max_step_ms": 1e3 * max(step_s, default=0.0),
+        "steps": len(step_s),
+    }
+    return ttfts, ideal, queries, out_tokens, breakdown
 
 
 def run_chat(llm, args, vocab: int) -> dict:
@@ -118,8 +136,9 @@ def run_chat(llm, args, vocab: int) -> dict:
     ideal, queries, out_tokens = 0, 0, 0
     before = llm.get_metrics()
     t0 = time.perf_counter()
+    breakdown: dict = {}
     if args.concurrency > 0:
-        ttfts, ideal, queries, out_tokens = _closed_loop(llm, args, history, rng, vocab, seen, params)
+        ttfts, ideal, queries, out_tokens, breakdown = _closed_loop(llm, args, history, rng, vocab, seen, params)
     for _ in range(args.turns if args.concurrency <= 0 else 0):
         prompts = []
         for h in history:
@@ -157,6 +176,7 @@ def run_chat(llm, args, vocab: int) -> dict:
         "kv_offload_bytes": m["kv_offload_bytes"],
         "num_loaded_blocks": m["num_loaded_blocks"],
         "num_prefetched_blocks": m["num_prefetched_blocks"],
+        **breakdown,
     }
 
 
