@@ -353,6 +353,18 @@ class KVCacheManager:
         """Whether taking this hit loads blocks from the host tier."""
         return any(isinstance(b, HostBlock) for blocks in hit.blocks for b in blocks)
 
+    def hit_waits_for_load(self, hit: ComputedBlocks) -> bool:
+        """Whether this hit loads blocks from the host tier, or holds GPU blocks whose load is a
+        prefetch of the step being scheduled (they hold their KV only from the next step on)."""
+        if self.host is None:
+            return False
+        prefetching = {g for _, g in self.host.pending.prefetches}
+        return any(
+            isinstance(b, HostBlock) or (prefetching and b is not None and b.block_id in prefetching)
+            for blocks in hit.blocks
+            for b in blocks
+        )
+
     def take_transfers(self) -> Transfers:
         """The host-tier copies recorded for the step being scheduled (none without a tier)."""
         return self.host.take_transfers() if self.host is not None else Transfers()

@@ -168,6 +168,13 @@ class Scheduler:
             if slots + self._reserved(seq) > self.max_num_seqs:
                 break
             computed = self.kv.get_computed_blocks(seq)
+            if out.scheduled and self.kv.hit_waits_for_load(computed):
+                # its loads run beside this step's forward; it computes from the next step on
+                if not self.kv.allocate_slots(seq, 0, computed, prefetch=True):
+                    break
+                self._start(seq)
+                slots += self._reserved(seq)
+                continue
             num_new = min(seq.num_tokens - computed.num_blocks * self.kv.block_size, budget)
             if not self.kv.allocate_slots(seq, num_new, computed):
                 break

@@ -84,8 +84,8 @@ def test_outputs_equal_the_reference_with_hits_from_host(host_blocks):
     m = engine.get_metrics()
     assert m["num_host_kv_blocks"] == host_blocks
     if host_blocks >= 64:  # the tier holds the working set: the revisits hit it
-        assert m["prefix_cache_host_hit_tokens"] > 0 and runner.num_loaded_blocks > 0
-        assert m["num_loaded_blocks"] == runner.num_loaded_blocks
+        assert m["prefix_cache_host_hit_tokens"] > 0 and runner.num_loaded_blocks + runner.num_prefetched_blocks > 0
+        assert m["num_loaded_blocks"] == runner.num_loaded_blocks + runner.num_prefetched_blocks
         assert (
             m["prefix_cache_hit_tokens"]
             > run(reqs, host_blocks=0, blocks=24)[1].get_metrics()["prefix_cache_hit_tokens"]
@@ -247,3 +247,55 @@ def test_loads_of_waiting_requests_are_prefetched_beside_the_step():
     assert results == expected(reqs)
     assert runner.num_prefetched_blocks > 0
     assert engine.get_metrics()["prefix_cache_host_hit_tokens"] > 0
+
+
+def test_a_request_with_a_host_hit_waits_alone_while_others_decode():
+    """A request whose prefix is only in the host tier, arriving while another decodes: the step
+    that admits it runs the decode and queues its loads as a prefetch (nothing of that step waits
+    for them); it computes from the next step on, and its output equals the reference. A second
+    request with the same prefix in the same step hits the blocks being prefetched: it waits too
+    (the shadow runner fails a step that holds a block it prefetches)."""
+    import random
+
+    rng = random.Random(3)
+    prefix = [rng.randrange(97) for _ in range(32)]
+    filler = [[rng.randrange(97) for _ in range(32)] for _ in range(4)]
+    decoder = [rng.randrange(97) for _ in range(8)]
+    outs = []
+
+    class Recording(ShadowRunner):
+        def execute(self, out):
+            outs.append((out, [s.seq.request_id for s in out.scheduled]))
+            return super().execute(out)
+
+    cfg = SchedulerConfig(
+        num_kv_blocks=24, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
+        num_host_kv_blocks=64,
+    )  # fmt: skip
+    runner = Recording(4)
+    engine = LLMEngine(cfg, runner)
+    greedy = dict(temperature=0, ignore_eos=True)
+    for rid, p in [("first", prefix + [1]), *((f"f{i}", f) for i, f in enumerate(filler))]:
+        engine.add_request(rid, p, SamplingParams(max_tokens=2, **greedy))
+        while engine.has_unfinished_requests():  # one at a time: the filler evicts the prefix to the host
+            engine.step()
+    engine.add_request("decoder", decoder, SamplingParams(max_tokens=12, **greedy))
+    engine.step()
+    engine.step()
+    outs.clear()
+    engine.add_request("again", prefix + [2, 3], SamplingParams(max_tokens=3, **greedy))
+    # the same prefix, admitted in the same step: it hits the GPU blocks being prefetched, so it waits too
+    engine.add_request("twin", prefix + [4, 5], SamplingParams(max_tokens=3, **greedy))
+    results = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                results[o.request_id] = o.outputs[0].token_ids
+    admitted = next(i for i, (out, _) in enumerate(outs) if out.blocks_to_prefetch)
+    out, scheduled = outs[admitted]
+    assert "decoder" in scheduled and "again" not in scheduled and "twin" not in scheduled
+    assert not out.blocks_to_load
+    assert {"again", "twin"} <= set(outs[admitted + 1][1])
+    assert results["again"] == reference_generate(prefix + [2, 3], 3)
+    assert results["twin"] == reference_generate(prefix + [4, 5], 3)
+    assert engine.get_metrics()["num_prefetched_blocks"] == len(out.blocks_to_prefetch) > 0
