@@ -157,6 +157,8 @@ class Scheduler:
             return budget  # the common decode step: no pass over the running sequences' slots
         slots = len(self.running) + len(forked) + sum(self._reserved(s) - 1 for s in self.running)
         compiling: list[Sequence] = []  # grammars still compiling: they keep their place in the queue
+        # running sequences take part in this step: a host-tier load must not hold them up
+        others_run = bool(out.scheduled)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if seq.grammar is not None and not seq.grammar.ready():
@@ -168,7 +170,7 @@ class Scheduler:
             if slots + self._reserved(seq) > self.max_num_seqs:
                 break
             computed = self.kv.get_computed_blocks(seq)
-            if out.scheduled and self.kv.hit_waits_for_load(computed):
+            if others_run and self.kv.hit_waits_for_load(computed):
                 # its loads run beside this step's forward; it computes from the next step on
                 if not self.kv.allocate_slots(seq, 0, computed, prefetch=True):
                     break
