@@ -34,7 +34,9 @@ class InstantExecutor:
         self.rng = random.Random(0)
 
     def execute(self, out):
-        return [self.rng.randrange(100, 8000) for s in out.scheduled if s.samples]
+        from pagedllm.engine.step_result import StepResult
+
+        return StepResult([self.rng.randrange(100, 8000) for s in out.scheduled if s.samples])
 
     def close(self) -> None:
         pass
