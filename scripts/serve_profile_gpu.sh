@@ -3,7 +3,9 @@
 # core process and every API process, sampled at RATE Hz for DUR seconds while `pagedllm bench serve`
 # sends 500 requests of 512 random tokens in / 128 out at once, RUNS times in a row. Writes under
 # $OUT: <process>.raw (py-spy's collapsed stacks, one line per stack with its sample count; read
-# with benchmarks/profile_shares.py), bench.jsonl (the client's rows), server.log, env.txt.
+# with benchmarks/profile_shares.py), bench.json (the client's rows), server.log, env.txt.
+# Not validated on the GPU image: there py-spy 0.4.3 took 2 samples of the core in 16 s without --idle,
+# and with it put the loop in its idle wait 97% of the time while it served (docs/benchmarks.md).
 #
 #   API=2 bash scripts/serve_profile_gpu.sh
 #
