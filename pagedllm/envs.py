@@ -11,6 +11,7 @@
 | `PAGEDLLM_TIMELINE` | the server's API and engine-core processes | a path prefix: write each request's stage times there (engine/timeline.py; `benchmarks/request_timeline.py` reads them) |
 | `PAGEDLLM_PREFILL_GRAPHS` | the model runner | how prefill and mixed steps run on CUDA: `full` (the default: small steps replay one whole-step graph, `worker/mixed_graphs.py`, larger ones piecewise graphs), `piecewise` (`worker/piecewise_graphs.py` only), `eager` |
 | `PAGEDLLM_ATTENTION_TILES` | the paged-attention kernel | JSON overriding rows of `ops/paged_attention.py: TILES`, e.g. `{"decode/fp8": [128, 4, 2]}` ((BLOCK_N, num_warps, num_stages) by phase and KV format): retuning on other hardware, and A/B runs |
+| `PAGEDLLM_LOG_TRITON_COMPILES` | the model runner (CUDA) | `1`: log every Triton kernel compiled in this process, with its time (`worker/triton_compiles.py`): a compile after start-up is a step that waited for it |
 | `PAGEDLLM_COMMIT` | benchmarks | the commit recorded with a result row (else `git rev-parse`) |
 | `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `LOCAL_RANK` | tensor parallelism | set by `torchrun` |
 | `TRITON_INTERPRET` | `pagedllm.ops` | set to 1 when there is no GPU, so kernels run on CPU |
@@ -96,6 +97,10 @@ def _parse_tiles(text: str) -> dict[tuple[str, str], tuple[int, int, int]]:
 
 def timeline_prefix() -> str | None:
     return os.environ.get("PAGEDLLM_TIMELINE") or None
+
+
+def log_triton_compiles() -> bool:
+    return _flag("PAGEDLLM_LOG_TRITON_COMPILES")
 
 
 def commit() -> str | None:

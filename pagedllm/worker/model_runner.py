@@ -156,6 +156,11 @@ class ModelRunner:
         # CUDA: Philox noise keyed per row (fused Gumbel-max kernel); PAGEDLLM_SAMPLER=torch
         # falls back to torch's generators
         self.philox_sampling = device.type == "cuda" and envs.sampler() != "torch"
+        self.triton_compiles = None  # PAGEDLLM_LOG_TRITON_COMPILES: the compile log (worker/triton_compiles.py)
+        if device.type == "cuda" and envs.log_triton_compiles():
+            from pagedllm.worker.triton_compiles import install
+
+            self.triton_compiles = install()
         if device.type == "cuda":
             with self.startup.phase("kernel warm-up"):
                 warm_up_kernels(self)

@@ -106,3 +106,34 @@ def test_an_earlier_engine_left_in_a_cycle_does_not_break_the_next_ones_capture(
     cpu = LLM(tiny_models["qwen3"], device="cpu", num_kv_blocks=256, block_size=16)
     prompts, max_tokens = workload(3, n=4)
     assert greedy(new, prompts, max_tokens) == greedy(cpu, prompts, max_tokens)
+
+
+def test_triton_compiles_are_logged_on_cuda(caplog):
+    """A kernel compiled for a new specialization goes through the hooks (a fresh JIT function,
+    so the in-memory cache cannot serve it)."""
+    import logging
+
+    import triton
+    import triton.language as tl
+    from triton import knobs
+
+    from pagedllm.worker.triton_compiles import install
+
+    @triton.jit
+    def add_one(x_ptr, n, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1, mask=i < n)
+
+    before = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
+    try:
+        log = install()
+        assert log is not None
+        x = torch.zeros(8, device="cuda")
+        with caplog.at_level(logging.INFO, logger="pagedllm"):
+            add_one[(1,)](x, 8, BLOCK=16)
+            add_one[(1,)](x, 8, BLOCK=16)  # cached: no second compile
+            add_one[(1,)](x, 1, BLOCK=16)  # n == 1 is its own specialization
+        torch.cuda.synchronize()
+        assert log.compiles == 2 and "triton compiled add_one" in caplog.text
+    finally:
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before
