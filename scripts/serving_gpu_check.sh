@@ -32,6 +32,7 @@ if [ -n "$VB" ] && ! $PY -c "import aiohttp, datasets" 2>/dev/null && ls .whl/vc
   else echo "== vLLM client's wheels did not install: its runs are skipped"; VB=; fi
 fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
+export PAGEDLLM_LOG_TRITON_COMPILES=${PAGEDLLM_LOG_TRITON_COMPILES:-1}  # compiles after start-up land in server.log
 export PAGEDLLM_COMMIT=${PAGEDLLM_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
 $PY -c 'import torch, transformers, fastapi, uvicorn, httpx; print("torch", torch.__version__, "transformers",
 transformers.__version__, "fastapi", fastapi.__version__, "uvicorn", uvicorn.__version__,
@@ -125,7 +126,11 @@ serve_and_bench() {   # $1 = tag, $2 = extra server flags
   collect_log $tag
 }
 
-collect_log() { echo "#### server $1" >> "$OUT/server.log"; cat "$OUT/server_$1.tmp" >> "$OUT/server.log"; rm -f "$OUT/server_$1.tmp"; }
+collect_log() {  # and how many Triton compiles the server logged after it was ready (each stalled a step)
+  local after; after=$(awk '/ready in/ {r=1} r && /triton compiled/ {n++} END {print n+0}' "$OUT/server_$1.tmp")
+  echo "== $1: $after Triton compiles after ready" | tee -a "$OUT/compiles.txt"
+  echo "#### server $1" >> "$OUT/server.log"; cat "$OUT/server_$1.tmp" >> "$OUT/server.log"; rm -f "$OUT/server_$1.tmp"
+}
 
 # API_COUNTS="1 2 4": one server per --api-server-count (default: today's single API process)
 if [ -n "${API_COUNTS:-}" ]; then
