@@ -2,7 +2,7 @@
 # py-spy profiles of `pagedllm serve` under the all-at-once serving workload (issue 31): the engine
 # core process and every API process, sampled at RATE Hz for DUR seconds while `pagedllm bench serve`
 # sends 500 requests of 512 random tokens in / 128 out at once, RUNS times in a row. Writes under
-# $OUT: <process>.raw (py-spy's collapsed stacks, one line per stack with its sample count; read
+# $OUT (every run its own seed: a repeat would hit the prefix cache): <process>.raw (py-spy's collapsed stacks, one line per stack with its sample count; read
 # with benchmarks/profile_shares.py), bench.json (the client's rows), server.log, env.txt.
 # Not validated on the GPU image: there py-spy 0.4.3 took 2 samples of the core in 16 s without --idle,
 # and with it put the loop in its idle wait 97% of the time while it served (docs/benchmarks.md).
@@ -31,7 +31,7 @@ for i in $(seq 1 240); do
   sleep 1
 done
 B="$PY -m pagedllm bench serve --base-url http://127.0.0.1:$PORT --model $MODEL --input-len ${IN:-512} --output-len ${OUTLEN:-128}"
-$B --num-prompts ${WARM:-100} > /dev/null 2>&1  # warm-up: graphs, Triton, sockets
+$B --num-prompts ${WARM:-100} --seed 1000 > /dev/null 2>&1  # warm-up: graphs, Triton, sockets (prompts of its own)
 pids=$(ps -eo pid=,comm= | awk '$2 ~ /^pagedllm-(core|api)/ {print $1 ":" $2}')
 echo "profiling: $pids"
 for p in $pids; do
@@ -40,7 +40,7 @@ for p in $pids; do
 done
 sleep 1
 for r in $(seq 1 $RUNS); do
-  $B --num-prompts ${NUM:-500} --results-dir "$OUT" --result-name bench 2>&1 | grep -E "Request throughput|Median TTFT|Median TPOT"
+  $B --num-prompts ${NUM:-500} --seed $r --results-dir "$OUT" --result-name bench 2>&1 | grep -E "Request throughput|Median TTFT|Median TPOT"
 done
 wait $(jobs -p | grep -v "^$spid$") 2>/dev/null
 kill -TERM $spid; wait $spid
