@@ -18,10 +18,11 @@ Invariants (checked by `check_invariants`, exercised by tests/engine/test_host_t
 - LOAD: a prefix hit that continues into the host tier takes a new GPU block per host block;
   the copy runs in the step that first reads it (after that step's offloads, before its forward),
   and the GPU block is registered (findable) from that step on, like a block the step computes.
-  A prefetch (a sequence admitted with no token to compute once the step's budget ran out) runs
-  in the step before the one that reads it, beside that step's forward: no sequence of that step
-  reads it (only later admissions could hit it, and the prefetch pass comes last), and the next
-  step waits for it before its first copy.
+  A prefetch (the load of a sequence admitted with no token to compute: it waits alone while the
+  running sequences step, or the step's budget ran out) runs in the step before the one that reads
+  it, beside that step's forward: no sequence of that step reads it (an admission whose hit holds
+  a block being prefetched is itself admitted with no token: KVCacheManager.hit_waits_for_load),
+  and the next step waits for it before its first copy.
   The host blocks of a step's loads are held (ref_cnt > 0: out of the host LRU) until the step
   is scheduled, so no offload of the same step can overwrite them first.
 - A step that never runs gives back what it registered: its offloads' host blocks

@@ -8,9 +8,10 @@ admitted running sequence is preempted by recompute: its blocks are freed and it
 to the front of the waiting queue; on resume it re-hits its own cached prefix (a lookup the
 prefix-cache statistics count apart: kv_cache_manager.PrefixCacheStats). preemption_mode="swap"
 first writes its blocks to the host tier, held there until its resume loads them (host_tier.py).
-With the host tier, once the token budget runs out, the waiting sequences at the queue's head
-whose prefix hit continues into host memory are admitted with no token to compute, so their loads
-run beside the step's forward (a prefetch) and the next step schedules them (`_prefetch`).
+With the host tier, a waiting sequence whose prefix hit continues into host memory is admitted
+with no token to compute when running sequences take part in the step (it waits alone: its loads
+run beside the step's forward, a prefetch, and the next step schedules it), and so are those at
+the queue's head once the token budget runs out (`_prefetch`).
 
 A scheduled sequence's full blocks are registered in the prefix cache at once, so the
 sequences admitted after it in the same step, and in every later step, hit them
