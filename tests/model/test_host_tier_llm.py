@@ -131,11 +131,21 @@ def test_host_buffer_round_trips_blocks(dtype):
     cache.close()
 
 
-def test_prefetched_loads_give_the_same_outputs(tiny_models):
+@pytest.mark.parametrize(
+    "family, extra",
+    [
+        ("qwen3", {}),
+        ("llama", {}),
+        ("qwen3", {"kv_cache_dtype": "fp8"}),
+        pytest.param("qwen3", {"tensor_parallel_size": 2}, marks=pytest.mark.slow),  # each rank prefetches its shard
+    ],
+    ids=["qwen3", "llama", "fp8", "tp2"],
+)
+def test_prefetched_loads_give_the_same_outputs(tiny_models, family, extra):
     """Every second turn sent at once behind a token budget smaller than the turns: the requests the
     budget leaves waiting have their host hits prefetched beside the step (num_prefetched_blocks),
     and the outputs equal the tier-off ones."""
-    path = tiny_models["qwen3"]
+    path = tiny_models[family]
     first, second = conversations(n=6)
     params = SamplingParams(max_tokens=4, **GREEDY)
 
@@ -143,10 +153,10 @@ def test_prefetched_loads_give_the_same_outputs(tiny_models):
         out = [list(r.outputs[0].token_ids) for r in llm.generate(first, params, use_tqdm=False)]
         return out + [list(r.outputs[0].token_ids) for r in llm.generate(second, params, use_tqdm=False)]
 
-    kw = {**BASE, "num_kv_blocks": 20, "max_num_batched_tokens": 16}
+    kw = {**BASE, "num_kv_blocks": 20, "max_num_batched_tokens": 16, **extra}
     with LLM(path, **kw) as off:
         want = turns(off)
-        size = host_gib(off, 64)
+        size = host_gib(off, 64) * kw.get("tensor_parallel_size", 1)
     with LLM(path, **kw, kv_offloading_size=size) as on:
         got = turns(on)
         m = on.get_metrics()
