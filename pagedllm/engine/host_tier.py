@@ -93,6 +93,7 @@ class HostTier:
         gpu.peer = self.pool
         self.pending = Transfers()
         self._pinned: list[Block] = []  # host blocks held for this step's loads
+        self.prefetching: set[int] = set()  # GPU blocks this step's prefetches fill (read from the next step)
         self.swapped: dict[int, list[Block]] = {}  # seq_id -> host blocks held for it while preempted
         self.stats = HostTierStats()
 
@@ -160,6 +161,8 @@ class HostTier:
             gpu, host.block_hash, host.token_ids, host.extra, host.parent_prefix_id, prefix_id=host.prefix_id
         )
         (self.pending.prefetches if prefetch else self.pending.loads).append((host.block_id, gpu.block_id))
+        if prefetch:
+            self.prefetching.add(gpu.block_id)
         self.pending.loaded.append(gpu)
         self.stats.loaded_blocks += 1
         self.stats.prefetched_blocks += prefetch
@@ -191,6 +194,7 @@ class HostTier:
         for host in self._pinned:
             self.pool.release(host)
         self._pinned = []
+        self.prefetching = set()
         out, self.pending = self.pending, Transfers()
         return out
 

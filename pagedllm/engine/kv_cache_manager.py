@@ -358,7 +358,7 @@ class KVCacheManager:
         prefetch of the step being scheduled (they hold their KV only from the next step on)."""
         if self.host is None:
             return False
-        prefetching = {g for _, g in self.host.pending.prefetches}
+        prefetching = self.host.prefetching
         return any(
             isinstance(b, HostBlock) or (prefetching and b is not None and b.block_id in prefetching)
             for blocks in hit.blocks
