@@ -208,6 +208,7 @@ class HostTier:
 
     def check_invariants(self, windowed_groups: frozenset[int] = frozenset()) -> None:
         self.pool.check_invariants(windowed_groups, held_parents_held=False)
+        assert self.prefetching == {g for _, g in self.pending.prefetches}, (self.prefetching, self.pending.prefetches)
         held = sum(len(v) for v in self.swapped.values()) + len(self._pinned)
         assert sum(b.ref_cnt for b in self.pool.blocks) == held, (held, self.swapped, self._pinned)
         keys: dict[tuple[int, int | None, tuple[int, ...], bytes], int] = {}  # one prefix, one id: both tiers
