@@ -12,6 +12,7 @@
 #   AB=1 bash scripts/serving_gpu_check.sh       # and again with --no-engine-process (engine thread)
 #   SARGS="--max-num-seqs 512" bash scripts/serving_gpu_check.sh
 #   API_COUNTS="1 2 4" bash scripts/serving_gpu_check.sh   # one server per --api-server-count
+#   REPEATS=3 bash scripts/serving_gpu_check.sh    # three all-at-once runs per server (own prompts each)
 #
 # Server wheels (fastapi, uvicorn, ...) are installed from .whl/server/ into /tmp/site when this
 # Python lacks them; nothing is downloaded.
@@ -97,6 +98,12 @@ serve_and_bench() {   # $1 = tag, $2 = extra server flags
            --input-len $IN --output-len $OUTLEN --results-dir $OUT/results --result-name serving-gpu"
   echo "#### $tag, all at once" >> "$OUT/bench.txt"
   timeout ${T_BENCH:-240} $B --seed 1 --label "$tag; all at once; server: $SARGS $extra" 2>&1 | tee -a "$OUT/bench.txt"
+  local r  # REPEATS=N: N-1 more all-at-once runs, each with prompts of its own (a repeat would hit the prefix cache)
+  for r in $(seq 2 ${REPEATS:-1}); do
+    echo "#### $tag, all at once, run $r" >> "$OUT/bench.txt"
+    timeout ${T_BENCH:-240} $B --seed $((100 + r)) --label "$tag; all at once, run $r; server: $SARGS $extra" 2>&1 \
+        | tee -a "$OUT/bench.txt"
+  done
   echo "#### $tag, $RATE req/s" >> "$OUT/bench.txt"
   timeout ${T_BENCH:-240} $B --seed 2 --request-rate $RATE --label "$tag; $RATE req/s; server: $SARGS $extra" 2>&1 \
       | tee -a "$OUT/bench.txt"
