@@ -23,7 +23,7 @@ once and beside the forward.
   (its destination blocks were free: the step's offloads, or a finished step, may still read
   them), and after the offloads still in flight that write any of its host blocks.
   - `load(pairs)`: blocks this step's forward reads; the current stream waits for them at once.
-  - `load(pairs, now=False)` (prefetch): blocks of sequences admitted for the next step
+  - `load(pairs, prefetch)`: then the blocks of sequences admitted for the next step
     (engine/scheduler.py); the forward runs beside them and `begin_step` makes the next step's
     current stream wait for them before anything else (its offloads may read those blocks).
 """
@@ -129,29 +129,55 @@ class HostKVCache:
                 done.record(self.stream)
                 self._offloading.append((done, set(order[chunk])))
 
-    def load(self, pairs: list[tuple[int, int]], now: bool = True) -> LoadTime:
-        """Copy host block h into device block g for each (h, g). now: the current stream waits for
-        the copies (this step reads them); else the next step's `begin_step` does (a prefetch).
-        Returns the seconds it took on CPU; on CUDA a pair of events around the copies on the load
-        stream (read once they are done)."""
-        if not pairs:
+    def load(self, pairs: list[tuple[int, int]], prefetch: list[tuple[int, int]] | tuple = ()) -> LoadTime:
+        """Copy host block h into device block g for each (h, g): first `pairs`, which this step
+        reads (the current stream waits for them at once), then `prefetch`, which the next step
+        reads (its `begin_step` waits for them). Returns the seconds it took on CPU; on CUDA a
+        pair of events around the copies on the load stream (read once they are done)."""
+        if not pairs and not prefetch:
             return 0.0
         t0 = time.perf_counter()
+        if not self.on_cuda:
+            self._copy_in(pairs)
+            self._copy_in(prefetch)
+            return time.perf_counter() - t0
+        assert self.load_stream is not None
+        main = torch.cuda.current_stream(self.kv.device)
+        self.load_stream.wait_stream(main)
+        began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self._after_offloads(pairs if pairs else prefetch)
+        began.record(self.load_stream)
+        self._copy_in(pairs)
+        if pairs:
+            read_now = torch.cuda.Event()
+            read_now.record(self.load_stream)
+            main.wait_event(read_now)
+            self._after_offloads(prefetch)
+        self._copy_in(prefetch)
+        ended.record(self.load_stream)
+        self._loaded = ended
+        if prefetch:
+            self._prefetched = ended
+        return (began, ended)
+
+    def _after_offloads(self, pairs: list[tuple[int, int]] | tuple) -> None:
+        """The load stream waits for the in-flight offloads that write any of these host blocks."""
+        assert self.load_stream is not None
+        wanted = {h for h, _ in pairs}
+        for done, written in self._offloading:
+            if written & wanted:  # a host block whose offload may still be in flight
+                self.load_stream.wait_event(done)
+
+    def _copy_in(self, pairs: list[tuple[int, int]] | tuple) -> None:
+        """The copies of `load`: queued on the load stream (CUDA), or run at once (CPU)."""
+        if not pairs:
+            return
         ids = [h for h, _ in pairs]
         dev, host = self._device_blocks(), bytes_view(self.host)
         if not self.on_cuda:
             dev.index_copy_(0, torch.tensor([g for _, g in pairs]), host.index_select(0, torch.tensor(ids)))
-            return time.perf_counter() - t0
-        assert self.load_stream is not None and self._loaded is not None
-        main = torch.cuda.current_stream(self.kv.device)
-        self.load_stream.wait_stream(main)
-        wanted = set(ids)
-        for done, written in self._offloading:
-            if written & wanted:  # a host block whose offload may still be in flight
-                self.load_stream.wait_event(done)
+            return
         staged = max(1, STAGING_BYTES // (self.nbytes // self.num_blocks))
-        began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        began.record(self.load_stream)
         with torch.cuda.stream(self.load_stream):
             for start in range(0, len(pairs), staged):
                 chunk = pairs[start : start + staged]
@@ -159,13 +185,6 @@ class HostKVCache:
                 for pos, first, n in _runs([h for h, _ in chunk]):
                     staging[pos : pos + n].copy_(host[first : first + n], non_blocking=True)
                 dev.index_copy_(0, self._ids([g for _, g in chunk]), staging)
-        ended.record(self.load_stream)
-        self._loaded = ended
-        if now:
-            main.wait_event(ended)
-        else:
-            self._prefetched = ended
-        return (began, ended)
 
     def close(self) -> None:
         """Let go of the buffer (pinned memory goes back to the driver when the last view does)."""

@@ -315,13 +315,7 @@ class ModelRunner:
             return 0.0
         self.host_kv.begin_step()
         self.host_kv.offload(inp.blocks_to_offload)
-        now = self.host_kv.load(inp.blocks_to_load)
-        ahead = self.host_kv.load(inp.blocks_to_prefetch, now=False)
-        if isinstance(now, tuple) and isinstance(ahead, tuple):
-            return (now[0], ahead[1])
-        if isinstance(now, tuple) or isinstance(ahead, tuple):
-            return now if isinstance(now, tuple) else ahead
-        return now + ahead
+        return self.host_kv.load(inp.blocks_to_load, inp.blocks_to_prefetch)
 
     def propose_drafts(self, out: SchedulerOutput) -> list[int]:
         """engine/spec_draft.py's Drafter: the draft model's forwards, before the step's own."""

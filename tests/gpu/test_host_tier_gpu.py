@@ -101,7 +101,7 @@ def test_prefetch_and_offload_streams_keep_their_order():
     before = kv.clone()
     torch.cuda._sleep(50_000_000)  # the current stream stays busy: nothing below may run early
     cache.offload([(g, g - 1) for g in range(1, 9)])  # host 0..7 from GPU 1..8
-    cache.load([(h, 40 + h) for h in range(8)], now=False)  # prefetch: reads host 0..7
+    cache.load([], [(h, 40 + h) for h in range(8)])  # prefetch: reads host 0..7
     cache.offload([(20 + h, h) for h in range(8)])  # overwrites host 0..7 after the prefetch read them
     cache.begin_step()
     got = kv[:, :, 40:48].clone()  # on the current stream: after the prefetch
