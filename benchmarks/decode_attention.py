@@ -5,13 +5,14 @@ Times `paged_attention` decode (one new token per sequence) in a CUDA graph
 plus written), in the same process. KV bandwidth = bytes of K and V in the cache's format / time.
 Every timed variant is checked against `paged_attention_ref` on the same inputs (max_abs_err).
 
-    python benchmarks/decode_attention.py --out FILE [--variants] [--shapes]
+    python benchmarks/decode_attention.py --out FILE [--variants] [--shapes] [--mixed]
 
 --variants: the (BLOCK_N, num_warps, num_stages) grid at batch 256 x context 1,024 (Qwen3-0.6B's
 attention: 16 query heads, 8 KV heads, head_dim 128, block 16), bf16 and fp8 (e4m3) KV.
 --shapes: batch 1-256 x context 128-32k at group 2, GQA groups 1/2/4/8 and head sizes 64/128/256
 at 256 x 1,024 and 8 x 8,192, and Gemma-3-1B's attention (4 heads on 1 KV head, head_dim 256):
 the default (`TILES`, `default_num_splits`), the `CANDIDATES` tiles, and other split counts.
+--mixed: mixed context lengths (as in the standard workload's decode steps) in three launch orders.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ SMOKE = os.environ.get("DECODE_BENCH_SMOKE") == "1"  # tiny shapes on CPU throug
 DEV = "cpu" if SMOKE else "cuda"
 
 
-def make_inputs(batch, ctx, hkv, group, d, kv_dtype, seed=0):
+def make_inputs(batch, ctx, hkv, group, d, kv_dtype, seed=0, lens=None):
+    """lens: per-sequence context lengths (default: every sequence `ctx`; the block tables are
+    `ctx` wide either way)."""
     torch.manual_seed(seed)
     nb = math.ceil(ctx / BS)
     num_blocks = batch * nb
@@ -60,7 +63,11 @@ def make_inputs(batch, ctx, hkv, group, d, kv_dtype, seed=0):
         v_cache=v,
         block_tables=bt,
         cu_seqlens_q=None,
-        seq_lens=torch.full((batch,), ctx, dtype=torch.int32, device=DEV),
+        seq_lens=(
+            torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
+            if lens is None
+            else torch.tensor(lens, dtype=torch.int32, device=DEV)
+        ),
         scale=d**-0.5,
         k_scale=ks,
         v_scale=vs,
@@ -100,14 +107,15 @@ def time_case(inp, out, cfg, splits):
     return do_bench_cudagraph(fn, rep=60)
 
 
-def run_case(batch, ctx, hkv, group, d, kv_dtype, copy, configs):
+def run_case(batch, ctx, hkv, group, d, kv_dtype, copy, configs, lens=None):
     """configs: list of (label, cfg or None, splits or None). Returns one row per config."""
     if SMOKE:
         batch, ctx, hkv, d = min(batch, 2), min(ctx, 40), min(hkv, 2), min(d, 32)
-    inp = make_inputs(batch, ctx, hkv, group, d, kv_dtype)
+        lens = None if lens is None else [min(x, ctx) for x in lens[:batch]]
+    inp = make_inputs(batch, ctx, hkv, group, d, kv_dtype, lens=lens)
     cu = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
     ref = paged_attention_ref(**{k: v for k, v in inp.items() if k != "cu_seqlens_q"}, cu_seqlens_q=cu)
-    kv_bytes = 2 * batch * ctx * hkv * d * inp["k_cache"].element_size()
+    kv_bytes = 2 * int(inp["seq_lens"].sum()) * hkv * d * inp["k_cache"].element_size()
     rows = []
     for label, cfg, splits in configs:
         out = torch.empty_like(inp["q"])
@@ -127,6 +135,42 @@ def run_case(batch, ctx, hkv, group, d, kv_dtype, copy, configs):
     del inp
     torch.cuda.empty_cache()
     return dict(head, rows=rows)
+
+
+def mixed(copy, save):
+    """Mixed context lengths, as in a decode step of the standard workload (prompts of 100-1,024 tokens,
+    outputs of 100-1,024): lengths uniform in [128, 1,536], the sequences in the order drawn, longest
+    first and shortest first (the hardware starts programs in grid order), at several split counts.
+    Bandwidth counts the bytes of the actual lengths."""
+    res = []
+    for kv in (FP8, DTYPE):
+        for batch in (32, 64, 128, 240):
+            g = torch.Generator().manual_seed(batch)
+            lens = torch.randint(128, 1537, (batch,), generator=g).tolist()
+            if SMOKE:
+                lens = [min(x, 40) for x in lens]
+            for order in ("drawn", "longest first", "shortest first"):
+                ls = lens if order == "drawn" else sorted(lens, reverse=order == "longest first")
+                cfg = _pick_config(True, 2, 128, DTYPE, kv)
+                used = default_num_splits(batch, 8, max(ls), torch.device(DEV), cfg["num_warps"])
+                configs = [("default", None, None)] + [(f"{sp} splits", cfg, sp) for sp in (1, 2, 4, 8) if sp != used]
+                row = run_case(batch, max(ls), 8, 2, 128, kv, copy, configs, lens=ls)
+                row.update(order=order, mean_len=sum(ls) / len(ls))
+                res.append(row)
+                save(res, "mixed")
+                ok = sorted((r for r in row["rows"] if "ms" in r), key=lambda r: r["ms"])
+                print(
+                    json.dumps(
+                        dict(
+                            kv=fmt(kv),
+                            batch=batch,
+                            order=order,
+                            default_splits=row["default_splits"],
+                            rows=[(r["label"], round(r["ms"] * 1e3, 1), round(r["vs_copy"], 3)) for r in ok],
+                        )
+                    )
+                )
+    return res
 
 
 def fmt(kv_dtype):
@@ -208,6 +252,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--variants", action="store_true")
     ap.add_argument("--shapes", action="store_true")
+    ap.add_argument("--mixed", action="store_true")
     args = ap.parse_args()
     t0 = time.time()
     res = dict(
@@ -221,9 +266,9 @@ def main():
     res["copy_TBps"] = copy = copy_TBps()
     print(json.dumps({"copy_TBps": copy}), flush=True)
 
-    def save(rows=None):
+    def save(rows=None, key="shapes"):
         if rows is not None:
-            res["shapes"] = rows
+            res[key] = rows
         res["wall_s"] = time.time() - t0
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
@@ -233,6 +278,8 @@ def main():
         save()
     if args.shapes:
         shapes(copy, save)
+    if args.mixed:
+        mixed(copy, save)
     save()
 
 
