@@ -35,6 +35,7 @@ from triton.testing import do_bench_cudagraph  # noqa: E402
 
 from pagedllm.ops import paged_attention_kernels  # noqa: E402
 from pagedllm.ops._triton import next_pow2  # noqa: E402
+from pagedllm.ops.attention_metadata import longest_first  # noqa: E402
 from pagedllm.ops.attention_ref import paged_attention_ref  # noqa: E402
 from pagedllm.ops.kv_quant import fp8_max, quantize_ref  # noqa: E402
 from pagedllm.ops.paged_attention import _pick_config, default_num_splits, paged_attention  # noqa: E402
@@ -98,8 +99,8 @@ def copy_TBps() -> float:
     return 2 * 1024**3 / min(ms, ms_graph) / 1e9
 
 
-def time_case(inp, out, cfg, splits):
-    fn = lambda: paged_attention(**inp, max_seqlen_q=1, num_splits=splits, out=out, _config=cfg)  # noqa: E731
+def time_case(inp, out, cfg, splits, extra=None):
+    fn = lambda: paged_attention(**inp, max_seqlen_q=1, num_splits=splits, out=out, _config=cfg, **(extra or {}))  # noqa: E731
     fn()
     if SMOKE:
         return 1.0
@@ -107,8 +108,9 @@ def time_case(inp, out, cfg, splits):
     return do_bench_cudagraph(fn, rep=60)
 
 
-def run_case(batch, ctx, hkv, group, d, kv_dtype, copy, configs, lens=None):
-    """configs: list of (label, cfg or None, splits or None). Returns one row per config."""
+def run_case(batch, ctx, hkv, group, d, kv_dtype, copy, configs, lens=None, ordered=False):
+    """configs: list of (label, cfg or None, splits or None). Returns one row per config.
+    ordered: launch longest first through `seq_order` (as the engine does)."""
     if SMOKE:
         batch, ctx, hkv, d = min(batch, 2), min(ctx, 40), min(hkv, 2), min(d, 32)
         lens = None if lens is None else [min(x, ctx) for x in lens[:batch]]
@@ -122,7 +124,9 @@ def run_case(batch, ctx, hkv, group, d, kv_dtype, copy, configs, lens=None):
         kernel = paged_attention_kernels._paged_attn_kernel
         row = dict(label=label, cfg=cfg, splits=splits)
         try:
-            ms = time_case(inp, out, cfg, splits)
+            order = longest_first(inp["seq_lens"].cpu().numpy()) if ordered else None
+            extra = {} if order is None else dict(seq_order=torch.from_numpy(order).to(DEV))
+            ms = time_case(inp, out, cfg, splits, extra)
         except Exception as e:  # noqa: BLE001 - out of resources etc.
             rows.append(dict(row, error=f"{type(e).__name__}: {str(e)[:100]}"))
             continue
@@ -139,9 +143,10 @@ def run_case(batch, ctx, hkv, group, d, kv_dtype, copy, configs, lens=None):
 
 def mixed(copy, save):
     """Mixed context lengths, as in a decode step of the standard workload (prompts of 100-1,024 tokens,
-    outputs of 100-1,024): lengths uniform in [128, 1,536], the sequences in the order drawn, longest
-    first and shortest first (the hardware starts programs in grid order), at several split counts.
-    Bandwidth counts the bytes of the actual lengths."""
+        outputs of 100-1,024): lengths uniform in [128, 1,536], the sequences in the order drawn, longest
+        first and shortest first (the hardware starts programs in grid order), and as drawn but launched
+    longest first through `seq_order` (the engine's way), at several split counts.
+        Bandwidth counts the bytes of the actual lengths."""
     res = []
     for kv in (FP8, DTYPE):
         for batch in (32, 64, 128, 240):
@@ -149,12 +154,14 @@ def mixed(copy, save):
             lens = torch.randint(128, 1537, (batch,), generator=g).tolist()
             if SMOKE:
                 lens = [min(x, 40) for x in lens]
-            for order in ("drawn", "longest first", "shortest first"):
-                ls = lens if order == "drawn" else sorted(lens, reverse=order == "longest first")
+            for order in ("drawn", "drawn, seq_order", "longest first", "shortest first"):
+                ls = lens if order.startswith("drawn") else sorted(lens, reverse=order == "longest first")
                 cfg = _pick_config(True, 2, 128, DTYPE, kv)
                 used = default_num_splits(batch, 8, max(ls), torch.device(DEV), cfg["num_warps"])
                 configs = [("default", None, None)] + [(f"{sp} splits", cfg, sp) for sp in (1, 2, 4, 8) if sp != used]
-                row = run_case(batch, max(ls), 8, 2, 128, kv, copy, configs, lens=ls)
+                row = run_case(
+                    batch, max(ls), 8, 2, 128, kv, copy, configs, lens=ls, ordered=order == "drawn, seq_order"
+                )
                 row.update(order=order, mean_len=sum(ls) / len(ls))
                 res.append(row)
                 save(res, "mixed")

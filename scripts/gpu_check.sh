@@ -93,13 +93,13 @@ if [ "$MODE" = decode ]; then
 fi
 # attention: the decode benchmark's shapes (DECODE_ARGS), the GPU kernel tests, then the standard throughput
 # workload with fp8 KV (the TILES of this commit, then the tile before issue 30 through PAGEDLLM_ATTENTION_TILES)
-# and with bf16 KV, rows in $OUT/<gpu>.json
+# and with bf16 KV (VARIANTS: which of fp8 fp8-before bf16), rows in $OUT/<gpu>.json; ATTN_TESTS: more test paths
 if [ "$MODE" = attention ]; then
   timeout ${T_DECODE:-300} python3 benchmarks/decode_attention.py --out "$OUT/decode-attention.json" ${DECODE_ARGS:---shapes} 2>&1 | tail -50
-  timeout ${T_TESTS:-150} python3 -m pytest -q -m gpu -x tests/ops -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+  timeout ${T_TESTS:-150} python3 -m pytest -q -m gpu -x tests/ops ${ATTN_TESTS:-} -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
   grep -E "Error|error:|FAILED|passed|failed" "$OUT/gpu_tests.log" | head -10
   [ -d $MODEL ] || python3 tools/make_random_model.py --shape qwen3-0.6b --out $MODEL 2>&1 | tail -1
-  for v in fp8 fp8-before bf16; do
+  for v in ${VARIANTS:-fp8 fp8-before bf16}; do
     kv=fp8; [ $v = bf16 ] && kv=auto
     tiles=''; [ $v = fp8-before ] && tiles='{"decode/fp8": [128, 4, 2]}'
     PAGEDLLM_ATTENTION_TILES="$tiles" timeout ${T_BENCH:-120} python3 benchmarks/throughput.py --model $MODEL \

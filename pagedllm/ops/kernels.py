@@ -391,6 +391,7 @@ class TritonKernels:
             v_scale=v_scale,
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
+            seq_order=meta.seq_order if meta.decode_only else None,
         )
 
 

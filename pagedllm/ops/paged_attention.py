@@ -80,22 +80,26 @@ def _pick_config(
 def default_num_splits(
     batch: int, num_kv_heads: int, max_seqlen_k: int, device: torch.device, num_warps: int = 4
 ) -> int:
-    """Flash-decoding split count: about 4 programs per SM, >= 128 keys a split, at most 64 splits;
-    for one-warp tiles (fp8 decode) 8 programs per SM, >= 64 keys (one tile) a split, at most 128.
-    Rounded down to a power of two.
+    """Flash-decoding split count: the most splits that keep the grid within two waves of resident
+    programs (4 a SM, or 8 for one-warp tiles: fp8 decode), with >= 128 keys a split (64 for one
+    warp), at most 64 splits (128 for one warp). Rounded down to a power of two.
 
-    (H200, batch 8 x 8192, 8 KV heads: 8 splits 3.86 TB/s, 9 splits 3.28, 16 splits 3.66.)
+    Two waves, not one: the batches of a real decode step have mixed lengths and are launched
+    longest first (`attention_metadata.longest_first`), and then the shorter programs of the second wave fill the
+    SMs behind the long ones. Mixed lengths 128-1,536 (H200, launched longest first,
+    benchmarks/results/decode-attention/): fp8 at batch 64 ran 52.2 us with 4 splits against
+    61.3 with 2 (the one-wave rule's choice), at batch 128 84.6 with 2 against 91.3 with 1; bf16
+    at batch 64 57.2 with 2 against 65.1 with 1. At equal lengths two waves cost 1-5% (bf16 64 x
+    2,048: 0.96 of a copy with 2 splits, 0.99 with 1).
     At batch 1 the split length bounds the latency: with >= 512 keys a split, a 1,024-key context
     ran as 2 splits of 8 serial tiles (15.7 us a layer on the H200, a quarter of the step).
-    One warp, fp8 KV (H200, benchmarks/results/decode-attention/): 1 x 32,768 ran at 59% of a copy
-    with 128 splits against 47% with 64, and 1 x 1,024 took 7.5 us with 16 splits against 9.6 with 8.
+    One warp, fp8 KV: 1 x 32,768 ran at 59% of a copy with 128 splits against 47% with 64, and
+    1 x 1,024 took 7.5 us with 16 splits against 9.6 with 8.
     """
     one_warp = num_warps == 1
     programs = batch * num_kv_heads
     slots = (8 if one_warp else 4) * num_sms(device)  # programs resident at once
-    if 2 * programs >= slots:
-        return 1
-    n = max(1, min(slots // programs, max_seqlen_k // (64 if one_warp else 128), 128 if one_warp else 64))
+    n = max(1, min(2 * slots // programs, max_seqlen_k // (64 if one_warp else 128), 128 if one_warp else 64))
     return 1 << (n.bit_length() - 1)  # a power of two: NUM_SPLITS is compiled in, few variants
 
 
@@ -116,6 +120,7 @@ def paged_attention(
     v_scale: float = 1.0,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    seq_order: torch.Tensor | None = None,
     _config: dict | None = None,
 ) -> torch.Tensor:
     """Same semantics as `paged_attention_ref`; returns out [T, Hq, D] in q's dtype.
@@ -127,7 +132,9 @@ def paged_attention(
     unless this is decode and batch * kv_heads is small against the SM count.
     A padding sequence (seq_len 0, one query token, as in a CUDA-graph-padded decode
     batch) gets zeros. sliding_window / logits_soft_cap: `Kernels.attend`'s; block-table entries
-    wholly before a sequence's first query's window are never read.
+    wholly before a sequence's first query's window are never read. seq_order (decode only):
+    [B] int32, a permutation of the batch, the order in which the sequences' programs are
+    launched (`attention_metadata.longest_first`); it changes the time, not the result. None: batch order.
     """
     require_triton()
     t, hq, d = q.shape
@@ -146,6 +153,8 @@ def paged_attention(
         assert t == batch, "decode expects one query token per sequence"
     else:
         assert cu_seqlens_q is not None
+    if seq_order is not None:
+        assert decode and seq_order.shape == (batch,) and seq_order.dtype == torch.int32
     if out is None:
         out = torch.empty_like(q)
     if t == 0 or batch == 0:
@@ -192,6 +201,7 @@ def paged_attention(
         block_tables,
         cu_seqlens_q if cu_seqlens_q is not None else seq_lens,
         seq_lens,
+        seq_order if seq_order is not None else seq_lens,
         part_out,
         part_lse,
         qk_scale,
@@ -216,6 +226,7 @@ def paged_attention(
         BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits,
         DECODE=decode,
+        ORDERED=seq_order is not None,
         **common,
         **cfg,
     )
@@ -249,6 +260,7 @@ def paged_attention_decode(
     v_scale: float = 1.0,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    seq_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per sequence (q: [B, Hq, D]); CUDA-graph capturable."""
     return paged_attention(
@@ -267,6 +279,7 @@ def paged_attention_decode(
         v_scale=v_scale,
         sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap,
+        seq_order=seq_order,
     )
 
 

@@ -13,6 +13,10 @@ Soft cap c (SOFT_CAP): the host passes qk_scale = scale * k_scale / c and cap_lo
 a tile's scores become cap_log2 * tanh(q.k * qk_scale), i.e. c * tanh(s / c) in the log2 domain of
 the softmax, before the mask.
 
+Launch order (ORDERED, decode only): the hardware starts programs in grid order, so program z of the
+batch axis takes sequence seq_order[z]; the host orders the batch longest first, so that a long
+sequence does not start last and run on alone after the others have finished.
+
 fp8 KV (KV_FP8, a constexpr: the 16-bit path compiles as before): K and V tiles are loaded as
 fp8 bytes and converted in registers to fp16 (FP16_DOT: q is converted to fp16 too) or to q's
 dtype, either of which holds every e4m3 and e5m2 value exactly. The layer's k_scale is already in qk_scale (folded in by the host) and v_scale
@@ -113,6 +117,7 @@ if HAS_TRITON:
         block_tables_ptr,
         cu_seqlens_q_ptr,
         seq_lens_ptr,
+        seq_order_ptr,
         part_out_ptr,
         part_lse_ptr,
         qk_scale,
@@ -138,6 +143,7 @@ if HAS_TRITON:
         BLOCK_SIZE: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
         DECODE: tl.constexpr,
+        ORDERED: tl.constexpr,
         DOT_PREC: tl.constexpr,
         UPCAST: tl.constexpr,
         KV_FP8: tl.constexpr,
@@ -149,6 +155,8 @@ if HAS_TRITON:
         pid0 = tl.program_id(0)
         kvh = tl.program_id(1)
         b = tl.program_id(2)
+        if ORDERED:  # decode: the z-th sequence to launch (longest first), not the z-th of the batch
+            b = tl.load(seq_order_ptr + b)
         # Highest q blocks (the most keys under the causal mask) are launched first.
         qblk = tl.num_programs(0) // NUM_SPLITS - 1 - pid0 // NUM_SPLITS
         split = pid0 % NUM_SPLITS

@@ -4,7 +4,8 @@ At start-up the decode forward (model + LM head) is captured once per batch size
 ladder (1, 2, 4, 8, 16, 32, 48, ... up to max_num_seqs). A step of B sequences copies its
 inputs into the static buffers, pads to the next captured size (padding rows store nothing:
 slot PAD_SLOT_ID) and replays. All graphs share one memory pool. The AttentionMetadata a graph
-was captured with views the static buffers, so a replay reads the step's copied-in values.
+was captured with views the static buffers, so a replay reads the step's copied-in values, the
+launch order of decode attention (the batch longest first) among them.
 Each KV-cache group after the first has its own slot-mapping and block-table buffers.
 """
 
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 
 from pagedllm.ops import PAD_SLOT_ID
-from pagedllm.ops.attention_metadata import AttentionMetadata
+from pagedllm.ops.attention_metadata import AttentionMetadata, longest_first
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
@@ -57,6 +58,7 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((max_bs,), PAD_SLOT_ID, dtype=torch.int64, device=dev)
         self.block_tables = torch.zeros(max_bs, self.max_blocks, dtype=torch.int32, device=dev)
         self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
+        self.seq_order = torch.arange(max_bs, dtype=torch.int32, device=dev)  # decode attention's launch order
         self.num_groups = len(runner.kv_cache_groups)
         self.group_slots = [torch.full_like(self.slot_mapping, PAD_SLOT_ID) for _ in range(1, self.num_groups)]
         self.group_tables = [torch.zeros_like(self.block_tables) for _ in range(1, self.num_groups)]
@@ -73,6 +75,7 @@ class DecodeGraphs:
                     ("positions", self.positions),
                     ("slot_mapping", self.slot_mapping),
                     ("seq_lens", self.seq_lens),
+                    ("seq_order", self.seq_order),
                     ("block_tables", self.block_tables),
                     *((f"slot_mapping{g}", t) for g, t in enumerate(self.group_slots, 1)),
                     *((f"block_tables{g}", t) for g, t in enumerate(self.group_tables, 1)),
@@ -97,6 +100,7 @@ class DecodeGraphs:
             max_seqlen_k=self.runner.max_model_len,
             decode_only=True,
             no_history=False,
+            seq_order=self.seq_order[:bs],
         ).add_groups((s[:bs], t[:bs]) for s, t in zip(self.group_slots, self.group_tables, strict=True))
 
     def _forward(self, bs: int) -> torch.Tensor:
@@ -135,6 +139,7 @@ class DecodeGraphs:
         h["slot_mapping"][:bs].numpy()[:] = inp.slot_mapping
         h["seq_lens"][:padded].fill_(1)
         h["seq_lens"][:bs].numpy()[:] = inp.seq_lens
+        h["seq_order"][:padded].numpy()[:] = longest_first(h["seq_lens"][:padded].numpy())  # padding rows last
         nb = inp.block_tables.shape[1]
         bt = h["block_tables"].numpy()
         bt[:bs, :nb] = inp.block_tables
@@ -146,6 +151,7 @@ class DecodeGraphs:
         self.positions[:padded].copy_(h["positions"][:padded], non_blocking=True)
         self.slot_mapping[:padded].copy_(h["slot_mapping"][:padded], non_blocking=True)
         self.seq_lens[:padded].copy_(h["seq_lens"][:padded], non_blocking=True)
+        self.seq_order[:padded].copy_(h["seq_order"][:padded], non_blocking=True)
         self.block_tables[:bs].copy_(h["block_tables"][:bs], non_blocking=True)
         for g in range(1, self.num_groups):
             self.group_slots[g - 1][:padded].copy_(h[f"slot_mapping{g}"][:padded], non_blocking=True)

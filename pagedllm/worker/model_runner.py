@@ -20,7 +20,7 @@ from pagedllm.model.parallel import agree_min, tp_rank, tp_size
 from pagedllm.model.quantization import prepare_quantization, quantize_linears
 from pagedllm.model.registry import build_model
 from pagedllm.ops import PAD_SLOT_ID
-from pagedllm.ops.attention_metadata import AttentionMetadata
+from pagedllm.ops.attention_metadata import AttentionMetadata, longest_first
 from pagedllm.ops.copy_blocks import copy_blocks, copy_blocks_ref
 from pagedllm.ops.kernels import kernels_for
 from pagedllm.ops.kv_quant import is_fp8
@@ -234,11 +234,13 @@ class ModelRunner:
         """groups: (slot_mapping, block_tables) of the KV-cache groups after the first; extra:
         more arrays to upload with them (ids, positions), returned on the device. On CUDA all of
         them go up in one copy (worker/staging.py)."""
-        arrays = [slot_mapping, block_tables, cu, seq_lens, *(a for pair in groups for a in pair), *extra]
+        order = [longest_first(seq_lens)] if decode_only else []  # decode attention's launch order
+        arrays = [slot_mapping, block_tables, cu, seq_lens, *order, *(a for pair in groups for a in pair), *extra]
         if self._staging is not None and self._staging.fits(arrays):
             dev = self._staging.upload(arrays)
         else:
             dev = [self._to_device(a) for a in arrays]
+        seq_order = dev.pop(4) if order else None
         n = 4 + 2 * len(groups)
         meta = AttentionMetadata(
             slot_mapping=dev[0],
@@ -249,6 +251,7 @@ class ModelRunner:
             max_seqlen_k=max_k,
             decode_only=decode_only,
             no_history=no_history,
+            seq_order=seq_order,
         ).add_groups((dev[i], dev[i + 1]) for i in range(4, n, 2))
         return meta, dev[n:]
 

@@ -7,12 +7,14 @@ past a sequence's length (or through a padding block-table entry) fails loudly.
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
 from pagedllm.ops import PAD_SLOT_ID  # noqa: E402
+from pagedllm.ops.attention_metadata import longest_first  # noqa: E402
 from pagedllm.ops.attention_ref import (  # noqa: E402
     gather_kv,
     paged_attention_ref,
@@ -165,6 +167,46 @@ def test_empty_sequence_and_loose_max_seqlen_q(device):
     check(out, ref, torch.float32)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_in_launch_order(num_splits, dtype, device):
+    """Launched longest first (with a padding row, as in a CUDA graph), every sequence's output is
+    bit-identical to the batch-order launch: the order moves programs, not their arithmetic."""
+    seq = [5, 130, 17, 64, 1, 99]
+    c = make_case([1] * len(seq), [s - 1 for s in seq], 4, 2, 32, 8, dtype, device, seed=num_splits)
+    ref = paged_attention_ref(**c)
+    c.pop("cu_seqlens_q")
+    c["q"] = torch.cat([c["q"], torch.randn(1, 4, 32, device=device).to(dtype)])
+    c["seq_lens"] = torch.cat([c["seq_lens"], torch.zeros(1, dtype=torch.int32, device=device)])
+    c["block_tables"] = torch.cat([c["block_tables"], torch.zeros_like(c["block_tables"][:1])])
+    order = longest_first(c["seq_lens"].cpu().numpy())
+    assert order.tolist() == [1, 5, 3, 2, 0, 4, 6]
+    plain = paged_attention_decode(**c, num_splits=num_splits)
+    ordered = paged_attention_decode(**c, num_splits=num_splits, seq_order=torch.from_numpy(order).to(device))
+    assert torch.equal(ordered, plain)
+    check(ordered[:-1], ref, dtype)
+    assert torch.equal(ordered[-1], torch.zeros_like(ordered[-1]))
+
+
+def test_launch_order_is_read(device):
+    """Program z computes sequence seq_order[z]: an order that names sequence 2 for every program
+    writes row 2 only (so an order the kernel ignored could not pass the test above by accident)."""
+    seq = [9, 40, 23]
+    c = make_case([1] * 3, [s - 1 for s in seq], 4, 2, 32, 8, torch.float32, device)
+    ref = paged_attention_ref(**c)
+    c.pop("cu_seqlens_q")
+    out = torch.full_like(c["q"], float("nan"))
+    order = torch.full((3,), 2, dtype=torch.int32, device=device)
+    paged_attention_decode(**c, num_splits=1, out=out, seq_order=order)
+    check(out[2:], ref[2:], torch.float32)
+    assert torch.isnan(out[:2]).all()
+
+
+def test_longest_first():
+    assert longest_first(np.array([3, 7, 7, 0, 12], dtype=np.int32)).tolist() == [4, 1, 2, 0, 3]
+    assert longest_first(np.array([], dtype=np.int32)).dtype == np.int32
+
+
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_decode_padding_rows_are_zero(num_splits, device):
     """CUDA-graph padding: seq_len 0 rows come out as zeros, not NaN; the rest unchanged."""
@@ -243,13 +285,14 @@ def test_default_num_splits():
     cpu = torch.device("cpu")
     assert default_num_splits(256, 8, 1024, cpu) == 1
     assert default_num_splits(1, 1, 100, cpu) == 1  # short context: no split
-    assert default_num_splits(1, 1, 8192, cpu) == 4  # 1 "SM" on CPU: 4 programs
+    assert default_num_splits(1, 1, 8192, cpu) == 8  # 1 "SM" on CPU: two waves of 4 programs
     assert default_num_splits(1, 1, 384, cpu) == 2  # 3 splits of 128 keys, rounded down to 2
     assert default_num_splits(1, 1, 255, cpu) == 1  # not two splits of 128 keys
     # one-warp tiles: 8 programs a "SM", splits of >= 64 keys
-    assert default_num_splits(1, 1, 8192, cpu, num_warps=1) == 8
+    assert default_num_splits(1, 1, 8192, cpu, num_warps=1) == 16
     assert default_num_splits(1, 1, 255, cpu, num_warps=1) == 2
-    assert default_num_splits(4, 1, 8192, cpu, num_warps=1) == 1  # 4 programs fill half the 8 slots
+    assert default_num_splits(4, 1, 8192, cpu, num_warps=1) == 4  # 4 programs x 4 splits: two waves of 8
+    assert default_num_splits(12, 1, 8192, cpu, num_warps=1) == 1  # 12 programs: already more than a wave
 
 
 # ----------------------------------------------------------------------------- GPU sizes
