@@ -11,6 +11,7 @@
 | `PAGEDLLM_TIMELINE` | the server's API and engine-core processes | a path prefix: write each request's stage times there (engine/timeline.py; `benchmarks/request_timeline.py` reads them) |
 | `PAGEDLLM_PREFILL_GRAPHS` | the model runner | how prefill and mixed steps run on CUDA: `full` (the default: small steps replay one whole-step graph, `worker/mixed_graphs.py`, larger ones piecewise graphs), `piecewise` (`worker/piecewise_graphs.py` only), `eager` |
 | `PAGEDLLM_ATTENTION_TILES` | the paged-attention kernel | JSON overriding rows of `ops/paged_attention.py: TILES`, e.g. `{"decode/fp8": [128, 4, 2]}` ((BLOCK_N, num_warps, num_stages) by phase and KV format): retuning on other hardware, and A/B runs |
+| `PAGEDLLM_DECODE_LAUNCH_ORDER` | the model runner | `longest` (the default): decode attention launches the batch longest first (`ops/attention_metadata.py: longest_first`); `batch`: in batch order (A/B runs) |
 | `PAGEDLLM_LOG_TRITON_COMPILES` | the model runner (CUDA) | `1`: log every Triton kernel compiled in this process, with its time (`worker/triton_compiles.py`): a compile after start-up is a step that waited for it |
 | `PAGEDLLM_COMMIT` | benchmarks | the commit recorded with a result row (else `git rev-parse`) |
 | `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `LOCAL_RANK` | tensor parallelism | set by `torchrun` |
@@ -93,6 +94,13 @@ def _parse_tiles(text: str) -> dict[tuple[str, str], tuple[int, int, int]]:
             'PAGEDLLM_ATTENTION_TILES must be JSON like {"decode/fp8": [64, 1, 1]} '
             f"(keys decode|prefill / 16bit|fp8), got {text!r}"
         ) from e
+
+
+def decode_launch_order() -> str:
+    v = os.environ.get("PAGEDLLM_DECODE_LAUNCH_ORDER", "longest").strip().lower() or "longest"
+    if v not in ("longest", "batch"):
+        raise ValueError(f"PAGEDLLM_DECODE_LAUNCH_ORDER must be 'longest' or 'batch', got {v!r}")
+    return v
 
 
 def timeline_prefix() -> str | None:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
+from pagedllm import envs
 from pagedllm.ops import PAD_SLOT_ID
 from pagedllm.ops.attention_metadata import AttentionMetadata, longest_first
 
@@ -59,6 +60,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(max_bs, self.max_blocks, dtype=torch.int32, device=dev)
         self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
         self.seq_order = torch.arange(max_bs, dtype=torch.int32, device=dev)  # decode attention's launch order
+        self.ordered = envs.decode_launch_order() == "longest"
         self.num_groups = len(runner.kv_cache_groups)
         self.group_slots = [torch.full_like(self.slot_mapping, PAD_SLOT_ID) for _ in range(1, self.num_groups)]
         self.group_tables = [torch.zeros_like(self.block_tables) for _ in range(1, self.num_groups)]
@@ -100,7 +102,7 @@ class DecodeGraphs:
             max_seqlen_k=self.runner.max_model_len,
             decode_only=True,
             no_history=False,
-            seq_order=self.seq_order[:bs],
+            seq_order=self.seq_order[:bs] if self.ordered else None,
         ).add_groups((s[:bs], t[:bs]) for s, t in zip(self.group_slots, self.group_tables, strict=True))
 
     def _forward(self, bs: int) -> torch.Tensor:

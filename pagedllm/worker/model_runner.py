@@ -91,6 +91,7 @@ class ModelRunner:
         self.startup = StartupTimes(sync)  # where start-up's seconds go (LLM logs them)
         self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype, device)
         self.seed = seed
+        self._ordered = envs.decode_launch_order() == "longest"  # decode attention: longest first
         with self.startup.phase("device init"):  # the first CUDA call creates the context
             self._staging = Staging(device) if device.type == "cuda" else None  # a step's arrays in one copy
         self.block_size = block_size
@@ -234,7 +235,7 @@ class ModelRunner:
         """groups: (slot_mapping, block_tables) of the KV-cache groups after the first; extra:
         more arrays to upload with them (ids, positions), returned on the device. On CUDA all of
         them go up in one copy (worker/staging.py)."""
-        order = [longest_first(seq_lens)] if decode_only else []  # decode attention's launch order
+        order = [longest_first(seq_lens)] if decode_only and self._ordered else []  # decode attention's launch order
         arrays = [slot_mapping, block_tables, cu, seq_lens, *order, *(a for pair in groups for a in pair), *extra]
         if self._staging is not None and self._staging.fits(arrays):
             dev = self._staging.upload(arrays)
