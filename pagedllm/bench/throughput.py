@@ -10,6 +10,7 @@ the engine flags are pagedllm's own (entrypoints/args.py), with max_model_len 40
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -69,6 +70,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "(the cost of structured output on the standard workload)",
     )
     p.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="gc.collect() and gc.freeze() after start-up, before the timed run (A/B of the collector's pauses)",
+    )
+    p.add_argument(
         "--profile-steps",
         default=None,
         metavar="START:END",
@@ -95,6 +101,19 @@ class StepTimer:
         self.window: tuple[int, int] | None = None  # engine steps START..END to profile
         self.profile_path = ""
         self.prof: Any = None
+        self.gc_pauses: list[tuple[int, int, float]] = []  # (generation, step index, ms)
+        self._gc_t0 = 0.0
+        gc.callbacks.append(self._gc)
+
+    def _gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        else:
+            self.gc_pauses.append((info["generation"], len(self.rows), (time.perf_counter() - self._gc_t0) * 1e3))
+
+    def close(self) -> None:
+        if self._gc in gc.callbacks:
+            gc.callbacks.remove(self._gc)
 
     def launch(self, inp):
         ev0, ev1 = self.torch.cuda.Event(enable_timing=True), self.torch.cuda.Event(enable_timing=True)
@@ -154,6 +173,28 @@ class StepTimer:
 
         for lo, hi in ((1, 16), (17, 64), (65, 128), (129, 200), (201, 100000)):
             buckets[f"decode_batch_{lo}_{hi}"] = decode_batch(lo, hi)
+        # where the host held the GPU up: the steps whose wall time exceeds their GPU time the most
+        gaps = sorted(self.rows, key=lambda r: r["step_s"] - r["gpu_s"], reverse=True)[:5]
+        index = {id(r): i for i, r in enumerate(self.rows)}
+        out["largest_host_gaps"] = [
+            {
+                "step": index[id(r)],
+                "batch": r["batch"],
+                "decode": r["decode"],
+                "ms": round((r["step_s"] - r["gpu_s"]) * 1e3, 2),
+            }
+            for r in gaps
+        ]
+        out["gc"] = {
+            f"gen{g}": {
+                "count": len(ps),
+                "total_ms": round(sum(p[2] for p in ps), 2),
+                "max_ms": round(max((p[2] for p in ps), default=0.0), 2),
+                **({"at_steps": [p[1] for p in ps][:10]} if g == 2 else {}),
+            }
+            for g in (0, 1, 2)
+            for ps in [[p for p in self.gc_pauses if p[0] == g]]
+        }
         out["time_by_step_kind"] = {
             name: {
                 "steps": len(rs),
@@ -174,6 +215,9 @@ def run_pagedllm(args, prompts, params) -> dict:
     config = {**LLM_DEFAULTS, **kwargs}
     llm = LLM(**kwargs)
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
     timer = StepTimer(llm) if llm.runner.device.type == "cuda" else None
     if timer is not None and args.profile_steps:
         timer.profile(args.profile_steps, os.path.join(args.results_dir, "profile_steps.txt"))
@@ -195,7 +239,11 @@ def run_pagedllm(args, prompts, params) -> dict:
         "async_scheduling": llm.engine.async_scheduling,
     }
     if timer is not None:
+        timer.close()
         row["per_step"] = timer.summary()
+    if args.gc_freeze:
+        row["gc_freeze"] = True
+        gc.unfreeze()
     llm.close()
     return row
 
