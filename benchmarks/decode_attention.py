@@ -13,7 +13,6 @@ attention: 16 query heads, 8 KV heads, head_dim 128, block 16), bf16 and fp8 (e4
 at 256 x 1,024 and 8 x 8,192, and Gemma-3-1B's attention (4 heads on 1 KV head, head_dim 256):
 the default (`TILES`, `default_num_splits`), the `CANDIDATES` tiles, and other split counts.
 --mixed: mixed context lengths (as in the standard workload's decode steps) in three launch orders.
---simt: the SIMT decode kernel (ops/decode_simt.py) at its tiles and splits against the default.
 """
 
 from __future__ import annotations
@@ -34,11 +33,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import triton  # noqa: E402
 from triton.testing import do_bench_cudagraph  # noqa: E402
 
-from pagedllm.ops import decode_simt, paged_attention_kernels  # noqa: E402
+from pagedllm.ops import paged_attention_kernels  # noqa: E402
 from pagedllm.ops._triton import next_pow2  # noqa: E402
 from pagedllm.ops.attention_metadata import longest_first  # noqa: E402
 from pagedllm.ops.attention_ref import paged_attention_ref  # noqa: E402
-from pagedllm.ops.decode_simt import decode_attention_simt  # noqa: E402
 from pagedllm.ops.kv_quant import fp8_max, quantize_ref  # noqa: E402
 from pagedllm.ops.paged_attention import _pick_config, default_num_splits, paged_attention  # noqa: E402
 
@@ -102,12 +100,7 @@ def copy_TBps() -> float:
 
 
 def time_case(inp, out, cfg, splits, extra=None):
-    if cfg is not None and cfg.get("SIMT"):  # ops/decode_simt.py: (BLOCK_N, num_warps) in cfg
-        args = {k: v for k, v in inp.items() if k != "cu_seqlens_q"}
-        tile = dict(block_n=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
-        fn = lambda: decode_attention_simt(**args, num_splits=splits or 1, out=out, **tile, **(extra or {}))  # noqa: E731
-    else:
-        fn = lambda: paged_attention(**inp, max_seqlen_q=1, num_splits=splits, out=out, _config=cfg, **(extra or {}))  # noqa: E731
+    fn = lambda: paged_attention(**inp, max_seqlen_q=1, num_splits=splits, out=out, _config=cfg, **(extra or {}))  # noqa: E731
     fn()
     if SMOKE:
         return 1.0
@@ -128,8 +121,7 @@ def run_case(batch, ctx, hkv, group, d, kv_dtype, copy, configs, lens=None, orde
     rows = []
     for label, cfg, splits in configs:
         out = torch.empty_like(inp["q"])
-        simt_row = cfg is not None and cfg.get("SIMT")
-        kernel = decode_simt._decode_simt_kernel if simt_row else paged_attention_kernels._paged_attn_kernel
+        kernel = paged_attention_kernels._paged_attn_kernel
         row = dict(label=label, cfg=cfg, splits=splits)
         try:
             order = longest_first(inp["seq_lens"].cpu().numpy()) if ordered else None
@@ -185,50 +177,6 @@ def mixed(copy, save):
                         )
                     )
                 )
-    return res
-
-
-SIMT_TILES = [(16, 1), (32, 1), (32, 2), (64, 4)]  # (BLOCK_N, num_warps)
-SIMT_SPLITS = {32: (4, 8), 64: (2, 4), 128: (1, 2), 240: (1, 2), 256: (1,)}
-
-
-def simt(copy, save):
-    """ops/decode_simt.py against the tensor-core kernel's default: 256 x 1,024 and mixed lengths
-    (128-1,536, launched longest first), group 2, head_dim 128, fp8 and bf16 KV."""
-    res = []
-    for kv in (FP8, DTYPE):
-        for batch in (256, 240, 128, 64, 32):
-            if kv == DTYPE and batch not in (256, 240):
-                continue
-            g = torch.Generator().manual_seed(batch)
-            lens = [1024] * batch if batch == 256 else torch.randint(128, 1537, (batch,), generator=g).tolist()
-            configs = [("tensor-core default", None, None)]
-            for bn, nw in SIMT_TILES:
-                for sp in SIMT_SPLITS[batch]:
-                    configs.append((f"simt {bn}/{nw}w, {sp} splits", dict(SIMT=True, BLOCK_N=bn, num_warps=nw), sp))
-            row = run_case(batch, max(lens), 8, 2, 128, kv, copy, configs, lens=lens, ordered=batch != 256)
-            res.append(row)
-            save(res, "simt")
-            ok = sorted((r for r in row["rows"] if "ms" in r), key=lambda r: r["ms"])
-            print(
-                json.dumps(
-                    dict(
-                        kv=fmt(kv),
-                        batch=batch,
-                        rows=[
-                            (
-                                r["label"],
-                                round(r["ms"] * 1e3, 1),
-                                round(r["vs_copy"], 3),
-                                r.get("regs"),
-                                r.get("max_abs_err"),
-                            )
-                            for r in ok[:5]
-                        ]
-                        + [("errors", [r["label"] for r in row["rows"] if "error" in r])],
-                    )
-                )
-            )
     return res
 
 
@@ -312,7 +260,6 @@ def main():
     ap.add_argument("--variants", action="store_true")
     ap.add_argument("--shapes", action="store_true")
     ap.add_argument("--mixed", action="store_true")
-    ap.add_argument("--simt", action="store_true")
     args = ap.parse_args()
     t0 = time.time()
     res = dict(
@@ -340,8 +287,6 @@ def main():
         shapes(copy, save)
     if args.mixed:
         mixed(copy, save)
-    if args.simt:
-        simt(copy, save)
     save()
 
 

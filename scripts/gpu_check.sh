@@ -93,8 +93,8 @@ if [ "$MODE" = decode ]; then
 fi
 # attention: the decode benchmark's shapes (DECODE_ARGS), the GPU kernel tests, then the standard throughput
 # workload with fp8 KV (the TILES of this commit, then the tile before issue 30 through PAGEDLLM_ATTENTION_TILES)
-# and with bf16 KV (VARIANTS: which of fp8 fp8-before fp8-batch-order fp8-gc-freeze bf16; fp8-batch-order: decode
-# attention in batch order; fp8-gc-freeze: the start-up heap frozen before the timed run), rows in $OUT/<gpu>.json; ATTN_TESTS: more test paths; PROFILE_STEPS=a:b profiles those steps
+# and with bf16 KV (VARIANTS: which of fp8 fp8-before fp8-batch-order bf16; fp8-batch-order: decode attention in
+# batch order), rows in $OUT/<gpu>.json; ATTN_TESTS: more test paths; PROFILE_STEPS=a:b profiles those steps
 # (timing perturbed) into $OUT/profile-<variant>.txt
 if [ "$MODE" = attention ]; then
   timeout ${T_DECODE:-300} python3 benchmarks/decode_attention.py --out "$OUT/decode-attention.json" ${DECODE_ARGS:---shapes} 2>&1 | tail -50
@@ -105,10 +105,9 @@ if [ "$MODE" = attention ]; then
     kv=fp8; [ $v = bf16 ] && kv=auto
     tiles=''; [ $v = fp8-before ] && tiles='{"decode/fp8": [128, 4, 2]}'
     order=longest; [ $v = fp8-batch-order ] && order=batch
-    extra=''; [ $v = fp8-gc-freeze ] && extra=--gc-freeze
     PAGEDLLM_ATTENTION_TILES="$tiles" PAGEDLLM_DECODE_LAUNCH_ORDER=$order timeout ${T_BENCH:-120} python3 \
         benchmarks/throughput.py --model $MODEL --kv-cache-dtype $kv --label "$v ${LABEL:-}" --results-dir "$OUT" \
-        $extra ${PROFILE_STEPS:+--profile-steps $PROFILE_STEPS} 2>&1 | grep -v -i warn | tail -4
+        ${PROFILE_STEPS:+--profile-steps $PROFILE_STEPS} 2>&1 | grep -v -i warn | tail -4
     [ -f "$OUT/profile_steps.txt" ] && mv "$OUT/profile_steps.txt" "$OUT/profile-$v.txt"
   done
   exit 0

@@ -70,11 +70,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "(the cost of structured output on the standard workload)",
     )
     p.add_argument(
-        "--gc-freeze",
-        action="store_true",
-        help="gc.collect() and gc.freeze() after start-up, before the timed run (A/B of the collector's pauses)",
-    )
-    p.add_argument(
         "--profile-steps",
         default=None,
         metavar="START:END",
@@ -215,9 +210,6 @@ def run_pagedllm(args, prompts, params) -> dict:
     config = {**LLM_DEFAULTS, **kwargs}
     llm = LLM(**kwargs)
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
-    if args.gc_freeze:
-        gc.collect()
-        gc.freeze()
     timer = StepTimer(llm) if llm.runner.device.type == "cuda" else None
     if timer is not None and args.profile_steps:
         timer.profile(args.profile_steps, os.path.join(args.results_dir, "profile_steps.txt"))
@@ -241,9 +233,6 @@ def run_pagedllm(args, prompts, params) -> dict:
     if timer is not None:
         timer.close()
         row["per_step"] = timer.summary()
-    if args.gc_freeze:
-        row["gc_freeze"] = True
-        gc.unfreeze()
     llm.close()
     return row
 
