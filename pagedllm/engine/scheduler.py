@@ -107,7 +107,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             # async, a token in flight: a sequence at its length finishes when the token arrives; one
             # whose next logits depend on its past tokens (penalties, a bad word of several tokens, a
             # grammar's mask: SamplingParams.needs_output_history) waits for it, it must see the token
@@ -294,15 +294,18 @@ class Scheduler:
         scheduling). The next step's input for that token is taken from the device."""
         for sched in out.scheduled:
             seq = sched.seq
-            sched.sampled = sched.samples
-            for s in sched.sample_seqs:  # a child forked here starts from the parent's count
-                s.num_computed_tokens += sched.num_new_tokens
+            sched.sampled = sampled = sched.samples
+            if sched.forks:
+                for s in sched.sample_seqs:  # a child forked here starts from the parent's count
+                    s.num_computed_tokens += sched.num_new_tokens
+            else:  # the common row: one sequence (this loop runs for every sequence of every step)
+                seq.num_computed_tokens += sched.num_new_tokens
             sched.computed_after = seq.num_computed_tokens
-            if not sched.sampled or seq.beam is not None:
+            if not sampled or seq.beam is not None:
                 continue  # a beam's next token is its search's choice (resolve)
-            sched.placeholder_index = seq.num_tokens
+            sched.placeholder_index = len(seq.token_ids)
             for s in sched.sample_seqs:
-                s.append_token(PLACEHOLDER)
+                s.token_ids.append(PLACEHOLDER)
                 s.num_pending += 1
 
     def resolve(
@@ -317,7 +320,8 @@ class Scheduler:
         resolved token is written by that step (the token is its input), so the block joins its
         `new_cached`: uncached with it if it never runs."""
         now = time.monotonic()
-        rows = iter(range(len(result.sampled)))
+        sampled = result.sampled
+        rows = iter(range(len(sampled)))
         logprobs = result.logprobs
         touched: list[Resolved] = []
         if result.prompt_logprobs:
@@ -332,15 +336,18 @@ class Scheduler:
             idx = sched.placeholder_index
             drafts = sched.spec_token_ids
             for seq in sched.sample_seqs:
-                taken = [next(rows) for _ in range(1 + len(drafts))]
-                if idx >= seq.num_tokens:  # finished or preempted after this step launched: never emitted
+                taken = [next(rows) for _ in range(1 + len(drafts))] if drafts else [next(rows)]
+                if idx >= len(seq.token_ids):  # finished or preempted after this step launched: never emitted
                     out.num_rejected_tokens += len(taken)
                     continue
-                tokens = [result.sampled[r] for r in taken]
+                tokens = [sampled[r] for r in taken] if drafts else [sampled[taken[0]]]
                 if drafts:  # resolved before the next step is scheduled (core.py): the accepted run, rolled back
                     assert self.speculator is not None and seq.status is SequenceStatus.RUNNING
                     tokens = verify(seq, drafts, tokens, self.kv, self.speculator)
-                seq.token_ids[idx : idx + 1] = tokens
+                if drafts:
+                    seq.token_ids[idx : idx + 1] = tokens
+                else:
+                    seq.token_ids[idx] = tokens[0]
                 seq.num_pending -= 1
                 if seq.first_token_time is None:
                     seq.first_token_time = now

@@ -128,24 +128,55 @@ class BlockTableRows:
 
     def __init__(self) -> None:
         self.rows: dict[int, tuple[int, np.ndarray]] = {}  # seq_id -> (block_tables_version, rows)
+        # the last call's sequences (in order) and its result: a step that schedules the same sequences
+        # in the same order (most decode steps) patches the rows that changed instead of copying all
+        self._ids: list[int] = []
+        self._last: np.ndarray | None = None
+
+    @staticmethod
+    def _row(seq, num_groups: int) -> np.ndarray:
+        arr = np.array(seq.block_tables, dtype=np.int32).reshape(num_groups, -1)
+        np.maximum(arr, 0, out=arr)  # NULL_BLOCK (-1) -> 0: never read
+        return arr
 
     def tables(self, sched: list, num_groups: int) -> np.ndarray:
-        """[groups, B, max_blocks] int32, row i the i-th scheduled sequence's tables, zero-padded."""
+        """[groups, B, max_blocks] int32, row i the i-th scheduled sequence's tables, zero-padded
+        (at least as wide as the longest; a patched step keeps the last step's width)."""
+        seqs = [s.seq for s in sched]
+        ids = [q.seq_id for q in seqs]
+        if ids == self._ids and self._last is not None and self._last.shape[0] == num_groups:
+            patched = self._patch(seqs, num_groups, self._last)
+            if patched is not None:
+                return patched.copy()
         kept: dict[int, tuple[int, np.ndarray]] = {}
         rows = []
-        for s in sched:
-            seq = s.seq
+        for seq in seqs:
             entry = self.rows.get(seq.seq_id)
             if entry is None or entry[0] != seq.block_tables_version:
-                arr = np.array(seq.block_tables, dtype=np.int32).reshape(num_groups, -1)
-                np.maximum(arr, 0, out=arr)  # NULL_BLOCK (-1) -> 0: never read
-                entry = (seq.block_tables_version, arr)
+                entry = (seq.block_tables_version, self._row(seq, num_groups))
             kept[seq.seq_id] = entry
             rows.append(entry[1])
         self.rows = kept
-        tables = np.zeros((num_groups, len(sched), max(r.shape[1] for r in rows)), dtype=np.int32)
+        tables = np.zeros((num_groups, len(seqs), max(r.shape[1] for r in rows)), dtype=np.int32)
         for i, r in enumerate(rows):
             tables[:, i, : r.shape[1]] = r
+        self._ids, self._last = ids, tables
+        return tables.copy()
+
+    def _patch(self, seqs: list, num_groups: int, tables: np.ndarray) -> np.ndarray | None:
+        """Rewrite, in the last result, the rows of the sequences whose tables changed; None when a
+        row no longer fits its width (the caller rebuilds)."""
+        width = tables.shape[2]
+        for i, seq in enumerate(seqs):
+            version, _ = self.rows[seq.seq_id]
+            if version == seq.block_tables_version:
+                continue
+            arr = self._row(seq, num_groups)
+            if arr.shape[1] > width:
+                return None
+            tables[:, i, : arr.shape[1]] = arr
+            tables[:, i, arr.shape[1] :] = 0
+            self.rows[seq.seq_id] = (seq.block_tables_version, arr)
         return tables
 
 
