@@ -41,6 +41,9 @@ import sysconfig
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# run as a script, this directory comes first on sys.path, and its kernels.py would shadow the `kernels`
+# package that transformers tries to import (an ImportError, not a missing module, with transformers 5.25)
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 
 # ---- prompts -----------------------------------------------------------------------------
