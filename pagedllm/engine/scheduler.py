@@ -398,8 +398,10 @@ class Scheduler:
                 seq.prompt_logprobs += chunk.entries[skip:]
 
     def reached_length(self, seq: Sequence) -> bool:
-        """Its last (possibly pending) token is the last allowed: nothing more to schedule."""
-        return seq.num_output_tokens >= seq.sampling_params.max_tokens or seq.num_tokens >= self.max_model_len
+        """Its last (possibly pending) token is the last allowed: nothing more to schedule. (Asked of
+        every running sequence at every step under async scheduling: lengths read directly.)"""
+        n = len(seq.token_ids)
+        return n - seq.num_prompt_tokens >= seq.sampling_params.max_tokens or n >= self.max_model_len
 
     def finish(self, seq: Sequence, status: SequenceStatus, now: float | None = None) -> None:
         """End a sequence wherever it is and free its blocks now."""
