@@ -118,14 +118,13 @@ def run_case(batch, ctx, hkv, group, d, kv_dtype, copy, configs, lens=None, orde
     cu = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
     ref = paged_attention_ref(**{k: v for k, v in inp.items() if k != "cu_seqlens_q"}, cu_seqlens_q=cu)
     kv_bytes = 2 * int(inp["seq_lens"].sum()) * hkv * d * inp["k_cache"].element_size()
+    extra = dict(seq_order=torch.from_numpy(longest_first(inp["seq_lens"].cpu().numpy())).to(DEV)) if ordered else {}
     rows = []
     for label, cfg, splits in configs:
         out = torch.empty_like(inp["q"])
         kernel = paged_attention_kernels._paged_attn_kernel
         row = dict(label=label, cfg=cfg, splits=splits)
         try:
-            order = longest_first(inp["seq_lens"].cpu().numpy()) if ordered else None
-            extra = {} if order is None else dict(seq_order=torch.from_numpy(order).to(DEV))
             ms = time_case(inp, out, cfg, splits, extra)
         except Exception as e:  # noqa: BLE001 - out of resources etc.
             rows.append(dict(row, error=f"{type(e).__name__}: {str(e)[:100]}"))

@@ -169,16 +169,16 @@ class StepTimer:
         for lo, hi in ((1, 16), (17, 64), (65, 128), (129, 200), (201, 100000)):
             buckets[f"decode_batch_{lo}_{hi}"] = decode_batch(lo, hi)
         # where the host held the GPU up: the steps whose wall time exceeds their GPU time the most
-        gaps = sorted(self.rows, key=lambda r: r["step_s"] - r["gpu_s"], reverse=True)[:5]
-        index = {id(r): i for i, r in enumerate(self.rows)}
+        rows = self.rows
+        gaps = sorted(range(len(rows)), key=lambda i: rows[i]["step_s"] - rows[i]["gpu_s"], reverse=True)[:5]
         out["largest_host_gaps"] = [
             {
-                "step": index[id(r)],
-                "batch": r["batch"],
-                "decode": r["decode"],
-                "ms": round((r["step_s"] - r["gpu_s"]) * 1e3, 2),
+                "step": i,
+                "batch": rows[i]["batch"],
+                "decode": rows[i]["decode"],
+                "ms": round((rows[i]["step_s"] - rows[i]["gpu_s"]) * 1e3, 2),
             }
-            for r in gaps
+            for i in gaps
         ]
         out["gc"] = {
             f"gen{g}": {

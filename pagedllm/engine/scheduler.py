@@ -340,13 +340,12 @@ class Scheduler:
                 if idx >= len(seq.token_ids):  # finished or preempted after this step launched: never emitted
                     out.num_rejected_tokens += len(taken)
                     continue
-                tokens = [sampled[r] for r in taken] if drafts else [sampled[taken[0]]]
                 if drafts:  # resolved before the next step is scheduled (core.py): the accepted run, rolled back
                     assert self.speculator is not None and seq.status is SequenceStatus.RUNNING
-                    tokens = verify(seq, drafts, tokens, self.kv, self.speculator)
-                if drafts:
+                    tokens = verify(seq, drafts, [sampled[r] for r in taken], self.kv, self.speculator)
                     seq.token_ids[idx : idx + 1] = tokens
                 else:
+                    tokens = [sampled[taken[0]]]
                     seq.token_ids[idx] = tokens[0]
                 seq.num_pending -= 1
                 if seq.first_token_time is None:
