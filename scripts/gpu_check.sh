@@ -3,7 +3,7 @@
 # GPU tests, the HF side-by-side and the kernel benchmark, each under its own time limit (about
 # 7 minutes in all on an H200, inside the device tool's 10-minute command limit).
 # Writes logs and JSON under $OUT (default ./gpu_out; at most 8 files come back from the device tool:
-# the benchmark rows all go to one $OUT/<gpu>.json). Usage: bash scripts/gpu_check.sh [full|bench|tests|check|conformance|memcheck|startup|decode|attention|quant|quant-models|offload|spec]
+# the benchmark rows all go to one $OUT/<gpu>.json). Usage: bash scripts/gpu_check.sh [full|bench|tests|check|conformance|memcheck|startup|decode|gemm|attention|quant|quant-models|offload|spec]
 # (check = bench + tests, without the HF side-by-side and the kernel benchmark)
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
@@ -91,6 +91,21 @@ if [ "$MODE" = decode ]; then
   timeout ${T_DECODE:-540} python3 benchmarks/decode_attention.py --out "$OUT/decode-attention.json" ${DECODE_ARGS:---variants --shapes} 2>&1 | tail -60
   exit ${PIPESTATUS[0]}
 fi
+# gemm: the decode GEMM (ops/decode_gemm.py) against cuBLAS at Qwen3-0.6B's shapes, M 1-256 (GEMM_ARGS, default
+# --sweep), $OUT/decode-gemm.json; then the decode step's graph replay at batch 1-256 with it and without
+# (benchmarks/decode_step.py, $OUT/decode-step-{triton,cublas}.json); then the GPU tests of tests/ops/test_decode_gemm.py
+if [ "$MODE" = gemm ]; then
+  timeout ${T_GEMM:-240} python3 benchmarks/decode_gemm.py ${GEMM_ARGS:---sweep} 2>&1 | grep -v '^config' | tail -60
+  mv decode-gemm.json "$OUT/" 2>/dev/null
+  [ -d $MODEL ] || python3 tools/make_random_model.py --shape qwen3-0.6b --out $MODEL 2>&1 | tail -1
+  for g in ${GEMMS:-triton cublas}; do
+    PAGEDLLM_DECODE_GEMM=$g timeout ${T_STEP:-120} python3 benchmarks/decode_step.py --model $MODEL \
+        --batches ${BATCHES:-1,2,4,8,16,32,64,128,256} --label "decode gemm $g" --out "$OUT/decode-step-$g.json" 2>&1 \
+        | grep -E '^\{|engine batch'
+  done
+  timeout ${T_TESTS:-150} python3 -m pytest -q -m gpu tests/ops/test_decode_gemm.py -p no:cacheprovider 2>&1 | tail -3
+  exit 0
+fi
 # attention: the decode benchmark's shapes (DECODE_ARGS), the GPU kernel tests, then the standard throughput
 # workload with fp8 KV (the TILES of this commit, then the tile before issue 30 through PAGEDLLM_ATTENTION_TILES)
 # and with bf16 KV (VARIANTS: which of fp8 fp8-before fp8-batch-order bf16; fp8-batch-order: decode attention in
@@ -102,10 +117,11 @@ if [ "$MODE" = attention ]; then
   grep -E "Error|error:|FAILED|passed|failed" "$OUT/gpu_tests.log" | head -10
   [ -d $MODEL ] || python3 tools/make_random_model.py --shape qwen3-0.6b --out $MODEL 2>&1 | tail -1
   for v in ${VARIANTS:-fp8 fp8-before bf16}; do
-    kv=fp8; [ $v = bf16 ] && kv=auto
+    kv=fp8; [[ $v = bf16* ]] && kv=auto
+    gemm=triton; [[ $v = *-cublas ]] && gemm=cublas  # fp8-cublas, bf16-cublas: F.linear for every product
     tiles=''; [ $v = fp8-before ] && tiles='{"decode/fp8": [128, 4, 2]}'
     order=longest; [ $v = fp8-batch-order ] && order=batch
-    PAGEDLLM_ATTENTION_TILES="$tiles" PAGEDLLM_DECODE_LAUNCH_ORDER=$order timeout ${T_BENCH:-120} python3 \
+    PAGEDLLM_ATTENTION_TILES="$tiles" PAGEDLLM_DECODE_LAUNCH_ORDER=$order PAGEDLLM_DECODE_GEMM=$gemm timeout ${T_BENCH:-120} python3 \
         benchmarks/throughput.py --model $MODEL --kv-cache-dtype $kv --label "$v ${LABEL:-}" --results-dir "$OUT" \
         ${PROFILE_STEPS:+--profile-steps $PROFILE_STEPS} 2>&1 | grep -v -i warn | tail -4
     [ -f "$OUT/profile_steps.txt" ] && mv "$OUT/profile_steps.txt" "$OUT/profile-$v.txt"

@@ -18,12 +18,12 @@ that each checkpoint tensor's parts load into (`load_int4`); its forward runs op
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.model.int4_layer import Int4Weight
 from pagedllm.model.int4_weights import unpack_checkpoint
 from pagedllm.model.parallel import ShardedModule, all_reduce, divide, tp_rank, tp_size
+from pagedllm.ops.decode_gemm import linear as decode_linear
 from pagedllm.ops.fp8_block_linear import fp8_block_linear
 from pagedllm.ops.fp8_linear import FP8, fp8_linear, fp8_linear_static, quantize_weight
 
@@ -145,7 +145,7 @@ class QuantizableLinear(ShardedModule):
         if self.int4 is not None:
             return self.int4(x, bias)
         if self.weight_scale is None:
-            return F.linear(x, self.weight, bias)
+            return decode_linear(x, self.weight, bias)  # few bf16 rows on CUDA: ops/decode_gemm.py
         if self.weight_block is not None:
             return fp8_block_linear(x, self.weight, self.weight_scale, self.weight_block, bias)
         if self.input_scale is not None:

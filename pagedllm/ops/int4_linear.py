@@ -15,7 +15,7 @@ The layout (this rank's shard of W [N, K], built at load by model/int4_layer.py)
 y = x[:, perm] @ W^T (+ bias), W^T dequantized in float32 and rounded to x's dtype (the operand the
 tensor cores take; float32 models: an IEEE float32 dot), accumulated in float32, out in x's dtype.
 On CUDA one Triton kernel (`int4_gemm`), split along K for small M (decode) so that enough programs
-read the weight, the partial sums then added in a fixed order by a second small kernel (the same
+read the weight, the partial sums then added in a fixed order by a second small kernel (ops/split_k.py: the same
 result on every run). Elsewhere the reference (`int4_linear_ref`): the same bytes dequantized, then
 the float32 matmul. Both capture in CUDA graphs: no host synchronisation, and the one workspace
 (split-K partials) is allocated per call, from the graph's pool under capture.
@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.ops._triton import HAS_TRITON, is_interpreted, num_sms, require_triton, tl, triton
+from pagedllm.ops.split_k import split_k_sum
 
 # (BLOCK_M, BLOCK_N, largest BLOCK_K, GROUP_M, num_warps, num_stages) by the largest M it serves:
 # narrow column tiles and split-K for decode, large tiles for prefill. Untuned guesses until
@@ -195,29 +196,6 @@ if HAS_TRITON:
             out_ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
             tl.store(out_ptrs, acc, mask=mask)
 
-    @triton.jit
-    def _split_k_sum_kernel(
-        part_ptr,  # float32 [SPLIT_K, M, N]
-        bias_ptr,
-        out_ptr,  # [M, N]
-        N,
-        stride_ps,
-        stride_pm,
-        stride_om,
-        HAS_BIAS: tl.constexpr,
-        SPLIT_K: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        row = tl.program_id(0).to(tl.int64)
-        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < N
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for s in range(SPLIT_K):  # a fixed order: the same sums on every run
-            acc += tl.load(part_ptr + s * stride_ps + row * stride_pm + offs, mask=mask, other=0.0)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
 
 def int4_gemm(
     x: torch.Tensor,
@@ -280,17 +258,5 @@ def int4_gemm(
         num_stages=stages,
     )
     if split > 1:
-        block = min(1024, triton.next_power_of_2(n))
-        _split_k_sum_kernel[(m, triton.cdiv(n, block))](
-            dest,
-            bias if bias is not None else out,
-            out,
-            n,
-            dest.stride(0),
-            dest.stride(1),
-            out.stride(0),
-            HAS_BIAS=bias is not None,
-            SPLIT_K=split,
-            BLOCK=block,
-        )
+        split_k_sum(dest, bias, out)
     return out
