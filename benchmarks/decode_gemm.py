@@ -1,7 +1,8 @@
 """The decode GEMM (ops/decode_gemm.py) against cuBLAS (`F.linear`) at a model's linear shapes, M = 1 .. 256
 rows, bf16 (CUDA only).
 
-Per (N, K, M): cuBLAS's time, the kernel's with its default configuration (`decode_gemm_config`), the
+Per (N, K, M): cuBLAS's time, the kernel's with its default configuration (`decode_gemm_config`) and its in-kernel split-K
+sum (each weight copy with its own `tile_counters`, as each layer has), the
 weight bytes each reads per second and their fraction of the device copy rate (a 1 GiB device copy,
 bytes read plus written), and the kernel's largest difference from the float32 reference. Timed as a
 decode step runs them: one CUDA graph calls the product over enough copies of the weight that they do
@@ -32,7 +33,7 @@ sys.path.insert(0, ROOT)
 
 from pagedllm.bench.common import environment  # noqa: E402
 from pagedllm.ops._triton import num_sms  # noqa: E402
-from pagedllm.ops.decode_gemm import decode_gemm, decode_gemm_config, decode_gemm_ref  # noqa: E402
+from pagedllm.ops.decode_gemm import decode_gemm, decode_gemm_config, decode_gemm_ref, tile_counters  # noqa: E402
 
 # (N, K) of one layer's linear layers: qkv, o, gate_up, down; and the layer count
 MODELS = {
@@ -43,9 +44,17 @@ COLD_BYTES = 256 * 1024**2  # the weight copies a timed graph walks through: sev
 
 
 def copy_tbps() -> float:
+    """A 1 GiB device copy launched eagerly (captured in a graph it becomes a copy-engine node, ~2.8 TB/s)."""
     x = torch.empty(1024**3, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
-    return 2 * 1024**3 / (timed(lambda i: y.copy_(x), 1, reps=20) * 1e-3) / 1e12
+    y.copy_(x)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        y.copy_(x)
+    end.record()
+    end.synchronize()
+    return 2 * 1024**3 * 10 / (start.elapsed_time(end) * 1e-3) / 1e12
 
 
 def timed(fn_of, copies: int, reps: int = 20) -> float:
@@ -79,10 +88,13 @@ def sweep_configs(m: int):
 def measure(x: torch.Tensor, weights: list[torch.Tensor], copy: float, sweep: bool) -> dict:
     (m, k), n = x.shape, weights[0].shape[0]
     want = decode_gemm_ref(x, weights[0]).float()
-    err = float((decode_gemm(x, weights[0]).float() - want).abs().max() / want.abs().max())
+    err = float(
+        (decode_gemm(x, weights[0], counters=tile_counters(n, x.device)).float() - want).abs().max() / want.abs().max()
+    )
     cublas_ms = timed(lambda i: F.linear(x, weights[i]), len(weights))
     config = decode_gemm_config(m, n, k, num_sms(x.device))
-    kernel_ms = timed(lambda i: decode_gemm(x, weights[i]), len(weights))
+    counters = [tile_counters(n, x.device) for _ in weights]  # as each layer owns its own
+    kernel_ms = timed(lambda i: decode_gemm(x, weights[i], counters=counters[i]), len(weights))
     wbytes = n * k * weights[0].element_size()
     row = dict(
         m=m,
@@ -101,7 +113,7 @@ def measure(x: torch.Tensor, weights: list[torch.Tensor], copy: float, sweep: bo
         best: tuple[float, list[int] | None] = (math.inf, None)
         for cfg in sweep_configs(m):
             try:
-                ms = timed(lambda i, c=cfg: decode_gemm(x, weights[i], None, c), len(weights), reps=10)
+                ms = timed(lambda i, c=cfg: decode_gemm(x, weights[i], None, c, counters[i]), len(weights), reps=10)
             except Exception as e:  # noqa: BLE001 - a tile the GPU cannot hold is a result of the sweep
                 print(f"config {cfg}: {type(e).__name__}: {str(e)[:120]}", file=sys.stderr)
                 continue

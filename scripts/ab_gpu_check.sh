@@ -6,7 +6,8 @@
 #   bash scripts/ab_gpu_check.sh throughput         # on the GPU: nano-vllm's workload, async then sync
 #   bash scripts/ab_gpu_check.sh serving            # on the GPU: scripts/serving_gpu_check.sh for each tree
 #   bash scripts/ab_gpu_check.sh tests              # on the GPU: pytest -m gpu (ops, gpu) on this tree only
-#   (BEFORE_COMMIT / AFTER_COMMIT name the trees in the rows)
+#   (BEFORE_COMMIT / AFTER_COMMIT name the trees in the rows; BENCH_ARGS: more throughput flags, e.g.
+#   "--kv-cache-dtype fp8"; SCHEDS=async: one run per tree)
 #
 # Each tree runs its own benchmark code. Rows go to $OUT/<before|after>-*.json (PAGEDLLM_COMMIT
 # names the tree: BEFORE_COMMIT for the archive, this checkout's HEAD otherwise).
@@ -23,6 +24,7 @@ if ! python3 -c "import fastapi, uvicorn" 2>/dev/null && ls .whl/server/*.whl >/
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       .whl/server/*.whl && SITE=/tmp/site
 fi
+[ -d /tmp/site ] && SITE=/tmp/site  # wheels installed before this script (llguidance: .whl/*.whl)
 if [ "$MODE" != tests ]; then
   mkdir -p $BEFORE && tar -xzf .ab/before.tar.gz -C $BEFORE || exit 1
   [ -d $MODEL ] || PYTHONPATH=$HERE python3 tools/make_random_model.py --shape qwen3-0.6b --out $MODEL 2>&1 | tail -2
@@ -34,7 +36,7 @@ run_tree() {   # $1 = tag (before|after), $2 = tree, $3 = commit
   if [ "$MODE" = throughput ]; then
     for sched in ${SCHEDS:-async sync}; do
       local flag=""; [ $sched = sync ] && flag="--no-async-scheduling"
-      timeout ${T_BENCH:-150} python3 benchmarks/throughput.py --model $MODEL $flag --label "$tag: $sched scheduling" \
+      timeout ${T_BENCH:-150} python3 benchmarks/throughput.py --model $MODEL $flag --label "$tag: $sched scheduling" ${BENCH_ARGS:-} \
           --results-dir "$OUT/$tag" 2>&1 | grep -v -i warn | tail -4
     done
   else

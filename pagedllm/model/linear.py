@@ -24,6 +24,7 @@ from pagedllm.model.int4_layer import Int4Weight
 from pagedllm.model.int4_weights import unpack_checkpoint
 from pagedllm.model.parallel import ShardedModule, all_reduce, divide, tp_rank, tp_size
 from pagedllm.ops.decode_gemm import linear as decode_linear
+from pagedllm.ops.decode_gemm import tile_counters
 from pagedllm.ops.fp8_block_linear import fp8_block_linear
 from pagedllm.ops.fp8_linear import FP8, fp8_linear, fp8_linear_static, quantize_weight
 
@@ -39,6 +40,7 @@ class QuantizableLinear(ShardedModule):
     input_scale: nn.Parameter | None  # static activations: the checkpoint's per-tensor scale
     weight_block: tuple[int, int] | None  # block-wise FP8: [bn, bk], one weight scale per block
     int4: Int4Weight | None  # a 4-bit checkpoint's packed weight (then there is no `weight`)
+    tile_counters: torch.Tensor  # int32, the decode GEMM's split-K arrivals (ops/decode_gemm.py), zero between calls
 
     def __init__(self) -> None:
         super().__init__()
@@ -46,6 +48,11 @@ class QuantizableLinear(ShardedModule):
         self.register_parameter("input_scale", None)
         self.weight_block = None
         self.register_module("int4", None)
+
+    def _add_tile_counters(self) -> None:
+        """The decode GEMM's arrival counts for this rank's output rows: a buffer on the weight's device,
+        not in the checkpoint."""
+        self.register_buffer("tile_counters", tile_counters(self.weight.shape[0], self.weight.device), persistent=False)
 
     def features(self) -> tuple[int, int]:
         """(output rows, input columns) of this rank's weight."""
@@ -144,8 +151,8 @@ class QuantizableLinear(ShardedModule):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.int4 is not None:
             return self.int4(x, bias)
-        if self.weight_scale is None:
-            return decode_linear(x, self.weight, bias)  # few bf16 rows on CUDA: ops/decode_gemm.py
+        if self.weight_scale is None:  # few bf16 rows on CUDA: ops/decode_gemm.py
+            return decode_linear(x, self.weight, bias, self.tile_counters)
         if self.weight_block is not None:
             return fp8_block_linear(x, self.weight, self.weight_scale, self.weight_block, bias)
         if self.input_scale is not None:
@@ -160,6 +167,7 @@ class ColumnParallelLinear(QuantizableLinear):
         self.out_per_rank = divide(out_features, self.tp_size, "output features")
         self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False) if bias else None
+        self._add_tile_counters()
 
     def load_weight(self, name: str, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
         param = self.get_parameter(name)
@@ -240,6 +248,7 @@ class RowParallelLinear(QuantizableLinear):
         self.in_per_rank = divide(in_features, self.tp_size, "input features")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self._add_tile_counters()
 
     def load_weight(self, name: str, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
         param = self.get_parameter(name)

@@ -10,8 +10,13 @@ This kernel cuts W into narrow column tiles (BLOCK_N rows of W) and, where that 
 programs to keep every multiprocessor reading, also splits K: each program streams its
 [BLOCK_N, K / split] slice of W through a pipelined loop and multiplies it by the matching columns of
 x on the tensor cores (the rows padded to BLOCK_M = 16, the smallest dot: the padding costs no
-bytes). Partial sums of a split go to a float32 workspace [split, M, N] and a second small kernel
-adds them in a fixed order (ops/split_k.py): the same result on every run, no atomics.
+bytes). Partial sums of a split go to a float32 workspace [split, M, N]. Where the caller passes
+`counters` (int32 zeros, one per output tile: `tile_counters`, a buffer the linear layer owns), each
+split's program then counts itself in with an atomic add, and the one that arrives last reads the
+tile's partial sums back, adds them in split order, and resets the count to zero: no second launch
+(a split-K sum kernel cost 1.7 us a call inside a decode step's graph on an H200, 0.14 ms a step at
+batch 1). Without counters a second small kernel adds them (ops/split_k.py). Either way the partial
+sums are added in the same fixed order: the same result on every run.
 
 Accumulation is float32 and the output is rounded once to x's dtype, as cuBLAS does; the last bit
 can differ from cuBLAS's (a different summation order), as it differs between cuBLAS's own
@@ -31,20 +36,26 @@ from pagedllm.ops._triton import HAS_TRITON, is_interpreted, num_sms, require_tr
 from pagedllm.ops.split_k import split_k_sum
 
 DTYPES = (torch.bfloat16, torch.float16)
-MAX_ROWS = 64  # the most rows `linear` sends here: above it cuBLAS's tiles win (benchmarks/decode_gemm.py)
-PROGRAMS_PER_SM = 2  # split K until the grid has about this many programs per multiprocessor
+# the most rows `linear` sends here: at 1-16 rows it beat or tied cuBLAS at every Qwen3-0.6B shape, at 32 and
+# more cuBLAS won (H200, benchmarks/results/decode-gemm/decode-gemm-sweep-h200-13d95d7.json)
+MAX_ROWS = 16
+PROGRAMS_PER_SM = 1  # split K until the grid has about this many programs per multiprocessor (one wave)
 MIN_K_TILES = 2  # ... while every split keeps at least this many K tiles
+MIN_BLOCK_N = 16
 
 
 def decode_gemm_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, split, num_warps, num_stages) for an [m, k] x [k, n] product on
-    `sms` multiprocessors: the rows in one or a few 16-row tiles, column tiles of 32 weight rows, K
-    tiles of 128 (256 where K is long), and K split until the grid fills PROGRAMS_PER_SM programs
-    per multiprocessor."""
+    `sms` multiprocessors: the rows in one or a few 16-row tiles; column tiles of 32 weight rows, or
+    64 where 32 would make more than 1.25 waves of programs; K tiles of 128 (256 with 64 columns or
+    a long K); and K split until the grid fills PROGRAMS_PER_SM programs per multiprocessor. The
+    sweep's best at Qwen3-0.6B's shapes, 1-16 rows: qkv [16, 32, 128] unsplit, o and down [16, 32,
+    128] in 4 splits, gate_up [16, 64, 256] unsplit."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = 32
-    block_k = 256 if k >= 4096 else 128
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n) if HAS_TRITON else 1
+    tiles_m = -(-m // block_m)
+    block_n = 64 if tiles_m * -(-n // 32) > 1.25 * sms else 32
+    block_k = 256 if k >= 4096 or block_n == 64 else 128
+    tiles = tiles_m * -(-n // block_n)
     return block_m, block_n, block_k, split_count(tiles, k, block_k, sms), 4, 4
 
 
@@ -62,6 +73,12 @@ def max_rows(n: int, k: int) -> int:
     return MAX_ROWS
 
 
+def tile_counters(n: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """int32 zeros, one per output tile of up to MAX_ROWS rows and N columns: the arrival counts of
+    `decode_gemm`'s in-kernel split-K sum, left at zero after every call."""
+    return torch.zeros(-(-MAX_ROWS // 16) * -(-n // MIN_BLOCK_N), dtype=torch.int32, device=device)
+
+
 def wanted(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear` takes this kernel: CUDA, bfloat16 / float16, few rows, unit stride along K."""
     return (
@@ -75,12 +92,14 @@ def wanted(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through `decode_gemm` where `wanted` says so."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, counters: torch.Tensor | None = None
+) -> torch.Tensor:
+    """F.linear, through `decode_gemm` where `wanted` says so (counters: this weight's `tile_counters`)."""
     if not wanted(x, weight):
         return F.linear(x, weight, bias)
     x2 = x.reshape(-1, x.shape[-1])
-    y = decode_gemm(x2 if x2.stride(1) == 1 else x2.contiguous(), weight, bias)
+    y = decode_gemm(x2 if x2.stride(1) == 1 else x2.contiguous(), weight, bias, counters=counters)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -99,17 +118,22 @@ if HAS_TRITON:
         x_ptr,  # [M, K], unit stride along K
         w_ptr,  # [N, K], unit stride along K
         bias_ptr,  # [N] (HAS_BIAS)
-        out_ptr,  # [M, N] in x's dtype, or float32 partials [split, M, N] (PARTIAL)
+        out_ptr,  # [M, N] in x's dtype
+        part_ptr,  # float32 partials [split, M, N] (PARTIAL)
+        count_ptr,  # int32 arrivals per output tile, zero between calls (PARTIAL and SUM_HERE)
         M,
         N,
         K,
         stride_xm,
         stride_wn,
         stride_om,
-        stride_os,  # between two splits' partials
+        stride_pm,
+        stride_ps,  # between two splits' partials
         k_per_split,  # a multiple of BLOCK_K
+        split,
         HAS_BIAS: tl.constexpr,
         PARTIAL: tl.constexpr,
+        SUM_HERE: tl.constexpr,  # the last split's program adds the partials (else ops/split_k.py does)
         DOT_F32: tl.constexpr,  # float32 operands, IEEE dot: float32 inputs and the interpreter
         EVEN_K: tl.constexpr,  # K a multiple of BLOCK_K: no column masks
         BLOCK_M: tl.constexpr,
@@ -139,13 +163,27 @@ if HAS_TRITON:
             else:
                 acc += tl.dot(a, tl.trans(w))
         mask = mask_m[:, None] & mask_n[None, :]
+        out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
         if PARTIAL:
-            out_ptrs = out_ptr + pid_s * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
-            tl.store(out_ptrs, acc, mask=mask)
+            parts = part_ptr + offs_m[:, None] * stride_pm + offs_n[None, :]
+            tl.store(parts + pid_s * stride_ps, acc, mask=mask)
+            if SUM_HERE:
+                # release: this split's partial is written before it counts itself in; acquire: the
+                # last to arrive sees every other split's partial
+                tile = pid_m * tl.num_programs(0) + pid_n
+                tl.debug_barrier()  # every thread's part of the partial stored before one thread counts in
+                arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+                if arrived == split - 1:
+                    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                    for s in range(split):  # split order, as ops/split_k.py adds them
+                        acc += tl.load(parts + s * stride_ps, mask=mask, other=0.0, cache_modifier=".cg")
+                    if HAS_BIAS:
+                        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+                    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+                    tl.atomic_xchg(count_ptr + tile, 0)  # zero for the next call
         else:
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-            out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -154,10 +192,12 @@ def decode_gemm(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: tuple[int, int, int, int, int, int] | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] times W^T ([N, K], both with unit stride along K) -> [M, N] in x's dtype, accumulated
     in float32. config: (BLOCK_M, BLOCK_N, BLOCK_K, split, num_warps, num_stages), default
-    `decode_gemm_config` for this shape and GPU."""
+    `decode_gemm_config` for this shape and GPU. counters: int32 zeros, at least one per output tile
+    (`tile_counters`), for the in-kernel split-K sum; left at zero."""
     require_triton()
     (m, k), n = x.shape, weight.shape[0]
     assert weight.shape[1] == k and x.stride(1) == weight.stride(1) == 1, (x.shape, weight.shape)
@@ -168,23 +208,32 @@ def decode_gemm(
     block_m, block_n, block_k, split, warps, stages = config or decode_gemm_config(m, n, k, num_sms(x.device))
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_per_split)  # no empty split
-    dest = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    parts = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, block_n), split, triton.cdiv(m, block_m))
+    sum_here = split > 1 and counters is not None
+    if sum_here:
+        assert counters is not None and counters.dtype == torch.int32 and counters.device == x.device
+        assert counters.numel() >= grid[0] * grid[2], f"{counters.numel()} counters for {grid[0] * grid[2]} tiles"
     _decode_gemm_kernel[grid](
         x,
         weight,
         bias if bias is not None else out,
-        dest,
+        out,
+        parts,
+        counters if sum_here else out,
         m,
         n,
         k,
         x.stride(0),
         weight.stride(0),
-        dest.stride(-2),
-        dest.stride(0) if split > 1 else 0,
+        out.stride(0),
+        parts.stride(-2),
+        parts.stride(0) if split > 1 else 0,
         k_per_split,
+        split,
         HAS_BIAS=bias is not None,
         PARTIAL=split > 1,
+        SUM_HERE=sum_here,
         DOT_F32=is_interpreted(_decode_gemm_kernel) or x.dtype == torch.float32,
         EVEN_K=k % block_k == 0,
         BLOCK_M=block_m,
@@ -193,6 +242,6 @@ def decode_gemm(
         num_warps=warps,
         num_stages=stages,
     )
-    if split > 1:
-        split_k_sum(dest, bias, out)
+    if split > 1 and not sum_here:
+        split_k_sum(parts, bias, out)
     return out
