@@ -13,8 +13,11 @@ the median wall time per decode step (host and device, as a user sees it).
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -95,6 +98,7 @@ def main() -> int:
     ap.add_argument("--batches", default="1,2,4,8,16,64,256")
     ap.add_argument("--engine-tokens", type=int, default=256, help="tokens generated in the batch-1 engine run")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--host-profile", default=None, help="write a cProfile of the batch-1 engine run's steps here")
     ap.add_argument("--label", default="")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -125,12 +129,24 @@ def main() -> int:
     prompt = [(7 * i) % 1000 + 10 for i in range(ctx)]
     params = SamplingParams(temperature=0, max_tokens=args.engine_tokens, ignore_eos=True)
     steps = []
+    prof = cProfile.Profile() if args.host_profile else None
     for rep in range(2):
         e.add_request(f"b1-{rep}", prompt, params)
         while e.has_unfinished_requests():
+            if prof is not None and rep == 1:
+                prof.enable()
             t = time.perf_counter()
             e.step()
             steps.append(time.perf_counter() - t)
+            if prof is not None:
+                prof.disable()
+    if prof is not None:
+        text = io.StringIO()
+        text.write("host time of the second batch-1 engine run's steps (cProfile: steps are slower under it)\n")
+        for key in ("tottime", "cumulative"):
+            pstats.Stats(prof, stream=text).sort_stats(key).print_stats(45)
+        with open(args.host_profile, "w") as f:
+            f.write(text.getvalue())
     decode = steps[len(steps) // 2 + 8 :]  # the second run's steady decode steps
     engine = {"median_step_ms": round(statistics.median(decode) * 1000, 4), "steps": len(decode)}
     print("engine batch 1:", engine, flush=True)

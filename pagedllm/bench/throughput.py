@@ -10,9 +10,12 @@ the engine flags are pagedllm's own (entrypoints/args.py), with max_model_len 40
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
 import json
 import os
+import pstats
 import random
 import sys
 import time
@@ -77,6 +80,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "by device time go to the results directory as a text table",
     )
 
+    p.add_argument(
+        "--host-profile",
+        default=None,
+        metavar="START:END[,START:END]",
+        help="cProfile the host over engine steps START..END of the timed run (several windows: comma-separated); "
+        "the functions by own time, then by cumulative time, go to the results directory as "
+        "host_profile_START_END.txt",
+    )
+
 
 class StepTimer:
     """Per engine step: wall time, and GPU time of the step's kernels (CUDA events around the
@@ -96,6 +108,7 @@ class StepTimer:
         self.window: tuple[int, int] | None = None  # engine steps START..END to profile
         self.profile_path = ""
         self.prof: Any = None
+        self.host_windows: list[tuple[int, int, Any, str]] = []  # (start, end, cProfile.Profile, path)
         self.gc_pauses: list[tuple[int, int, float]] = []  # (generation, step index, ms)
         self._gc_t0 = 0.0
         gc.callbacks.append(self._gc)
@@ -109,6 +122,19 @@ class StepTimer:
     def close(self) -> None:
         if self._gc in gc.callbacks:
             gc.callbacks.remove(self._gc)
+        for start, end, prof, path in self.host_windows:
+            text = io.StringIO()
+            text.write(f"host time of engine steps {start}..{end} (cProfile; the timed steps are slower under it)\n")
+            for key in ("tottime", "cumulative"):
+                pstats.Stats(prof, stream=text).sort_stats(key).print_stats(45)
+            with open(path, "w") as f:
+                f.write(text.getvalue())
+
+    def host_profile(self, windows: str, results_dir: str) -> None:
+        for window in windows.split(","):
+            start, end = (int(x) for x in window.split(":"))
+            path = os.path.join(results_dir, f"host_profile_{start}_{end}.txt")
+            self.host_windows.append((start, end, cProfile.Profile(), path))
 
     def launch(self, inp):
         ev0, ev1 = self.torch.cuda.Event(enable_timing=True), self.torch.cuda.Event(enable_timing=True)
@@ -136,9 +162,15 @@ class StepTimer:
                 f.write(self.prof.key_averages().table(sort_by=sort, row_limit=40))
             self.window = None
         self.cur = {}
+        n = len(self.rows)
+        prof = next((w[2] for w in self.host_windows if w[0] <= n < w[1]), None)
+        if prof is not None:
+            prof.enable()
         t0 = time.perf_counter()
         out = self._step()
         self.cur["step_s"] = time.perf_counter() - t0
+        if prof is not None:
+            prof.disable()
         if "events" in self.cur:
             self.rows.append(self.cur)
         return out
@@ -213,6 +245,8 @@ def run_pagedllm(args, prompts, params) -> dict:
     timer = StepTimer(llm) if llm.runner.device.type == "cuda" else None
     if timer is not None and args.profile_steps:
         timer.profile(args.profile_steps, os.path.join(args.results_dir, "profile_steps.txt"))
+    if timer is not None and args.host_profile:
+        timer.host_profile(args.host_profile, args.results_dir)
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t
