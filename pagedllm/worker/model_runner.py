@@ -94,6 +94,8 @@ class ModelRunner:
         self._ordered = envs.decode_launch_order() == "longest"  # decode attention: longest first
         with self.startup.phase("device init"):  # the first CUDA call creates the context
             self._staging = Staging(device) if device.type == "cuda" else None  # a step's arrays in one copy
+            # the sampler's per-row arrays and the placeholder rows, each in one copy (`_upload`)
+            self._small_staging = Staging(device, 1 << 20) if device.type == "cuda" else None
         self.block_size = block_size
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -229,6 +231,14 @@ class ModelRunner:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
 
+    def _upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """Small arrays on the device, on CUDA in one copy from a pinned buffer used in turn
+        (worker/staging.py) instead of a pinned allocation and a copy each; each call's tensors
+        are read by kernels queued before the next call's copy."""
+        if self._small_staging is not None and self._small_staging.fits(arrays):
+            return self._small_staging.upload(arrays)
+        return [self._to_device(a) for a in arrays]
+
     def _metadata_from(
         self, *, slot_mapping, block_tables, cu, seq_lens, max_q, max_k, decode_only, no_history, groups=(), extra=()
     ) -> tuple[AttentionMetadata, list[torch.Tensor]]:
@@ -335,7 +345,8 @@ class ModelRunner:
         seq_index = np.searchsorted(cu_seqlens_q, rows, side="right") - 1
         last_row = {seq_id: i for i, seq_id in enumerate(self._last_sample_seq_ids)}
         src = np.fromiter((last_row[seq_ids[j]] for j in seq_index), dtype=np.int64, count=rows.size)
-        return self._to_device(rows), self._to_device(src)
+        rows_t, src_t = self._upload([rows, src])
+        return rows_t, src_t
 
     def fill_placeholders(self, input_ids: torch.Tensor, fix) -> None:
         if fix is not None:
@@ -372,4 +383,4 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor, inp: StepInputs) -> torch.Tensor:
         rng = self._seed_rng if self.philox_sampling else None
-        return sample(logits, sampling_tensors(inp, self.vocab_size, self.device, self._to_device, rng))
+        return sample(logits, sampling_tensors(inp, self.vocab_size, self.device, self._to_device, rng, self._upload))

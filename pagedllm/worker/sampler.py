@@ -82,24 +82,28 @@ def sampling_tensors(
     device: torch.device,
     to_device: Callable[[np.ndarray], torch.Tensor],
     philox_rng: np.random.Generator | None,
+    upload: Callable[[list[np.ndarray]], list[torch.Tensor]] | None = None,
 ) -> SamplingTensors:
     """One step's SamplingTensors. philox_rng: draws the unseeded rows' Philox seeds (CUDA);
-    None samples with torch's generators instead."""
+    None samples with torch's generators instead. upload: puts several arrays on the device at
+    once (the runner's one-copy staging); by default each goes through to_device."""
     temperature = inp.temperature
     all_greedy = bool((temperature == 0).all())
-    seeds = None
+    per_row = [temperature, inp.top_k, inp.top_p, inp.min_p]
     if philox_rng is not None and not all_greedy:
         base = philox_rng.integers(0, 2**63 - 1, size=len(inp.seeds), dtype=np.int64)
         rows, own = seeded_rows(inp)
         base[rows] = own
-        seeds = to_device(base)
+        per_row.append(base)
+    dev = upload(per_row) if upload is not None else [to_device(a) for a in per_row]
+    seeds = dev[4] if len(dev) == 5 else None
     mask = inp.min_tokens_mask
     bits = inp.token_bitmask
     return SamplingTensors(
-        temperature=to_device(temperature),
-        top_k=to_device(inp.top_k),
-        top_p=to_device(inp.top_p),
-        min_p=to_device(inp.min_p),
+        temperature=dev[0],
+        top_k=dev[1],
+        top_p=dev[2],
+        min_p=dev[3],
         generators=[] if seeds is not None or all_greedy else torch_generators(inp, device),
         all_greedy=all_greedy,
         any_greedy=bool((temperature == 0).any()),

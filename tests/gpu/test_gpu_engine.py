@@ -67,6 +67,29 @@ def test_bf16_logits_close_to_fp32_tiny(tiny_models, family):
     assert relative_error(tiny_models[family], [p for p in prompts]) < 3e-2
 
 
+def decode_step_logits(path, prompts, monkeypatch, gemm):
+    """The logits of the first decode step (after a prefill that cuBLAS computes in both cases)."""
+    monkeypatch.setenv("PAGEDLLM_DECODE_GEMM", gemm)  # read when the decode graphs are captured
+    llm = LLM(path, device="cuda", dtype="bfloat16", num_kv_blocks=128, max_num_seqs=8)
+    captured = []
+    real = llm.runner.sample
+    llm.runner.sample = lambda lg, inp: (captured.append(lg.float().clone()), real(lg, inp))[1]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    llm.close()
+    return captured[-1]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_decode_steps_through_the_decode_gemm_match_cublas(tiny_models, family, monkeypatch):
+    """A bf16 decode step of 4 rows runs its linear layers through ops/decode_gemm.py (in the decode
+    graph); the same step with PAGEDLLM_DECODE_GEMM=cublas gives the same logits within bf16 rounding."""
+    prompts, _ = workload(4, n=4)
+    ours = decode_step_logits(tiny_models[family], prompts, monkeypatch, "triton")
+    cublas = decode_step_logits(tiny_models[family], prompts, monkeypatch, "cublas")
+    assert ours.shape == cublas.shape and ours.shape[0] == 4
+    assert ((ours - cublas).norm() / cublas.norm()).item() < 1e-2
+
+
 def test_profiled_kv_sizing_and_preemption_free_all(tiny_models):
     llm = LLM(tiny_models["qwen3"], device="cuda", gpu_memory_utilization=0.3, max_num_batched_tokens=512)
     assert llm.runner.num_kv_blocks > 1000

@@ -18,7 +18,8 @@ int4_tensors = load_script("tools/quantize_checkpoint.py").int4_tensors  # the t
 
 
 def nbytes(module: torch.nn.Module) -> int:
-    tensors = [*module.parameters(), *module.buffers()]
+    """The weight's bytes: parameters and buffers, less the decode GEMM's split-K counters (1 KB here)."""
+    tensors = [*module.parameters(), *(b for name, b in module.named_buffers() if name != "tile_counters")]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
