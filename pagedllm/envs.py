@@ -12,7 +12,7 @@
 | `PAGEDLLM_PREFILL_GRAPHS` | the model runner | how prefill and mixed steps run on CUDA: `full` (the default: small steps replay one whole-step graph, `worker/mixed_graphs.py`, larger ones piecewise graphs), `piecewise` (`worker/piecewise_graphs.py` only), `eager` |
 | `PAGEDLLM_ATTENTION_TILES` | the paged-attention kernel | JSON overriding rows of `ops/paged_attention.py: TILES`, e.g. `{"decode/fp8": [128, 4, 2]}` ((BLOCK_N, num_warps, num_stages) by phase and KV format): retuning on other hardware, and A/B runs |
 | `PAGEDLLM_DECODE_LAUNCH_ORDER` | the model runner | `longest` (the default): decode attention launches the batch longest first (`ops/attention_metadata.py: longest_first`); `batch`: in batch order (A/B runs) |
-| `PAGEDLLM_DECODE_GEMM` | the linear layers (CUDA) | `triton` (the default): bfloat16 / float16 products of at most 64 rows run `ops/decode_gemm.py`; `cublas`: every product runs `F.linear` (A/B runs) |
+| `PAGEDLLM_DECODE_GEMM` | the linear layers (CUDA) | `triton` (the default): bfloat16 / float16 products of at most 16 rows (`ops/decode_gemm.py: MAX_ROWS`) run `ops/decode_gemm.py`; `cublas`: every product runs `F.linear` (A/B runs) |
 | `PAGEDLLM_LOG_TRITON_COMPILES` | the model runner (CUDA) | `1`: log every Triton kernel compiled in this process, with its time (`worker/triton_compiles.py`): a compile after start-up is a step that waited for it |
 | `PAGEDLLM_COMMIT` | benchmarks | the commit recorded with a result row (else `git rev-parse`) |
 | `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `LOCAL_RANK` | tensor parallelism | set by `torchrun` |
