@@ -14,14 +14,15 @@
 #   API_COUNTS="1 2 4" bash scripts/serving_gpu_check.sh   # one server per --api-server-count
 #   REPEATS=3 bash scripts/serving_gpu_check.sh    # three all-at-once runs per server (own prompts each)
 #
-# Server wheels (fastapi, uvicorn, ...) are installed from .whl/server/ into /tmp/site when this
-# Python lacks them; nothing is downloaded.
+# Server wheels (fastapi, uvicorn, ...) and llguidance are installed from .whl/server/ and .whl/ into
+# /tmp/site when this Python lacks them; nothing is downloaded.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT/results"
 PY=${PY:-python3}
-if ! $PY -c "import fastapi, uvicorn" 2>/dev/null && ls .whl/server/*.whl >/dev/null 2>&1; then
+if ! $PY -c "import fastapi, uvicorn, llguidance" 2>/dev/null && ls .whl/server/*.whl >/dev/null 2>&1; then
+  # llguidance (.whl/*.whl): pagedllm imports it at start-up
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      .whl/server/*.whl || exit 1
+      $(ls .whl/*.whl 2>/dev/null) .whl/server/*.whl || exit 1
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 VB=.whl/vclient/vllm_bench   # vLLM's client; its wheels (aiohttp, datasets, ...) in .whl/vclient/
