@@ -139,12 +139,10 @@ class DecoderMLP(nn.Module):
         act = getattr(cfg, traits.activation_field, None) or "silu"
         if act not in ACTIVATIONS:
             raise ValueError(f"{traits.activation_field} {act!r} is not supported ({', '.join(ACTIVATIONS)})")
-        self.act, self.act_and_mul = act, getattr(kernels, ACTIVATIONS[act])
+        self.act_and_mul = getattr(kernels, ACTIVATIONS[act])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        fused = self.down_proj.forward_act(gate_up, self.act)  # a decode step's few rows on CUDA: one launch
-        return fused if fused is not None else self.down_proj(self.act_and_mul(gate_up))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -18,11 +18,6 @@ tile's partial sums back, adds them in split order, and resets the count to zero
 batch 1). Without counters a second small kernel adds them (ops/split_k.py). Either way the partial
 sums are added in the same fixed order: the same result on every run.
 
-For an MLP's down projection the kernel can also take the gate_up projection's output and compute
-act(gate) * up itself while it loads each K tile (`linear_act`: SiLU or GeGLU's tanh GELU, in float32,
-rounded to the input dtype exactly as ops/fused.py's kernels round it), so a decode step has no
-activation launch: the same bits as the two launches.
-
 Accumulation is float32 and the output is rounded once to x's dtype, as cuBLAS does; the last bit
 can differ from cuBLAS's (a different summation order), as it differs between cuBLAS's own
 kernels for different M. `linear` picks this kernel on CUDA for bfloat16 and float16 inputs of at
@@ -41,7 +36,6 @@ from pagedllm.ops._triton import HAS_TRITON, is_interpreted, num_sms, require_tr
 from pagedllm.ops.split_k import split_k_sum
 
 DTYPES = (torch.bfloat16, torch.float16)
-ACTIVATIONS = {"silu": 1, "gelu_pytorch_tanh": 2}  # the MLP activations `linear_act` computes in the kernel
 # the most rows `linear` sends here: at 1-16 rows it beat or tied cuBLAS at every Qwen3-0.6B shape, at 32 and
 # more cuBLAS won (H200, benchmarks/results/decode-gemm/decode-gemm-sweep-h200-13d95d7.json)
 MAX_ROWS = 16
@@ -109,22 +103,6 @@ def linear(
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
-def linear_act(
-    gate_up: torch.Tensor,
-    weight: torch.Tensor,
-    act: str,
-    bias: torch.Tensor | None = None,
-    counters: torch.Tensor | None = None,
-) -> torch.Tensor | None:
-    """act(gate) * up times W^T in one launch, gate_up [..., 2K] = [gate | up] and W [N, K]; None where
-    `wanted` would not take the product (then the caller runs the activation and `linear`)."""
-    if act not in ACTIVATIONS or gate_up.shape[-1] != 2 * weight.shape[1] or not wanted(gate_up, weight):
-        return None
-    x2 = gate_up.reshape(-1, gate_up.shape[-1])
-    y = decode_gemm(x2 if x2.stride(1) == 1 else x2.contiguous(), weight, bias, counters=counters, act=act)
-    return y.view(*gate_up.shape[:-1], weight.shape[0])
-
-
 def decode_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The float32 product rounded once to x's dtype."""
     y = x.float() @ weight.float().t()
@@ -156,7 +134,6 @@ if HAS_TRITON:
         HAS_BIAS: tl.constexpr,
         PARTIAL: tl.constexpr,
         SUM_HERE: tl.constexpr,  # the last split's program adds the partials (else ops/split_k.py does)
-        ACT: tl.constexpr,  # 0: x is the operand; 1 / 2: x is [gate | up], the operand silu / gelu_tanh(gate) * up
         DOT_F32: tl.constexpr,  # float32 operands, IEEE dot: float32 inputs and the interpreter
         EVEN_K: tl.constexpr,  # K a multiple of BLOCK_K: no column masks
         BLOCK_M: tl.constexpr,
@@ -175,24 +152,12 @@ if HAS_TRITON:
         for k0 in range(first, last, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:
-                mask_a = mask_m[:, None]
-                mask_w = mask_n[:, None]
+                a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None], other=0.0)
+                w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None], other=0.0)
             else:
                 mask_k = offs_k < last
-                mask_a = mask_m[:, None] & mask_k[None, :]
-                mask_w = mask_n[:, None] & mask_k[None, :]
-            a = tl.load(x_rows + offs_k[None, :], mask=mask_a, other=0.0)
-            w = tl.load(w_rows + offs_k[None, :], mask=mask_w, other=0.0)
-            if ACT != 0:  # a is the gate; the up half starts K columns on (ops/fused.py's formulas)
-                g = a.to(tl.float32)
-                up = tl.load(x_rows + K + offs_k[None, :], mask=mask_a, other=0.0).to(tl.float32)
-                if ACT == 1:
-                    y = g / (1.0 + tl.exp(-g)) * up
-                else:
-                    u = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-                    e = tl.exp(-2.0 * tl.abs(u))
-                    y = g * tl.where(u >= 0, 1.0 / (1.0 + e), e / (1.0 + e)) * up
-                a = y.to(x_ptr.dtype.element_ty)
+                a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
             if DOT_F32:
                 acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
             else:
@@ -228,17 +193,14 @@ def decode_gemm(
     bias: torch.Tensor | None = None,
     config: tuple[int, int, int, int, int, int] | None = None,
     counters: torch.Tensor | None = None,
-    act: str | None = None,
 ) -> torch.Tensor:
     """x [M, K] times W^T ([N, K], both with unit stride along K) -> [M, N] in x's dtype, accumulated
     in float32. config: (BLOCK_M, BLOCK_N, BLOCK_K, split, num_warps, num_stages), default
     `decode_gemm_config` for this shape and GPU. counters: int32 zeros, at least one per output tile
-    (`tile_counters`), for the in-kernel split-K sum; left at zero. act ("silu", "gelu_pytorch_tanh"):
-    x is [M, 2K] = [gate | up] and the operand is act(gate) * up, rounded to x's dtype."""
+    (`tile_counters`), for the in-kernel split-K sum; left at zero."""
     require_triton()
-    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
-    assert x.shape[1] == (2 * k if act else k), (x.shape, weight.shape, act)
-    assert x.stride(1) == weight.stride(1) == 1, (x.stride(), weight.stride())
+    (m, k), n = x.shape, weight.shape[0]
+    assert weight.shape[1] == k and x.stride(1) == weight.stride(1) == 1, (x.shape, weight.shape)
     assert bias is None or bias.shape == (n,), bias.shape
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
@@ -272,7 +234,6 @@ def decode_gemm(
         HAS_BIAS=bias is not None,
         PARTIAL=split > 1,
         SUM_HERE=sum_here,
-        ACT=ACTIVATIONS[act] if act else 0,
         DOT_F32=is_interpreted(_decode_gemm_kernel) or x.dtype == torch.float32,
         EVEN_K=k % block_k == 0,
         BLOCK_M=block_m,

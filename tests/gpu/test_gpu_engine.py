@@ -82,9 +82,7 @@ def decode_step_logits(path, prompts, monkeypatch, gemm):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bf16_decode_steps_through_the_decode_gemm_match_cublas(tiny_models, family, monkeypatch):
     """A bf16 decode step of 4 rows runs its linear layers through ops/decode_gemm.py (in the decode
-    graph; the down projection with the activation inside); the same step with
-    PAGEDLLM_DECODE_GEMM=cublas (activation kernel, then cuBLAS) gives the same logits within bf16
-    rounding."""
+    graph); the same step with PAGEDLLM_DECODE_GEMM=cublas gives the same logits within bf16 rounding."""
     prompts, _ = workload(4, n=4)
     ours = decode_step_logits(tiny_models[family], prompts, monkeypatch, "triton")
     cublas = decode_step_logits(tiny_models[family], prompts, monkeypatch, "cublas")

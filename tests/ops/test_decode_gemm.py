@@ -14,13 +14,9 @@ from pagedllm.ops.decode_gemm import (
     decode_gemm_config,
     decode_gemm_ref,
     linear,
-    linear_act,
     split_count,
     tile_counters,
 )
-from pagedllm.ops.fused_ref import gelu_tanh_and_mul_ref, silu_and_mul_ref
-
-ACT_REFS = {"silu": silu_and_mul_ref, "gelu_pytorch_tanh": gelu_tanh_and_mul_ref}
 
 
 def operands(m: int, n: int, k: int, device, dtype=torch.float32, seed=0):
@@ -86,25 +82,6 @@ def test_too_few_counters_are_refused(device):
     x, w, _ = operands(3, 64, 128, device)
     with pytest.raises(AssertionError, match="counters for"):
         decode_gemm(x, w, config=(16, 16, 32, 2, 4, 2), counters=torch.zeros(2, dtype=torch.int32, device=device))
-
-
-@pytest.mark.parametrize("act", sorted(ACT_REFS))
-@pytest.mark.parametrize("k,split", [(96, 1), (200, 3), (256, 2)])
-def test_the_activation_inside_the_kernel_is_the_activation_then_the_product(device, act, k, split):
-    """x = [gate | up] [M, 2K]: the kernel's operand is act(gate) * up rounded to x's dtype, then the
-    product, with K off the tile (96, 200: the up half's tail masked like the gate's) and split."""
-    x, w, b = operands(5, 48, 2 * k, device, seed=k + split)
-    w = w[:, :k].contiguous()
-    got = decode_gemm(x, w, b, config=(16, 16, 32, split, 4, 2), counters=tile_counters(48, device), act=act)
-    assert_close_to(got, decode_gemm_ref(ACT_REFS[act](x), w, b))
-    assert not torch.allclose(got, decode_gemm_ref(x[:, :k], w, b), atol=1e-3)  # not the plain gate
-
-
-def test_linear_act_declines_what_the_kernel_does_not_take():
-    x, w, _ = operands(3, 16, 64, "cpu", torch.bfloat16)
-    assert linear_act(x, w[:, :32].contiguous(), "silu") is None  # CPU: the caller's two steps
-    with pytest.raises(AssertionError):
-        decode_gemm(x, w, act="silu")  # [gate | up] must be twice W's K
 
 
 def test_bf16_output_is_rounded_once(device):
@@ -210,23 +187,6 @@ def test_the_kernel_replays_in_a_cuda_graph(m, counted):
     torch.testing.assert_close(out, linear(x, w, b), rtol=0, atol=0)  # the same bits as the two-kernel sum
     assert not torch.equal(out, eager)
     assert counters is None or int(counters.abs().sum()) == 0
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("act", sorted(ACT_REFS))
-@pytest.mark.parametrize("m", [1, 4, 16])
-def test_the_activation_inside_gives_the_bits_of_the_two_launches(act, m):
-    """Qwen3-0.6B's down projection: linear_act equals ops/fused.py's activation kernel followed by
-    the decode GEMM, bit for bit (same formulas, same rounding, same sums)."""
-    from pagedllm.ops import fused
-
-    x, w, _ = operands(m, 1024, 6144, "cuda", torch.bfloat16, seed=m)
-    w = w[:, :3072].contiguous()
-    two = {"silu": fused.silu_and_mul, "gelu_pytorch_tanh": fused.gelu_tanh_and_mul}[act](x)
-    counters = tile_counters(1024, "cuda")
-    fused_out = linear_act(x, w, act, None, counters)
-    assert fused_out is not None and torch.equal(fused_out, linear(two, w, None, counters))
-    assert linear_act(x.repeat(17, 1), w, act) is None  # past the row limit: the caller's two steps
 
 
 @pytest.mark.gpu
