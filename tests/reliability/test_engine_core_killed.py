@@ -43,7 +43,12 @@ def _server(model: str, tmp_path_factory, *extra: str):
         srv.stop()
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["api-servers-1", "api-servers-2"])
+# two API processes: the slow job (.ci/run runs it after the README command); the README command keeps
+# N = 1 here and tests/server/test_api_server_count.py for two API sides over one core
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(1, id="api-servers-1"), pytest.param(2, id="api-servers-2", marks=pytest.mark.slow)],
+)
 def server(reliability_model, tmp_path_factory, request):
     """One API process, and two over one engine core: every one of them must end its streams."""
     yield from _server(reliability_model, tmp_path_factory, "--api-server-count", str(request.param))

@@ -39,7 +39,12 @@ CANCELLED_TOKENS = 1000  # a cancelled stream would run this long if its cancel 
 IDLE_CLOSE_BOUND_S = 60.0  # idle connections closed by the server within this (keep-alive: 5 s; a bound for a hang)
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["api-servers-1", "api-servers-2"])
+# two API processes: the slow job (.ci/run runs it after the README command); the README command keeps
+# N = 1 here and tests/server/test_api_server_count.py for two API sides over one core
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(1, id="api-servers-1"), pytest.param(2, id="api-servers-2", marks=pytest.mark.slow)],
+)
 def server(reliability_model, tmp_path_factory, request):
     """One API process, and two over one engine core (--api-server-count 2): the connections spread
     over both, so a cancel or a disconnect is handled by either, and the gauges are the core's."""

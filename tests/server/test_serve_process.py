@@ -22,7 +22,12 @@ from tests.server.helpers import ROOT, child_pids, metric, pid_alive, scrape, st
 KEY = "sk-from-env"
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["api-servers-1", "api-servers-2"])
+# two API processes: the slow job (.ci/run runs it after the README command); the README command keeps
+# N = 1 here and tests/server/test_api_server_count.py for two API sides over one core
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(1, id="api-servers-1"), pytest.param(2, id="api-servers-2", marks=pytest.mark.slow)],
+)
 def proc_server(long_context_model, tmp_path_factory, request):
     """`pagedllm serve` with one API process, and with two over one engine core (--api-server-count):
     every check below holds for the whole server either way (the queue is counted over both)."""
