@@ -31,7 +31,7 @@ import torch.nn.functional as F
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-from pagedllm.bench.common import environment  # noqa: E402
+from pagedllm.bench.common import device_copy_TBps, environment  # noqa: E402
 from pagedllm.ops._triton import num_sms  # noqa: E402
 from pagedllm.ops.decode_gemm import decode_gemm, decode_gemm_config, decode_gemm_ref, tile_counters  # noqa: E402
 
@@ -41,20 +41,6 @@ MODELS = {
     "llama-8b": ([(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)], 32),
 }
 COLD_BYTES = 256 * 1024**2  # the weight copies a timed graph walks through: several times the L2
-
-
-def copy_tbps() -> float:
-    """A 1 GiB device copy launched eagerly (captured in a graph it becomes a copy-engine node, ~2.8 TB/s)."""
-    x = torch.empty(1024**3, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    y.copy_(x)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        y.copy_(x)
-    end.record()
-    end.synchronize()
-    return 2 * 1024**3 * 10 / (start.elapsed_time(end) * 1e-3) / 1e12
 
 
 def timed(fn_of, copies: int, reps: int = 20) -> float:
@@ -130,7 +116,7 @@ def main() -> None:
     ap.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
     ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args()
-    copy = copy_tbps()
+    copy = device_copy_TBps()
     print(json.dumps({"copy_TBps": copy}), flush=True)
     shapes, layers = MODELS[args.model]
     rows = []

@@ -28,22 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
-from pagedllm.bench.common import environment  # noqa: E402
-
-
-def copy_TBps() -> float:
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(20):
-        y.copy_(x)
-    b.record()
-    b.synchronize()
-    return 2 * x.numel() * 20 / (a.elapsed_time(b) / 1000) / 1e12
+from pagedllm.bench.common import device_copy_TBps, environment  # noqa: E402
 
 
 def fill(graphs, bs: int, ctx: int, block_size: int) -> None:
@@ -111,7 +96,7 @@ def main() -> int:
     a = runner.attn_layers[0]
     kv_per_token = len(runner.attn_layers) * 2 * a.num_kv_heads * a.head_dim * runner.kv_cache[0].element_size()
     weights = runner.weights_bytes
-    bw = copy_TBps()
+    bw = device_copy_TBps()
     rows = []
     for bs in batches:
         padded = min(s for s in graphs.sizes if s >= bs)

@@ -21,7 +21,7 @@ sums are added in the same fixed order: the same result on every run.
 Accumulation is float32 and the output is rounded once to x's dtype, as cuBLAS does; the last bit
 can differ from cuBLAS's (a different summation order), as it differs between cuBLAS's own
 kernels for different M. `linear` picks this kernel on CUDA for bfloat16 and float16 inputs of at
-most `max_rows(n, k)` rows (measured: benchmarks/decode_gemm.py), and F.linear otherwise;
+most MAX_ROWS rows (measured: benchmarks/decode_gemm.py), and F.linear otherwise;
 PAGEDLLM_DECODE_GEMM=cublas turns it off (A/B runs). Both capture in CUDA graphs: the workspace is
 allocated per call, from the graph's pool under capture.
 """
@@ -68,11 +68,6 @@ def split_count(tiles: int, k: int, block_k: int, sms: int) -> int:
     return split
 
 
-def max_rows(n: int, k: int) -> int:
-    """The most rows `linear` multiplies with this kernel for a W of [n, k] (beyond: F.linear)."""
-    return MAX_ROWS
-
-
 def tile_counters(n: int, device: torch.device | str | None = None) -> torch.Tensor:
     """int32 zeros, one per output tile of up to MAX_ROWS rows and N columns: the arrival counts of
     `decode_gemm`'s in-kernel split-K sum, left at zero after every call."""
@@ -87,7 +82,7 @@ def wanted(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.dtype in DTYPES
         and weight.dtype == x.dtype
         and weight.stride(-1) == 1
-        and x.numel() // max(1, x.shape[-1]) <= max_rows(weight.shape[0], weight.shape[1])
+        and x.numel() // max(1, x.shape[-1]) <= MAX_ROWS
         and envs.decode_gemm() == "triton"
     )
 
