@@ -77,3 +77,28 @@ def test_generate_refuses_out_of_vocabulary_ids_and_surrogate_prompts(llm):
     plain = llm.generate([5, 6], SamplingParams(**seeded), use_tqdm=False)[0].outputs[0].token_ids
     wide = llm.generate([5, 6], SamplingParams(top_k=2**31 - 1, **seeded), use_tqdm=False)[0].outputs[0].token_ids
     assert wide == plain
+
+
+def test_prompt_token_ids_are_plain_ints_in_the_vocabulary(llm):
+    """The id checks (one pass in C for a list of plain ints) keep the item-by-item rule: a bool
+    is not a token id, another int subclass is; the first id outside the vocabulary is named."""
+    import enum
+
+    vocab = llm.hf_config.vocab_size
+    for bad in ([1, True, 3], [False], [1, 2.0], [1, "2"], [1, None], [1, [2]]):
+        assert refusal(llm, bad).message == "prompt_token_ids must be a list of integers", bad
+    assert refusal(llm, {"prompt_token_ids": [3, True]}).param == "prompt"
+    for bad, named in (([5, -1, vocab], -1), ([5, vocab, -1], vocab), ([vocab + 7], vocab + 7)):
+        e = refusal(llm, bad)
+        assert e.param == "prompt" and f"token id {named} is outside" in e.message, (bad, e.message)
+    assert "stop_token_ids" == refusal(llm, [1], stop_token_ids=[3, False]).param
+
+    class Tok(enum.IntEnum):
+        A = 5
+
+    greedy = SamplingParams(max_tokens=4, **GREEDY)
+    plain = llm.generate([5, 6, vocab - 1], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.generate([Tok.A, 6, vocab - 1], greedy, use_tqdm=False)[0].outputs[0].token_ids == plain
+    assert (
+        llm.generate({"prompt_token_ids": (5, 6, vocab - 1)}, greedy, use_tqdm=False)[0].outputs[0].token_ids == plain
+    )

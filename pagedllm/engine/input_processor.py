@@ -33,7 +33,7 @@ from pagedllm.engine.errors import InvalidRequestError
 from pagedllm.engine.grammar import GrammarChecker
 from pagedllm.engine.kv_cache_groups import KVCacheGroup, blocks_per_sequence
 from pagedllm.engine.messages import EngineCoreRequest
-from pagedllm.engine.sampling_params import TOKEN_ID_MAX, SamplingParams, has_surrogate
+from pagedllm.engine.sampling_params import TOKEN_ID_MAX, SamplingParams, all_ints, first_outside, has_surrogate
 
 if TYPE_CHECKING:
     from llguidance import LLTokenizer
@@ -223,7 +223,7 @@ class InputProcessor:
             raise InvalidRequestError("prompt contains a lone UTF-16 surrogate (U+D800..U+DFFF): not text", "prompt")
 
     def check_ids(self, ids: Any) -> list[int]:
-        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        if not isinstance(ids, (list, tuple)) or not all_ints(ids):
             raise InvalidRequestError("prompt_token_ids must be a list of integers", "prompt")
         bad = self._outside_vocabulary(ids)
         if bad is not None:
@@ -239,8 +239,7 @@ class InputProcessor:
             )
 
     def _outside_vocabulary(self, ids: Any) -> int | None:
-        limit = TOKEN_ID_MAX + 1 if self.vocab_size is None else self.vocab_size
-        return next((t for t in ids if not 0 <= t < limit), None)
+        return first_outside(ids, TOKEN_ID_MAX + 1 if self.vocab_size is None else self.vocab_size)
 
     def _vocabulary(self) -> str:
         return f"the vocabulary [0, {TOKEN_ID_MAX + 1 if self.vocab_size is None else self.vocab_size})"

@@ -7,7 +7,7 @@ InvalidRequestError naming the field (`param`), whichever door the request came 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +78,23 @@ def has_surrogate(text: str) -> bool:
     except UnicodeEncodeError:
         return True
     return False
+
+
+def all_ints(xs: Any) -> bool:
+    """Every item is an int and none is a bool (JSON's true is not a token id). One pass in C for
+    the usual list of plain ints (a 512-token prompt: ~12 us against ~45 for the generator); any
+    other item type falls back to the item-by-item rule, so int subclasses other than bool pass."""
+    kinds = set(map(type, xs))
+    if kinds <= {int}:
+        return True
+    return bool not in kinds and all(isinstance(t, int) for t in xs)
+
+
+def first_outside(ids: Sequence[int], limit: int) -> int | None:
+    """The first id not in [0, limit), else None: min and max in C, the scan only when one is out."""
+    if not ids or (min(ids) >= 0 and max(ids) < limit):
+        return None
+    return next(t for t in ids if not 0 <= t < limit)
 
 
 def _token_id(t: Any) -> bool:
@@ -227,8 +244,7 @@ class SamplingParams:
         need(not any(has_surrogate(s) for s in self.stop_list), "stop", "must be text (no lone UTF-16 surrogates)")
         if self.stop_token_ids is not None:
             need(
-                isinstance(self.stop_token_ids, (list, tuple))
-                and all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids),
+                isinstance(self.stop_token_ids, (list, tuple)) and all_ints(self.stop_token_ids),
                 "stop_token_ids",
                 "must be a list of integers",
             )

@@ -243,13 +243,6 @@ class AsyncLLM:
         self.output_handler.own(loop)
         if self.max_queue_len is not None and self.num_waiting() >= self.max_queue_len:
             raise QueueFullError(f"the request queue is full ({self.max_queue_len} waiting); retry later")
-        if self.log_requests:  # vLLM's per-request line; the prompt's text stays out of the log
-            logger.info(
-                "Received request %s: prompt tokens: %d, params: %s",
-                request.request_id,
-                len(request.prompt_token_ids),
-                params,
-            )
         core_id = f"{self._id_prefix}{next(self._core_ids)}"
         handle = self.registry.register(request, core_id, stream, loop)  # before sending: outputs may come at once
         try:
@@ -259,6 +252,13 @@ class AsyncLLM:
             raise EngineShutdownError(self._dead_reason or "the engine core is gone") from None
         if self.timeline is not None:
             self.timeline.event("submit", rid=core_id, user=request.request_id)
+        if self.log_requests:  # vLLM's per-request line, after the send: formatting it (~0.2 ms) waits for no one
+            logger.info(
+                "Received request %s: prompt tokens: %d, params: %s",
+                request.request_id,
+                len(request.prompt_token_ids),
+                params,
+            )
         return handle
 
     async def generate(

@@ -302,17 +302,33 @@ def test_a_client_gone_mid_body_is_one_debug_line(live_fake):
     assert httpx.post(live_fake.base_url + "/completions", json=COMPLETION, timeout=10).status_code == 200
 
 
-def test_health_answers_while_a_prompt_is_tokenized(live_fake, engine):
-    """Tokenizing runs on a worker thread, not on the event loop: /health answers while a
-    prompt's tokenizing is held (the tokenizer waits until the test has its answers)."""
+LONG_PROMPT = HOLD + "\ndef f(x):\n    return x * 2 + 1  # comment\n" * 200  # a body past INLINE_BODY_BYTES
+
+
+@pytest.mark.parametrize(
+    "body, status",
+    [
+        # a long body is prepared on a worker thread (then refused: the fake engine's context is 64 tokens)
+        ({**COMPLETION, "prompt": LONG_PROMPT}, 400),
+        # so is a short one that asks for a grammar, whose compiling does not scale with the body's size
+        ({**COMPLETION, "prompt": HOLD, "response_format": {"type": "json_object"}}, 200),
+    ],
+    ids=["long-prompt", "short-with-grammar"],
+)
+def test_health_answers_while_a_prompt_is_tokenized(live_fake, engine, body, status):
+    """Tokenizing a long body (or one with a grammar) runs on a worker thread, not on the event
+    loop: /health answers while its tokenizing is held (the tokenizer waits until the test has its
+    answers). Small bodies are prepared on the loop (serving.py: prepared_on_loop)."""
+    from pagedllm.entrypoints.openai.serving import INLINE_BODY_BYTES
+
+    assert (len(json.dumps(body)) > INLINE_BODY_BYTES) == (status == 400)
     tokenizer = engine.tokenizer
     tokenizer.holding.clear()
     tokenizer.release.clear()
-    text = HOLD + "\ndef f(x):\n    return x * 2 + 1  # comment\n" * 100
     result: dict = {}
 
     def held():
-        r = httpx.post(live_fake.base_url + "/completions", json={**COMPLETION, "prompt": text}, timeout=180)
+        r = httpx.post(live_fake.base_url + "/completions", json=body, timeout=180)
         result.update(status=r.status_code, body=r.json())
 
     worker = threading.Thread(target=held)
@@ -325,5 +341,6 @@ def test_health_answers_while_a_prompt_is_tokenized(live_fake, engine):
         tokenizer.release.set()
         worker.join(120)
     assert not worker.is_alive()
-    # then it was tokenized (and refused: the fake engine's context is 64 tokens)
-    assert result["status"] == 400 and result["body"]["error"]["code"] == "context_length_exceeded"
+    assert result["status"] == status, result  # then it was tokenized
+    if status == 400:
+        assert result["body"]["error"]["code"] == "context_length_exceeded"

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.engine.sampling_params import MAX_LOGPROBS, has_surrogate
+from pagedllm.engine.sampling_params import MAX_LOGPROBS, all_ints, has_surrogate
 from pagedllm.entrypoints.openai.errors import APIError, bad_request
 from pagedllm.entrypoints.openai.structured_request import structured_outputs_of
 
@@ -358,11 +358,9 @@ def completion_prompts(body: dict[str, Any]) -> list[Any]:
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
             return list(prompt)
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if all_ints(prompt):
             return [prompt]
-        if all(
-            isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in prompt
-        ):
+        if all(isinstance(p, list) and p and all_ints(p) for p in prompt):
             return list(prompt)
     raise bad_request(
         "'prompt' must be a string, an array of strings, an array of token ids or an array of "
