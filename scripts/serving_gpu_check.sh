@@ -13,6 +13,7 @@
 #   SARGS="--max-num-seqs 512" bash scripts/serving_gpu_check.sh
 #   API_COUNTS="1 2 4" bash scripts/serving_gpu_check.sh   # one server per --api-server-count
 #   REPEATS=3 bash scripts/serving_gpu_check.sh    # three all-at-once runs per server (own prompts each)
+#   CEILING="4 8" bash scripts/serving_gpu_check.sh  # and each client's own ceiling (benchmarks/client_ceiling.py)
 #
 # Server wheels (fastapi, uvicorn, ...) and llguidance are installed from .whl/server/ and .whl/ into
 # /tmp/site when this Python lacks them; nothing is downloaded.
@@ -147,6 +148,16 @@ else
   serve_and_bench engine-process ""
 fi
 [ "${AB:-0}" = 1 ] && serve_and_bench engine-thread "--no-engine-process"
+# CEILING="4 8": each client against a stand-in server that costs nothing (benchmarks/client_ceiling.py:
+# a step clock of that many ms over at most 256 streams), so the rate each client can measure on this
+# host shows beside the servers' rows; JSON lines in $OUT/client_ceiling.jsonl
+for step in ${CEILING:-}; do
+  for c in pagedllm $([ -n "$VB" ] && echo vllm); do
+    timeout 120 $PY benchmarks/client_ceiling.py --client $c --vllm-bench "${VB:-.}" --tokenizer $MODEL \
+        --num-prompts $NUM --input-len $IN --output-len $OUTLEN --step-ms $step --out "$OUT/client_ceiling.jsonl" \
+        2>&1 | tail -1 | cut -c1-300
+  done
+done
 $PY - "$OUT/results/serving-gpu.json" "$OUT/vllm-client" <<'EOF'
 import glob, json, os, sys
 for r in json.load(open(sys.argv[1])):
