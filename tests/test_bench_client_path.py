@@ -1,0 +1,37 @@
+"""The request-path benchmarks run end to end at small sizes: request_prep.py (preparation of each
+body kind, no server) and client_ceiling.py (this project's client against the stand-in server,
+which must speak the completions stream a client reads: every request's tokens and its usage)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(script: str, *args: str, out) -> dict:
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", script), *args, "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 1
+    return rows[0]
+
+
+def test_request_prep_times_each_body_kind(tmp_path):
+    row = run("request_prep.py", "--num-bodies", "12", "--rounds", "1", "--input-len", "32", out=tmp_path / "p.jsonl")
+    res = row["results"]
+    assert set(res) == {"prepare_token_ids_us", "prepare_text_us", "prepare_chat_us", "log_line_us", "to_thread_hop_us"}
+    assert all(v > 0 for v in res.values())
+
+
+def test_client_ceiling_streams_every_token_to_this_projects_client(tmp_path):
+    args = ["--client", "pagedllm", "--num-prompts", "6", "--input-len", "16", "--output-len", "5"]
+    row = run("client_ceiling.py", *args, "--batch", "4", "--step-ms", "2", out=tmp_path / "c.jsonl")
+    # 6 requests over 4 slots: two rounds of 5 steps of 2 ms
+    assert row["ideal_req_s"] == round(6 / (2 * 5 * 0.002), 1)
+    assert row["measured_req_s"] is not None and 0 < row["measured_req_s"] <= row["ideal_req_s"]
+    assert row["client_cpu_s"] > 0
