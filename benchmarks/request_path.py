@@ -10,6 +10,10 @@ and reads the stream to its end before the next request, so each stage is the se
     handler_to_prepared parsed, tokenized, checked (serving.py: on the loop or a worker thread)
     prepared_to_submit  queued in AsyncLLM and written to the core's pipe
     submit_to_core      the core process has read it
+    (the model's steps: not timed here)
+    core_to_api         the first token's outputs: sent by the core -> read by the API process
+    api_to_sse          read -> its SSE event written (output processing, detokenizing, JSON)
+    sse_to_client       written -> the client's socket has the event
 
 Launches `pagedllm serve` (PAGEDLLM_TIMELINE set) from whatever `pagedllm` is importable, so
 another tree can be measured with the same script (run it from outside the repository with
@@ -38,6 +42,11 @@ STAGES = [
     ("prepared_to_submit", "prepared", "submit"),
     ("submit_to_core", "submit", "core_recv"),
 ]
+RETURN_STAGES = [
+    ("core_to_api", "core_sent", "api_recv"),
+    ("api_to_sse", "api_recv", "sse"),
+    ("sse_to_client", "sse", "client_first"),
+]
 
 
 def request_bytes(host: str, body: dict[str, Any]) -> bytes:
@@ -46,14 +55,17 @@ def request_bytes(host: str, body: dict[str, Any]) -> bytes:
     return (head + f"content-length: {len(raw)}\r\n\r\n").encode() + raw
 
 
-def read_stream(sock: socket.socket) -> None:
-    """Read one chunked SSE response to its last chunk."""
-    buf = b""
+def read_stream(sock: socket.socket) -> float:
+    """Read one chunked SSE response to its last chunk; returns when its first token arrived."""
+    buf, first = b"", 0.0
     while not (b"[DONE]" in buf and buf.endswith(b"0\r\n\r\n")):
         data = sock.recv(65536)
         if not data:
             raise ConnectionError("the server closed the connection")
         buf += data
+        if not first and b'"text"' in buf:
+            first = time.monotonic()
+    return first
 
 
 def events(prefix: str) -> dict[str, dict[str, float]]:
@@ -69,9 +81,16 @@ def events(prefix: str) -> dict[str, dict[str, float]]:
             by_user.setdefault(r["user"], {})[r["ev"]] = r["t"]
         if r["ev"] == "submit":
             core_to_user[r["rid"]] = r["user"]
-    for r in rows:
+    for r in sorted(rows, key=lambda r: r["t"]):  # each request's first "sent", "recv" and "sse"
         if r["ev"] == "core_recv" and r["rid"] in core_to_user:
             by_user[core_to_user[r["rid"]]]["core_recv"] = r["t"]
+        for ev, key in (("sent", "core_sent"), ("recv", "api_recv")):
+            if r["ev"] == ev:
+                for rid in r["rids"]:
+                    if rid in core_to_user:
+                        by_user[core_to_user[rid]].setdefault(key, r["t"])
+        if r["ev"] == "sse" and r["user"] in by_user:
+            by_user[r["user"]].setdefault("sse", r["t"])
     return by_user
 
 
@@ -102,6 +121,7 @@ def main() -> int:
         prompts = [tokenizer.decode(p) for p in prompts]
     proc, base = launch_server(model, args.server_args, 600, None)
     sent: dict[str, float] = {}
+    first: dict[str, float] = {}
     try:
         name = server_model_name(base, None)
         host, port = base.split("//")[1].rsplit(":", 1)
@@ -113,19 +133,24 @@ def main() -> int:
                 t = time.monotonic()
                 sock.sendall(raw)
                 sent[f"cmpl-p{i}"] = t
-                read_stream(sock)
+                first[f"cmpl-p{i}"] = read_stream(sock)
                 time.sleep(0.05)
     finally:
         stop_server(proc)
         del os.environ["PAGEDLLM_TIMELINE"]
     ev = events(prefix)
-    rows = [{"send": t, **ev[u]} for u, t in sent.items() if u in ev][args.skip :]
-    stages = {
-        name: round(statistics.median((r[b] - r[a]) * 1e3 for r in rows), 3)
-        for name, a, b in STAGES
-        if all(a in r and b in r for r in rows)
-    }
-    stages["sum_of_medians"] = round(sum(stages.values()), 3)
+    rows = [{"send": t, "client_first": first[u], **ev[u]} for u, t in sent.items() if u in ev][args.skip :]
+
+    def medians(stages: list[tuple[str, str, str]]) -> dict[str, float]:
+        got = {
+            name: round(statistics.median((r[b] - r[a]) * 1e3 for r in rows), 3)
+            for name, a, b in stages
+            if all(a in r and b in r for r in rows)
+        }
+        got["sum_of_medians"] = round(sum(got.values()), 3)
+        return got
+
+    stages, back = medians(STAGES), medians(RETURN_STAGES)
     out = {
         "benchmark": "request_path",
         "label": args.label,
@@ -133,6 +158,8 @@ def main() -> int:
         "input_len": args.input_len,
         "requests": len(rows),
         "median_ms": stages,
+        "first_token_back_median_ms": back,
+        "ttft_median_ms": round(statistics.median((r["client_first"] - r["send"]) * 1e3 for r in rows), 3),
         **environment(),
     }
     print(json.dumps(out))
