@@ -160,6 +160,7 @@ def main() -> int:
         else:
             cmd = [args.client_python, "-m", "pagedllm", "bench", "serve", "--base-url", base, "--model", tokenizer]
             cmd += ["--input-len", str(args.input_len), "--output-len", str(args.output_len), "--seed", "1"]
+            cmd += ["--no-save"]  # its rows against a stand-in belong in this script's output only
         cmd += ["--num-prompts", str(args.num_prompts), "--request-rate", "inf"]
         client = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert client.stdout is not None

@@ -16,8 +16,9 @@ tokenizing, the checks) runs on a worker thread of the loop's default executor (
 a bounded pool) when it may take long: a 6 MB prompt takes seconds to tokenize, and on the event
 loop it would stall every other client, /health included. A small body (`prepared_on_loop`: at
 most INLINE_BODY_BYTES, no grammar, tools or template to compile) is prepared on the loop: the
-thread's two wake-ups cost more than a 512-token prompt's preparation, and the tokenizer holds the
-GIL while it works, so the loop would wait for it either way.
+thread's two wake-ups cost more than a 512-token prompt's preparation, and a worker that has
+tokenized must win the GIL back from a busy loop (up to sys.getswitchinterval(), 5 ms) before the
+request moves on.
 `add_request` and everything after it stay on the loop that owns the engine's streams.
 A client that goes away aborts its requests: a stream through `SSEStream.close`, a
 non-streamed request through the `disconnected` watcher.
