@@ -2,8 +2,9 @@
 
 An executor that returns a token at once stands in for the model, so what is timed is the
 scheduler, the KV-cache manager and the output processing (detokenizer, RequestOutputs) of
-`LLMEngine.step` with N requests running, streamed and not. Also the cost of pickling one
-step's message to the engine-core process. Runs against whatever `pagedllm` is importable, so
+`LLMEngine.step` with N requests running, streamed and not; and the steps that admit a 512-token
+prompt beside 3 decodes (the 16 req/s serving load), with prefix caching on and off. Also the
+cost of pickling one step's message to the engine-core process. Runs against whatever `pagedllm` is importable, so
 an older checkout can be measured with the same script (PYTHONPATH=OLD python benchmarks/host_step.py).
 
     python benchmarks/host_step.py --label after --results-dir benchmarks/results
@@ -61,6 +62,39 @@ def time_steps(tokenizer, num_requests: int, stream: bool) -> float:
     return (time.perf_counter() - start) / steps * 1e3
 
 
+def time_admitting(tokenizer, prefix_caching: bool, steps: int = 400, every: int = 10) -> dict[str, float]:
+    """The serving benchmark at 16 req/s, as the core sees it: 3 long decodes, and every `every`
+    steps a new prompt of 512 tokens (8 out) is admitted. Median ms of the steps that admit one
+    (scheduling the prefill: prefix-cache lookup, block hashing and registration) and of the rest."""
+    from pagedllm.engine import LLMEngine, SamplingParams, SchedulerConfig
+
+    cfg = SchedulerConfig(
+        num_kv_blocks=40_000,
+        block_size=16,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        max_model_len=4096,
+        enable_prefix_caching=prefix_caching,
+    )
+    engine = LLMEngine(cfg, InstantExecutor(), tokenizer, {0}, vocab_size=8192)
+    rng = random.Random(1)
+    long = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(f"l{i}", [rng.randrange(100, 8000) for _ in range(512)], long, stream=True)
+    for _ in range(5):
+        engine.step()
+    admitting, decoding = [], []
+    for k in range(steps):
+        new = k % every == 0
+        if new:
+            ids = [rng.randrange(100, 8000) for _ in range(512)]
+            engine.add_request(f"n{k}", ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), stream=True)
+        start = time.perf_counter()
+        engine.step()
+        (admitting if new else decoding).append((time.perf_counter() - start) * 1e3)
+    return {"admitting_ms": round(statistics.median(admitting), 3), "decode_ms": round(statistics.median(decoding), 3)}
+
+
 def pickle_us(obj, repeat: int = 2000) -> float:
     start = time.perf_counter()
     for _ in range(repeat):
@@ -88,6 +122,8 @@ def main() -> None:
             "median_ms_per_step": round(statistics.median(runs), 3),
             "runs_ms_per_step": [round(r, 3) for r in runs],
         }
+    for caching in (True, False):
+        results[f"admit_512_prefix_caching_{'on' if caching else 'off'}"] = time_admitting(tokenizer, caching)
     # one step's message to the engine-core process, 256 sequences of one new token each
     rows = [(str(i), 0, [1234], None, None, 32, 1.0, None) for i in range(256)]  # the old wire format
     results["pickle_us_256_tuples"] = round(pickle_us(("step", rows, None)), 1)
