@@ -312,8 +312,10 @@ LONG_PROMPT = HOLD + "\ndef f(x):\n    return x * 2 + 1  # comment\n" * 200  # a
         ({**COMPLETION, "prompt": LONG_PROMPT}, 400),
         # so is a short one that asks for a grammar, whose compiling does not scale with the body's size
         ({**COMPLETION, "prompt": HOLD, "response_format": {"type": "json_object"}}, 200),
+        # and one with bad words, each tokenized (here the held one)
+        ({**COMPLETION, "bad_words": [HOLD]}, 200),
     ],
-    ids=["long-prompt", "short-with-grammar"],
+    ids=["long-prompt", "short-with-grammar", "short-with-bad-words"],
 )
 def test_health_answers_while_a_prompt_is_tokenized(live_fake, engine, body, status):
     """Tokenizing a long body (or one with a grammar) runs on a worker thread, not on the event

@@ -15,7 +15,7 @@ Everything before `add_request` (JSON decoding when the body comes as bytes, the
 tokenizing, the checks) runs on a worker thread of the loop's default executor (`asyncio.to_thread`,
 a bounded pool) when it may take long: a 6 MB prompt takes seconds to tokenize, and on the event
 loop it would stall every other client, /health included. A small body (`prepared_on_loop`: at
-most INLINE_BODY_BYTES, no grammar, tools or template to compile) is prepared on the loop: the
+most INLINE_BODY_BYTES, no grammar, tools, template or bad words) is prepared on the loop: the
 thread's two wake-ups cost more than a 512-token prompt's preparation, and a worker that has
 tokenized must win the GIL back from a busy loop (up to sys.getswitchinterval(), 5 ms) before the
 request moves on.
@@ -75,8 +75,9 @@ logger = logging.getLogger("pagedllm")
 # against 0.25-0.3 ms for the hop to a worker thread and back in the running server)...
 INLINE_BODY_BYTES = 8 << 10
 # ...unless it names a field whose work does not scale with its size: a grammar to compile (the
-# structured-output fields, tools), a chat template of its own. A match inside a prompt's text only
-# sends that body to the thread.
+# structured-output fields, tools), a chat template of its own, bad words (two encodes a word: a
+# few KiB of short words is thousands of them). A match inside a prompt's text only sends that
+# body to the thread.
 THREAD_FIELDS = (
     b'"response_format"',
     b'"structured_outputs"',
@@ -84,6 +85,7 @@ THREAD_FIELDS = (
     b'"tools"',
     b'"tool_choice"',
     b'"chat_template"',
+    b'"bad_words"',
 )
 
 T = TypeVar("T")
