@@ -12,7 +12,10 @@ and reads the stream to its end before the next request, so each stage is the se
     submit_to_core      the core process has read it
     (the model's steps: not timed here)
     core_to_api         the first token's outputs: sent by the core -> read by the API process
-    api_to_sse          read -> its SSE event written (output processing, detokenizing, JSON)
+    recv_to_applied     output processing (detokenizing), the stream woken
+    applied_to_resumed  -> the stream's task runs (the loop's turn)
+    resumed_to_built    its SSE events' JSON made
+    built_to_sse        -> written to the socket (Starlette's response, the middlewares, uvicorn)
     sse_to_client       written -> the client's socket has the event
 
 Launches `pagedllm serve` (PAGEDLLM_TIMELINE set) from whatever `pagedllm` is importable, so
@@ -44,7 +47,10 @@ STAGES = [
 ]
 RETURN_STAGES = [
     ("core_to_api", "core_sent", "api_recv"),
-    ("api_to_sse", "api_recv", "sse"),
+    ("recv_to_applied", "api_recv", "applied"),
+    ("applied_to_resumed", "applied", "resumed"),
+    ("resumed_to_built", "resumed", "built"),
+    ("built_to_sse", "built", "sse"),
     ("sse_to_client", "sse", "client_first"),
 ]
 
@@ -84,13 +90,13 @@ def events(prefix: str) -> dict[str, dict[str, float]]:
     for r in sorted(rows, key=lambda r: r["t"]):  # each request's first "sent", "recv" and "sse"
         if r["ev"] == "core_recv" and r["rid"] in core_to_user:
             by_user[core_to_user[r["rid"]]]["core_recv"] = r["t"]
-        for ev, key in (("sent", "core_sent"), ("recv", "api_recv")):
+        for ev, key in (("sent", "core_sent"), ("recv", "api_recv"), ("applied", "applied")):
             if r["ev"] == ev:
                 for rid in r["rids"]:
                     if rid in core_to_user:
                         by_user[core_to_user[rid]].setdefault(key, r["t"])
-        if r["ev"] == "sse" and r["user"] in by_user:
-            by_user[r["user"]].setdefault("sse", r["t"])
+        if r["ev"] in ("resumed", "built", "sse") and r["user"] in by_user:
+            by_user[r["user"]].setdefault(r["ev"], r["t"])
     return by_user
 
 

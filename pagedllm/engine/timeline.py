@@ -2,7 +2,8 @@
 
 Off unless `PAGEDLLM_TIMELINE=PREFIX` is set (envs.py). Then every process that serves writes
 one JSON line per event to `PREFIX.<role>.<pid>.jsonl`: the API process (HTTP arrival, parsed
-and tokenized, handed to the core, each step's outputs received, each SSE event written) and
+and tokenized, handed to the core, each step's outputs received and applied, each stream's task
+resumed with its output, its events built and written) and
 the engine core (a request received, each step scheduled, launched and resolved, its outputs
 sent). Times are `time.monotonic()`, one clock for every process of a host (the benchmark
 client's too: bench/request_func.py), so the files join on request ids into one timeline per

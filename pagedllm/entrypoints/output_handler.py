@@ -122,6 +122,8 @@ class OutputHandler:
             if self.timeline is not None and msg.outputs:
                 self.timeline.event("recv", rids=[o.request_id for o in msg.outputs])
             self.registry.apply(msg.outputs)
+            if self.timeline is not None and msg.outputs:  # detokenized, the streams woken
+                self.timeline.event("applied", rids=[o.request_id for o in msg.outputs])
         elif isinstance(msg, Stats):
             self._on_stats(msg.stats)
         elif isinstance(msg, Rejected):

@@ -107,8 +107,13 @@ async def events(
                 yield sse(error_body(failed.message, failed.type, failed.param, failed.code))
                 yield SSE_DONE
                 return
+            if timeline is not None:  # this stream's task runs again: the output is here
+                timeline.event("resumed", user=out.request_id)
             completion_tokens[i] = sum(len(o.token_ids) for o in out.outputs)
-            for event in builder.events(i, out):
+            built = builder.events(i, out)
+            if timeline is not None:  # its events' JSON is made
+                timeline.event("built", user=out.request_id)
+            for event in built:
                 yield event
             if timeline is not None:  # written: the transport has the events of these tokens
                 timeline.event("sse", user=out.request_id, n=completion_tokens[i])
