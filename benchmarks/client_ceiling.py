@@ -106,12 +106,6 @@ class StepServer:
         await server.serve_forever()
 
 
-def free_socket() -> socket.socket:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    return sock
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--client", choices=["vllm", "pagedllm"], default="vllm")
@@ -135,11 +129,10 @@ def main() -> int:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import pagedllm
     from pagedllm.bench.common import environment
+    from pagedllm.bench.server_process import free_port
 
     tokenizer = args.tokenizer or str(pagedllm.default_model_path())
-    probe = free_socket()
-    port = probe.getsockname()[1]
-    probe.close()
+    port = free_port()
     server = subprocess.Popen(
         [sys.executable, __file__, "--serve-only", "--port", str(port), "--output-len", str(args.output_len)]
         + ["--batch", str(args.batch), "--step-ms", str(args.step_ms)]
@@ -165,8 +158,8 @@ def main() -> int:
         client = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert client.stdout is not None
         text = client.stdout.read()
-        _, _, usage = os.wait4(client.pid, 0)  # the client's own CPU time
-        client.returncode = 0  # reaped here, not by Popen
+        _, status, usage = os.wait4(client.pid, 0)  # the client's own CPU time
+        client.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
     finally:
         server.terminate()
         server.wait()

@@ -43,14 +43,26 @@ class InstantExecutor:
         pass
 
 
-def time_steps(tokenizer, num_requests: int, stream: bool) -> float:
-    """Mean ms per step of a whole run: num_requests prompts of 512 tokens, 128 greedy tokens each."""
-    from pagedllm.engine import LLMEngine, SamplingParams, SchedulerConfig
+def instant_engine(tokenizer, prefix_caching: bool = True):
+    """An LLMEngine over InstantExecutor, the serving benchmark's scheduler limits."""
+    from pagedllm.engine import LLMEngine, SchedulerConfig
 
     cfg = SchedulerConfig(
-        num_kv_blocks=40_000, block_size=16, max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=4096
+        num_kv_blocks=40_000,
+        block_size=16,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        max_model_len=4096,
+        enable_prefix_caching=prefix_caching,
     )
-    engine = LLMEngine(cfg, InstantExecutor(), tokenizer, {0}, vocab_size=8192)
+    return LLMEngine(cfg, InstantExecutor(), tokenizer, {0}, vocab_size=8192)
+
+
+def time_steps(tokenizer, num_requests: int, stream: bool) -> float:
+    """Mean ms per step of a whole run: num_requests prompts of 512 tokens, 128 greedy tokens each."""
+    from pagedllm.engine import SamplingParams
+
+    engine = instant_engine(tokenizer)
     rng = random.Random(1)
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     for i in range(num_requests):
@@ -66,17 +78,9 @@ def time_admitting(tokenizer, prefix_caching: bool, steps: int = 400, every: int
     """The serving benchmark at 16 req/s, as the core sees it: 3 long decodes, and every `every`
     steps a new prompt of 512 tokens (8 out) is admitted. Median ms of the steps that admit one
     (scheduling the prefill: prefix-cache lookup, block hashing and registration) and of the rest."""
-    from pagedllm.engine import LLMEngine, SamplingParams, SchedulerConfig
+    from pagedllm.engine import SamplingParams
 
-    cfg = SchedulerConfig(
-        num_kv_blocks=40_000,
-        block_size=16,
-        max_num_seqs=256,
-        max_num_batched_tokens=8192,
-        max_model_len=4096,
-        enable_prefix_caching=prefix_caching,
-    )
-    engine = LLMEngine(cfg, InstantExecutor(), tokenizer, {0}, vocab_size=8192)
+    engine = instant_engine(tokenizer, prefix_caching)
     rng = random.Random(1)
     long = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
     for i in range(3):

@@ -17,7 +17,7 @@ import time
 from pagedllm import envs
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -32,7 +32,7 @@ def launch_server(
     """
     import httpx
 
-    port = _free_port()
+    port = free_port()
     cmd = [
         sys.executable,
         "-m",
