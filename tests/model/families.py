@@ -12,6 +12,11 @@ import shutil
 
 import torch
 
+from pagedllm.model.decoder import DecoderForCausalLM
+from pagedllm.model.loader import load_weights
+from pagedllm.model.registry import build_model
+from pagedllm.ops.attention_metadata import AttentionMetadata
+from pagedllm.ops.kernels import TorchKernels
 from tests.helpers import TINY_SHAPE
 
 WINDOW = 32
@@ -108,3 +113,30 @@ def short_workload(n: int = 5):
         own = torch.randint(1, 370, (3 + 3 * i,), generator=g).tolist()
         prompts.append(shared + own[:6] if i % 2 else own)
     return prompts, [4 + i for i in range(n)]
+
+
+def ours(path: str) -> DecoderForCausalLM:
+    from transformers import AutoConfig
+
+    model = build_model(AutoConfig.from_pretrained(path), TorchKernels())
+    load_weights(model, path)
+    return model.eval()
+
+
+def one_prefill(n: int) -> AttentionMetadata:
+    """n new tokens of one sequence, no KV history; the caches are unbound (empty)."""
+    return AttentionMetadata(
+        slot_mapping=torch.arange(n),
+        block_tables=torch.zeros(1, 1, dtype=torch.int32),
+        cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        max_seqlen_q=n,
+        max_seqlen_k=n,
+        decode_only=False,
+        no_history=True,
+    )
+
+
+@torch.inference_mode()
+def prefill_logits(model: DecoderForCausalLM, ids: torch.Tensor) -> torch.Tensor:
+    return model.compute_logits(model(ids, torch.arange(len(ids)), one_prefill(len(ids))))

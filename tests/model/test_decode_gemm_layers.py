@@ -17,12 +17,8 @@ from collections import Counter
 import pytest
 import torch
 
-from pagedllm.model.loader import load_weights
-from pagedllm.model.registry import build_model
 from pagedllm.ops import decode_gemm as dg
-from pagedllm.ops.attention_metadata import AttentionMetadata
-from pagedllm.ops.kernels import TorchKernels
-from tests.model.families import family_checkpoints
+from tests.model.families import family_checkpoints, ours, prefill_logits
 
 # the interpreter runs kernels only where CUDA is absent (ops/_triton.py); on a GPU,
 # tests/gpu/test_gpu_engine.py runs the compiled kernel in bf16 decode graphs
@@ -35,27 +31,8 @@ def paths(tiny_models, tmp_path_factory):
     return {"qwen3": tiny_models["qwen3"], "qwen2": tiny_models["qwen2"], "gemma3": gemma3}
 
 
-def prefill(n: int) -> AttentionMetadata:
-    return AttentionMetadata(
-        slot_mapping=torch.arange(n),
-        block_tables=torch.zeros(1, 1, dtype=torch.int32),
-        cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
-        seq_lens=torch.tensor([n], dtype=torch.int32),
-        max_seqlen_q=n,
-        max_seqlen_k=n,
-        decode_only=False,
-        no_history=True,
-    )
-
-
-@torch.inference_mode()
 def logits(path: str, ids: torch.Tensor) -> torch.Tensor:
-    from transformers import AutoConfig
-
-    model = build_model(AutoConfig.from_pretrained(path), TorchKernels())
-    load_weights(model, path)
-    model.eval()
-    return model.compute_logits(model(ids, torch.arange(len(ids)), prefill(len(ids))))
+    return prefill_logits(ours(path), ids)
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen2", "gemma3"])

@@ -21,46 +21,17 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.model.decoder import DecoderForCausalLM
 from pagedllm.model.loader import load_weights
 from pagedllm.model.registry import build_model, layer_windows
-from pagedllm.ops.attention_metadata import AttentionMetadata
 from pagedllm.ops.kernels import TorchKernels
 from tests.helpers import TINY_SHAPE
-from tests.model.families import KINDS, WINDOW, family_checkpoints, long_workload
+from tests.model.families import KINDS, WINDOW, family_checkpoints, long_workload, ours, prefill_logits
 from tests.model.hf_reference import GREEDY, hf_model, hf_position_logits, step_logits
 
 
 @pytest.fixture(scope="module")
 def family_models(tiny_models, tmp_path_factory):
     return family_checkpoints(tiny_models["qwen3"], tmp_path_factory)
-
-
-def ours(path: str) -> DecoderForCausalLM:
-    from transformers import AutoConfig
-
-    model = build_model(AutoConfig.from_pretrained(path), TorchKernels())
-    load_weights(model, path)
-    return model.eval()
-
-
-def one_prefill(n: int) -> AttentionMetadata:
-    """n new tokens of one sequence, no KV history; the caches are unbound (empty)."""
-    return AttentionMetadata(
-        slot_mapping=torch.arange(n),
-        block_tables=torch.zeros(1, 1, dtype=torch.int32),
-        cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
-        seq_lens=torch.tensor([n], dtype=torch.int32),
-        max_seqlen_q=n,
-        max_seqlen_k=n,
-        decode_only=False,
-        no_history=True,
-    )
-
-
-@torch.inference_mode()
-def prefill_logits(model: DecoderForCausalLM, ids: torch.Tensor) -> torch.Tensor:
-    return model.compute_logits(model(ids, torch.arange(len(ids)), one_prefill(len(ids))))
 
 
 @pytest.mark.parametrize("kind", KINDS)
