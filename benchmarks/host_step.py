@@ -4,7 +4,8 @@ An executor that returns a token at once stands in for the model, so what is tim
 scheduler, the KV-cache manager and the output processing (detokenizer, RequestOutputs) of
 `LLMEngine.step` with N requests running, streamed and not; and the steps that admit a 512-token
 prompt beside 3 decodes (the 16 req/s serving load), with prefix caching on and off. Also the
-cost of pickling one step's message to the engine-core process. Runs against whatever `pagedllm` is importable, so
+cost of pickling one step's message to the engine-core process, and what the model runner builds
+on the host for a decode step (its StepInputs and SamplingTensors) at 1-256 sequences. Runs against whatever `pagedllm` is importable, so
 an older checkout can be measured with the same script (PYTHONPATH=OLD python benchmarks/host_step.py).
 
     python benchmarks/host_step.py --label after --results-dir benchmarks/results
@@ -43,8 +44,8 @@ class InstantExecutor:
         pass
 
 
-def instant_engine(tokenizer, prefix_caching: bool = True):
-    """An LLMEngine over InstantExecutor, the serving benchmark's scheduler limits."""
+def instant_engine(tokenizer, prefix_caching: bool = True, executor: InstantExecutor | None = None):
+    """An LLMEngine over an InstantExecutor (default a new one), the serving benchmark's scheduler limits."""
     from pagedllm.engine import LLMEngine, SchedulerConfig
 
     cfg = SchedulerConfig(
@@ -55,7 +56,53 @@ def instant_engine(tokenizer, prefix_caching: bool = True):
         max_model_len=4096,
         enable_prefix_caching=prefix_caching,
     )
-    return LLMEngine(cfg, InstantExecutor(), tokenizer, {0}, vocab_size=8192)
+    return LLMEngine(cfg, executor or InstantExecutor(), tokenizer, {0}, vocab_size=8192)
+
+
+class WorkerInputsExecutor(InstantExecutor):
+    """InstantExecutor that also builds what the model runner builds on the host for each step: its
+    StepInputs (worker/step_inputs.py, block tables kept across steps) and SamplingTensors
+    (worker/sampler.py, on CPU tensors), timed for decode steps."""
+
+    def __init__(self) -> None:
+        import numpy as np
+
+        from pagedllm.worker.step_inputs import BlockTableRows
+
+        super().__init__()
+        self.rows, self.philox = BlockTableRows(), np.random.default_rng(0)
+        self.times: dict[str, list[float]] = {"step_inputs": [], "sampling_tensors": []}
+
+    def execute(self, out):
+        import torch
+
+        from pagedllm.worker.sampler import sampling_tensors
+        from pagedllm.worker.step_inputs import build_step_inputs
+
+        t0 = time.perf_counter()
+        inp = build_step_inputs(out, 16, 8192, frozenset({0}), self.kv_cache_groups, self.rows, None)
+        t1 = time.perf_counter()
+        if len(inp.logits_indices):
+            sampling_tensors(inp, 8192, torch.device("cpu"), torch.from_numpy, self.philox)
+        if all(s.num_new_tokens == 1 for s in out.scheduled):
+            self.times["step_inputs"].append(t1 - t0)
+            self.times["sampling_tensors"].append(time.perf_counter() - t1)
+        return super().execute(out)
+
+
+def time_worker_inputs(num_seqs: int) -> dict[str, float]:
+    """Median us per decode step of the runner's host-side inputs, num_seqs greedy sequences of 512 + 128."""
+    from pagedllm.engine import SamplingParams
+
+    executor = WorkerInputsExecutor()
+    engine = instant_engine(None, executor=executor)
+    rng = random.Random(1)
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    for i in range(num_seqs):
+        engine.add_request(f"r{i}", [rng.randrange(100, 8000) for _ in range(512)], params, stream=False)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {k: round(statistics.median(v) * 1e6, 1) for k, v in executor.times.items()}
 
 
 def time_steps(tokenizer, num_requests: int, stream: bool) -> float:
@@ -128,6 +175,10 @@ def main() -> None:
         }
     for caching in (True, False):
         results[f"admit_512_prefix_caching_{'on' if caching else 'off'}"] = time_admitting(tokenizer, caching)
+    try:  # the model runner's host-side inputs of a decode step, by batch size
+        results["worker_decode_inputs_us"] = {n: time_worker_inputs(n) for n in (1, 4, 16, 64, 256)}
+    except ImportError:
+        pass  # an older tree without these worker modules
     # one step's message to the engine-core process, 256 sequences of one new token each
     rows = [(str(i), 0, [1234], None, None, 32, 1.0, None) for i in range(256)]  # the old wire format
     results["pickle_us_256_tuples"] = round(pickle_us(("step", rows, None)), 1)
