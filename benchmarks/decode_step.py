@@ -144,8 +144,6 @@ def main() -> int:
         "copy_TBps": round(bw, 3),
         "rows": rows,
         "engine_batch1": engine,
-        # the switches that change a decode step's kernels (pagedllm/envs.py), as this run had them
-        "settings": {k: v for k, v in os.environ.items() if k.startswith("PAGEDLLM_") and k != "PAGEDLLM_COMMIT"},
         **environment(),
     }
     if args.out:

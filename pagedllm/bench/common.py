@@ -53,16 +53,31 @@ def device_copy_TBps() -> float:
     return 2 * x.numel() * 20 / (a.elapsed_time(b) / 1000) / 1e12
 
 
+# the environment variables that change which kernels a run uses (pagedllm/envs.py): a result row names those set
+KERNEL_SWITCHES = (
+    "PAGEDLLM_DECODE_GEMM",
+    "PAGEDLLM_DECODE_FUSION",
+    "PAGEDLLM_PDL",
+    "PAGEDLLM_ATTENTION_TILES",
+    "PAGEDLLM_DECODE_LAUNCH_ORDER",
+    "PAGEDLLM_PREFILL_GRAPHS",
+    "PAGEDLLM_SAMPLER",
+)
+
+
 def environment() -> dict:
     import torch
 
-    env = {
+    env: dict[str, object] = {
         "commit": envs.commit() or git_commit(),
         "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "cpu_count": os.cpu_count(),
     }
+    settings = {k: os.environ[k] for k in KERNEL_SWITCHES if os.environ.get(k)}
+    if settings:  # the switches this run had set (pagedllm/envs.py); none set: the defaults
+        env["settings"] = settings
     try:
         import triton
 
