@@ -43,6 +43,14 @@ class AttentionMetadata:
         """The metadata a layer of KV-cache group g attends with."""
         return self.groups[g] if self.groups else self
 
+    def split_counters_for(self, kv_heads: int) -> torch.Tensor | None:
+        """`split_counters` where they serve this step's decode attention (one per sequence and KV
+        head); otherwise None (the merge kernel)."""
+        counters = self.split_counters
+        if counters is None or not self.decode_only or counters.numel() < self.seq_lens.shape[0] * kv_heads:
+            return None
+        return counters
+
     def add_groups(self, tables: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> AttentionMetadata:
         """Give this metadata (the first group's) the other groups' (slot_mapping, block_tables)."""
         others = [replace(self, slot_mapping=s, block_tables=b) for s, b in tables]

@@ -392,17 +392,8 @@ class TritonKernels:
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
             seq_order=meta.seq_order if meta.decode_only else None,
-            split_counters=_split_counters(meta, k_cache.shape[1]),
+            split_counters=meta.split_counters_for(k_cache.shape[1]),
         )
-
-
-def _split_counters(meta: AttentionMetadata, kv_heads: int) -> torch.Tensor | None:
-    """The metadata's split counters where they serve this decode launch (one per sequence and KV
-    head); otherwise None (the merge kernel)."""
-    counters = meta.split_counters
-    if counters is None or not meta.decode_only or counters.numel() < meta.seq_lens.shape[0] * kv_heads:
-        return None
-    return counters
 
 
 def kernels_for(device: torch.device) -> Kernels:
