@@ -56,6 +56,11 @@ class QuantizableLinear(ShardedModule):
         not in the checkpoint."""
         self.register_buffer("tile_counters", tile_counters(self.weight.shape[0], self.weight.device), persistent=False)
 
+    @property
+    def unquantized(self) -> bool:
+        """The weight is the checkpoint's bf16 / fp16 / fp32 matrix: no fp8 scales, not 4-bit."""
+        return self.int4 is None and self.weight_scale is None
+
     def features(self) -> tuple[int, int]:
         """(output rows, input columns) of this rank's weight."""
         if self.int4 is not None:
@@ -190,7 +195,7 @@ class ColumnParallelLinear(QuantizableLinear):
         """(forward(RMSNorm(x + residual)), x + residual) with the norm inside the decode GEMM
         (ops/decode_gemm.py: `linear_norm`), for few bf16 / fp16 rows on CUDA with an unquantized
         weight; None elsewhere (the caller runs the norm, then forward)."""
-        if self.int4 is not None or self.weight_scale is not None:
+        if not self.unquantized:
             return None
         return decode_linear_norm(x, norm, self.weight, self.bias, self.tile_counters)
 
@@ -286,7 +291,7 @@ class RowParallelLinear(QuantizableLinear):
         """forward(act(gate) * up) with the activation inside the decode GEMM (ops/decode_gemm.py:
         `linear_act`, the same bits as the two launches), for few bf16 / fp16 rows on CUDA with an
         unquantized weight; None elsewhere (the caller runs the activation, then forward)."""
-        if self.int4 is not None or self.weight_scale is not None:
+        if not self.unquantized:
             return None
         y = decode_linear_act(gate_up, self.weight, act, None, self.tile_counters)
         return None if y is None else self._reduced(y)

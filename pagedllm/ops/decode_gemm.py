@@ -125,9 +125,9 @@ def linear_act(
     """act(gate) * up times W^T in one launch, gate_up [..., 2K] = [gate | up] and W [N, K]; None where
     `wanted` would not take the product or PAGEDLLM_DECODE_FUSION is off (then the caller runs the
     activation and `linear`)."""
-    if not envs.decode_fusion() or act not in ACTIVATIONS or gate_up.shape[-1] != 2 * weight.shape[1]:
+    if act not in ACTIVATIONS or gate_up.shape[-1] != 2 * weight.shape[1] or not wanted(gate_up, weight):
         return None
-    if not wanted(gate_up, weight):
+    if not envs.decode_fusion():  # read last: the checks above end most calls (CPU, many rows) sooner
         return None
     x2 = gate_up.reshape(-1, gate_up.shape[-1])
     y = decode_gemm(x2 if x2.stride(1) == 1 else x2.contiguous(), weight, bias, counters=counters, act=act)
@@ -145,7 +145,7 @@ def linear_norm(
     `wanted` would not take the product or PAGEDLLM_DECODE_FUSION is off (then the caller runs the
     norm and `linear`)."""
     residual = norm.residual
-    if not envs.decode_fusion() or x.shape[-1] != weight.shape[1] or not wanted(x, weight):
+    if x.shape[-1] != weight.shape[1] or not wanted(x, weight) or not envs.decode_fusion():
         return None
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         return None

@@ -203,6 +203,7 @@ def paged_attention(
         USE_PDL=use_pdl,
     )
     merge_here = num_splits > 1 and split_counters is not None
+    s_pad = max(2, next_pow2(num_splits))  # the splits as a power-of-two axis (the merge's)
     if merge_here:
         assert split_counters is not None and decode and split_counters.dtype == torch.int32
         assert split_counters.numel() >= batch * hkv, f"{split_counters.numel()} split counters for {batch * hkv}"
@@ -239,7 +240,7 @@ def paged_attention(
         HEAD_DIM=d,
         BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits,
-        S_PAD=max(2, next_pow2(num_splits)),
+        S_PAD=s_pad,
         MERGE_HERE=merge_here,
         DECODE=decode,
         ORDERED=seq_order is not None,
@@ -255,7 +256,7 @@ def paged_attention(
             out.stride(0),
             out.stride(1),
             NUM_SPLITS=num_splits,
-            S_PAD=max(2, next_pow2(num_splits)),
+            S_PAD=s_pad,
             HEAD_DIM=d,
             USE_PDL=use_pdl,
             num_warps=4 if d >= 128 else 2,
