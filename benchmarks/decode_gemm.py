@@ -13,11 +13,7 @@ one decode step, the LM head left out).
     python benchmarks/decode_gemm.py [--model qwen3-0.6b|llama-8b] [--m 1 4 16 64] [--sweep]
 
 --sweep also times a grid of configurations (BLOCK_N, BLOCK_K, split, warps, stages) per shape and M and
-reports the best beside the default. --fused times instead, per shape and M, the fused launches of
-PAGEDLLM_DECODE_FUSION against the two launches they replace: RMSNorm (with its residual) then the product for
-the shapes that follow a norm (qkv, gate_up), SiLU-and-mul then the product for the down projection; with
---sweep, the fused kernel's best configuration too. JSON rows on stdout and in $OUT/decode-gemm.json (OUT
-default: .; decode-gemm-fused.json with --fused).
+reports the best beside the default. JSON rows on stdout and in $OUT/decode-gemm.json (OUT default: .).
 """
 
 from __future__ import annotations
@@ -37,15 +33,7 @@ sys.path.insert(0, ROOT)
 
 from pagedllm.bench.common import device_copy_TBps, environment  # noqa: E402
 from pagedllm.ops._triton import num_sms  # noqa: E402
-from pagedllm.ops.decode_gemm import (  # noqa: E402
-    NormIn,
-    decode_gemm,
-    decode_gemm_config,
-    decode_gemm_norm,
-    decode_gemm_ref,
-    tile_counters,
-)
-from pagedllm.ops.fused import rms_norm, silu_and_mul  # noqa: E402
+from pagedllm.ops.decode_gemm import decode_gemm, decode_gemm_config, decode_gemm_ref, tile_counters  # noqa: E402
 
 # (N, K) of one layer's linear layers: qkv, o, gate_up, down; and the layer count
 MODELS = {
@@ -122,56 +110,11 @@ def measure(x: torch.Tensor, weights: list[torch.Tensor], copy: float, sweep: bo
     return row
 
 
-def measure_fused(m: int, n: int, k: int, weights: list[torch.Tensor], sweep: bool, down: bool) -> dict:
-    """The fused launch against the two it replaces, at one (N, K, M): the down projection (down) takes
-    act(gate) * up, the others RMSNorm(x + residual)."""
-    g = torch.Generator(device="cuda").manual_seed(m * n + k)
-    counters = [tile_counters(n, "cuda") for _ in weights]
-    config = decode_gemm_config(m, n, k, num_sms("cuda"))
-    if down:
-        gate_up = torch.randn(m, 2 * k, device="cuda", generator=g, dtype=torch.bfloat16)
-        two = timed(lambda i: decode_gemm(silu_and_mul(gate_up), weights[i], counters=counters[i]), len(weights))
-
-        def fused(i: int, c=None) -> torch.Tensor:
-            return decode_gemm(gate_up, weights[i], None, c, counters[i], act="silu")
-
-        kind = "silu_and_mul + gemm"
-    else:
-        x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
-        res = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
-        nw = torch.rand(k, device="cuda", generator=g, dtype=torch.bfloat16) + 0.5
-        two = timed(
-            lambda i: decode_gemm(rms_norm(x, nw, 1e-6, res)[0], weights[i], counters=counters[i]), len(weights)
-        )
-
-        def fused(i: int, c=None) -> torch.Tensor:
-            return decode_gemm_norm(x, NormIn(nw, 1e-6, False, res), weights[i], None, c, counters[i])[0]
-
-        kind = "rms_norm + gemm"
-    plain_x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
-    plain = timed(lambda i: decode_gemm(plain_x, weights[i], counters=counters[i]), len(weights))
-    one = timed(fused, len(weights))
-    row = dict(m=m, n=n, k=k, kind=kind, config=list(config), gemm_ms=plain, two_launches_ms=two, fused_ms=one)
-    if sweep:
-        best: tuple[float, list[int] | None] = (math.inf, None)
-        for cfg in sweep_configs(m):
-            try:
-                ms = timed(lambda i, c=cfg: fused(i, c), len(weights), reps=10)
-            except Exception as e:  # noqa: BLE001 - a tile the GPU cannot hold is a result of the sweep
-                print(f"config {cfg}: {type(e).__name__}: {str(e)[:120]}", file=sys.stderr)
-                continue
-            if ms < best[0]:
-                best = (ms, list(cfg))
-        row["fused_best_ms"], row["fused_best_config"] = best
-    return row
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="qwen3-0.6b")
     ap.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--fused", action="store_true")
     args = ap.parse_args()
     copy = device_copy_TBps()
     print(json.dumps({"copy_TBps": copy}), flush=True)
@@ -182,11 +125,6 @@ def main() -> None:
         w = (torch.randn(n, k, device="cuda", generator=g) / math.sqrt(k)).to(torch.bfloat16)
         weights = [w] + [w.clone() for _ in range(1, max(2, COLD_BYTES // (w.numel() * 2)))]
         for m in args.m:
-            if args.fused:
-                if (n, k) != shapes[1]:  # o_proj follows attention: nothing to fuse
-                    rows.append(measure_fused(m, n, k, weights, args.sweep, down=(n, k) == shapes[3]))
-                    print(json.dumps(rows[-1]), flush=True)
-                continue
             x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
             rows.append(measure(x, weights, copy, args.sweep))
             print(json.dumps(rows[-1]), flush=True)
@@ -196,13 +134,13 @@ def main() -> None:
     for m in args.m:
         mine = [r for r in rows if r["m"] == m]
         s = {"m": m, "layers": layers}
-        for key in ("cublas_ms", "kernel_ms", "best_ms", "two_launches_ms", "fused_ms", "fused_best_ms"):
+        for key in ("cublas_ms", "kernel_ms", "best_ms"):
             if all(key in r for r in mine):
                 s[key.replace("_ms", "_step_ms")] = layers * sum(r[key] for r in mine)
         step.append(s)
         print(json.dumps(s), flush=True)
     out = os.environ.get("OUT", ".")
-    with open(os.path.join(out, "decode-gemm-fused.json" if args.fused else "decode-gemm.json"), "w") as f:
+    with open(os.path.join(out, "decode-gemm.json"), "w") as f:
         json.dump(dict(model=args.model, rows=rows, step=step, copy_TBps=copy, **environment()), f, indent=1)
 
 

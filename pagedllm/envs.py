@@ -13,8 +13,6 @@
 | `PAGEDLLM_ATTENTION_TILES` | the paged-attention kernel | JSON overriding rows of `ops/paged_attention.py: TILES`, e.g. `{"decode/fp8": [128, 4, 2]}` ((BLOCK_N, num_warps, num_stages) by phase and KV format): retuning on other hardware, and A/B runs |
 | `PAGEDLLM_DECODE_LAUNCH_ORDER` | the model runner | `longest` (the default): decode attention launches the batch longest first (`ops/attention_metadata.py: longest_first`); `batch`: in batch order (A/B runs) |
 | `PAGEDLLM_DECODE_GEMM` | the linear layers (CUDA) | `triton` (the default): bfloat16 / float16 products of at most 16 rows (`ops/decode_gemm.py: MAX_ROWS`) run `ops/decode_gemm.py`; `cublas`: every product runs `F.linear` (A/B runs) |
-| `PAGEDLLM_DECODE_FUSION` | the decode step's kernels (CUDA) | `1`: the input norms run inside the qkv and gate_up decode GEMMs and the activation inside the down projection's (`ops/decode_gemm.py`: `linear_norm`, `linear_act`), and decode attention merges its splits in its own kernel (`AttentionMetadata.split_counters`); off by default until measured on a GPU |
-| `PAGEDLLM_PDL` | the decode step's Triton kernels (CUDA, compute capability >= 9) | `1`: launch them with programmatic dependent launch, the decode GEMM prefetching its weight into L2 while the kernel before it finishes (`ops/pdl.py`; off by default until measured) |
 | `PAGEDLLM_LOG_TRITON_COMPILES` | the model runner (CUDA) | `1`: log every Triton kernel compiled in this process, with its time (`worker/triton_compiles.py`): a compile after start-up is a step that waited for it |
 | `PAGEDLLM_COMMIT` | benchmarks | the commit recorded with a result row (else `git rev-parse`) |
 | `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `LOCAL_RANK` | tensor parallelism | set by `torchrun` |
@@ -111,14 +109,6 @@ def decode_gemm() -> str:
     if v not in ("triton", "cublas"):
         raise ValueError(f"PAGEDLLM_DECODE_GEMM must be 'triton' or 'cublas', got {v!r}")
     return v
-
-
-def decode_fusion() -> bool:
-    return _flag("PAGEDLLM_DECODE_FUSION")
-
-
-def pdl() -> bool:
-    return _flag("PAGEDLLM_PDL")
 
 
 def timeline_prefix() -> str | None:

@@ -5,12 +5,7 @@
 #   git archive REF | gzip > .ab/before.tar.gz      # here; .ab/ is ignored and carried
 #   bash scripts/ab_gpu_check.sh throughput         # on the GPU: nano-vllm's workload, async then sync
 #   bash scripts/ab_gpu_check.sh serving            # on the GPU: scripts/serving_gpu_check.sh for each tree
-#   bash scripts/ab_gpu_check.sh step               # on the GPU: benchmarks/decode_step.py for each tree
-#                                                   # (graph replay ms and kernels a step; BATCHES, default 1,4,16,64;
-#                                                   # STEP_VARIANTS="plain PAGEDLLM_PDL=1": the after tree with each;
-#                                                   # A=1+B=1 sets both)
-#   bash scripts/ab_gpu_check.sh tests              # on the GPU: pytest -m gpu (TESTS, default tests/ops tests/gpu)
-#                                                   # on this tree only
+#   bash scripts/ab_gpu_check.sh tests              # on the GPU: pytest -m gpu (ops, gpu) on this tree only
 #   (BEFORE_COMMIT / AFTER_COMMIT name the trees in the rows; BENCH_ARGS: more throughput flags, e.g.
 #   "--kv-cache-dtype fp8"; SCHEDS=async: one run per tree)
 #
@@ -38,14 +33,7 @@ run_tree() {   # $1 = tag (before|after), $2 = tree, $3 = commit
   local tag=$1 tree=$2
   cd "$tree" || return 1
   export PYTHONPATH=$tree${SITE:+:$SITE} PAGEDLLM_COMMIT=$3
-  if [ "$MODE" = step ]; then
-    local variants=plain; [ $tag = after ] && variants=${STEP_VARIANTS:-plain}
-    for v in $variants; do   # e.g. STEP_VARIANTS="plain PAGEDLLM_PDL=1": the after tree also with that setting
-      local setting=""; [ "$v" != plain ] && setting="${v//+/ }"   # A=1+B=1: both settings
-      env $setting timeout ${T_STEP:-200} python3 benchmarks/decode_step.py --model $MODEL --batches ${BATCHES:-1,4,16,64} \
-          --label "$tag $v" --out "$OUT/$tag-decode-step-${v//[=\/]/_}.json" 2>&1 | grep -v -i warn | tail -8
-    done
-  elif [ "$MODE" = throughput ]; then
+  if [ "$MODE" = throughput ]; then
     for sched in ${SCHEDS:-async sync}; do
       local flag=""; [ $sched = sync ] && flag="--no-async-scheduling"
       timeout ${T_BENCH:-150} python3 benchmarks/throughput.py --model $MODEL $flag --label "$tag: $sched scheduling" ${BENCH_ARGS:-} \
@@ -59,7 +47,7 @@ run_tree() {   # $1 = tag (before|after), $2 = tree, $3 = commit
   cd "$HERE"
 }
 case "$MODE" in
-  throughput|serving|step)
+  throughput|serving)
     # the device copy's .git may describe another commit than the files: name it with AFTER_COMMIT
     after_commit=${AFTER_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo after)}
     if [ "${ORDER:-}" = reverse ]; then   # after first: an order effect shows as a swapped result
@@ -69,7 +57,7 @@ case "$MODE" in
     fi
     ;;
   tests)
-    PYTHONPATH=$HERE${SITE:+:$SITE} timeout ${T_TESTS:-400} python3 -m pytest -q -m gpu ${TESTS:-tests/ops tests/gpu} -p no:cacheprovider 2>&1 \
+    PYTHONPATH=$HERE${SITE:+:$SITE} timeout ${T_TESTS:-400} python3 -m pytest -q -m gpu tests/ops tests/gpu -p no:cacheprovider 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -15
     ;;
 esac

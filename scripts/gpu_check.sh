@@ -3,7 +3,7 @@
 # GPU tests, the HF side-by-side and the kernel benchmark, each under its own time limit (about
 # 7 minutes in all on an H200, inside the device tool's 10-minute command limit).
 # Writes logs and JSON under $OUT (default ./gpu_out; at most 8 files come back from the device tool:
-# the benchmark rows all go to one $OUT/<gpu>.json). Usage: bash scripts/gpu_check.sh [full|bench|tests|check|conformance|memcheck|startup|decode|gemm|fusion|attention|quant|quant-models|offload|spec]
+# the benchmark rows all go to one $OUT/<gpu>.json). Usage: bash scripts/gpu_check.sh [full|bench|tests|check|conformance|memcheck|startup|decode|gemm|attention|quant|quant-models|offload|spec]
 # (check = bench + tests, without the HF side-by-side and the kernel benchmark)
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
@@ -25,36 +25,6 @@ if [ "$MODE" = conformance ]; then
   timeout ${T_CONF:-480} python3 benchmarks/conformance.py --out "$OUT" --workers ${WORKERS:-12} ${CONF_ARGS:-} 2>&1 \
       | grep -v -i -E "warn|Writing model" | tail -40
   exit ${PIPESTATUS[0]}
-fi
-# fusion: the decode step's fused launches and PDL (PAGEDLLM_DECODE_FUSION, PAGEDLLM_PDL; ops/decode_gemm.py,
-# ops/paged_attention.py, ops/pdl.py), in this tree. PARTS (default "tests step"): tests = their GPU tests
-# ($OUT/fusion_tests.log); step = benchmarks/decode_step.py (graph replay and kernels a step at BATCHES, default
-# 1,4,16,64, and the engine's batch-1 step) plain, with the fusion, and with both, $OUT/decode-step-<setting>.json;
-# throughput = the standard workload, fp8 and bf16 KV, plain then with both (rows in $OUT/<gpu>.json). About
-# 4 + 5 minutes for the first two, 6 for the third: run it as a second call
-if [ "$MODE" = fusion ]; then
-  PARTS=${PARTS:-tests step}
-  if [[ " $PARTS " = *" tests "* ]]; then
-    timeout ${T_TESTS:-240} python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_decode_gemm.py \
-        tests/ops/test_paged_attention.py tests/ops/test_pdl.py tests/ops/test_prepare_qkv.py tests/ops/test_fused.py \
-        tests/gpu/test_gpu_engine.py > "$OUT/fusion_tests.log" 2>&1
-    grep -E "Error|error:|FAILED|passed|failed" "$OUT/fusion_tests.log" | head -20
-  fi
-  [ -d $MODEL ] || python3 tools/make_random_model.py --shape qwen3-0.6b --out $MODEL 2>&1 | tail -1
-  for v in plain fusion fusion-pdl; do
-    f=0; p=0; [ $v != plain ] && f=1; [ $v = fusion-pdl ] && p=1
-    if [[ " $PARTS " = *" step "* ]]; then
-      PAGEDLLM_DECODE_FUSION=$f PAGEDLLM_PDL=$p timeout ${T_STEP:-150} python3 benchmarks/decode_step.py --model $MODEL \
-          --batches ${BATCHES:-1,4,16,64} --label "$v" --out "$OUT/decode-step-$v.json" 2>&1 | grep -v -i warn | tail -6
-    fi
-    if [[ " $PARTS " = *" throughput "* ]] && [ $v != fusion ]; then
-      for kv in fp8 auto; do
-        PAGEDLLM_DECODE_FUSION=$f PAGEDLLM_PDL=$p timeout ${T_BENCH:-120} python3 benchmarks/throughput.py --model $MODEL \
-            --kv-cache-dtype $kv --label "$v, kv $kv" --results-dir "$OUT" 2>&1 | grep -v -i warn | tail -3
-      done
-    fi
-  done
-  exit 0
 fi
 # spec: speculative decoding (docs/features/speculative-decoding.md): its GPU tests (greedy with == without on
 # CUDA with the default graphs and async scheduling, eager, preemption, the bundled model, seeded sampling), then

@@ -56,13 +56,13 @@ def test_bench_throughput_needs_a_model_for_its_token_ids():
 
 def test_a_result_row_names_the_kernel_switches_set_and_nothing_else(monkeypatch):
     """pagedllm/bench/common.py: environment() records the PAGEDLLM_ switches that change which kernels
-    run (a row measured with PAGEDLLM_PDL=1 says so), never other variables such as the API key."""
+    run (a row measured with PAGEDLLM_DECODE_GEMM=cublas says so), never other variables such as the API key."""
     from pagedllm.bench.common import KERNEL_SWITCHES, environment
 
     for name in KERNEL_SWITCHES:
         monkeypatch.delenv(name, raising=False)
     assert "settings" not in environment()
-    monkeypatch.setenv("PAGEDLLM_PDL", "1")
-    monkeypatch.setenv("PAGEDLLM_DECODE_FUSION", "1")
+    monkeypatch.setenv("PAGEDLLM_DECODE_GEMM", "cublas")
+    monkeypatch.setenv("PAGEDLLM_SAMPLER", "torch")
     monkeypatch.setenv("PAGEDLLM_API_KEY", "secret")
-    assert environment()["settings"] == {"PAGEDLLM_DECODE_FUSION": "1", "PAGEDLLM_PDL": "1"}
+    assert environment()["settings"] == {"PAGEDLLM_DECODE_GEMM": "cublas", "PAGEDLLM_SAMPLER": "torch"}

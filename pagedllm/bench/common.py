@@ -56,8 +56,6 @@ def device_copy_TBps() -> float:
 # the environment variables that change which kernels a run uses (pagedllm/envs.py): a result row names those set
 KERNEL_SWITCHES = (
     "PAGEDLLM_DECODE_GEMM",
-    "PAGEDLLM_DECODE_FUSION",
-    "PAGEDLLM_PDL",
     "PAGEDLLM_ATTENTION_TILES",
     "PAGEDLLM_DECODE_LAUNCH_ORDER",
     "PAGEDLLM_PREFILL_GRAPHS",

@@ -21,7 +21,7 @@ from pagedllm.model.attention import Attention
 from pagedllm.model.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.model.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.model.moe import SparseMoeBlock, is_moe_layer
-from pagedllm.model.norm import RMSNorm, norm_then_project
+from pagedllm.model.norm import RMSNorm
 from pagedllm.model.parallel import tp_size
 from pagedllm.model.rotary import RotaryEmbedding
 from pagedllm.ops.attention_metadata import AttentionMetadata
@@ -109,10 +109,7 @@ class DecoderAttention(nn.Module):
     # The three parts of forward, apart: a step in piecewise CUDA graphs (worker/piecewise_graphs.py)
     # replays qkv and out in graphs and runs attend, whose shapes change with every step, eagerly.
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.split(self.qkv_proj(x))
-
-    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The projection's output as q [T, Hq, D], k and v [T, Hkv, D] (views)."""
+        qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -142,19 +139,10 @@ class DecoderMLP(nn.Module):
         act = getattr(cfg, traits.activation_field, None) or "silu"
         if act not in ACTIVATIONS:
             raise ValueError(f"{traits.activation_field} {act!r} is not supported ({', '.join(ACTIVATIONS)})")
-        self.act, self.act_and_mul = act, getattr(kernels, ACTIVATIONS[act])
+        self.act_and_mul = getattr(kernels, ACTIVATIONS[act])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.gate_up_proj(x))
-
-    def normed(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(forward(norm(x + residual)), x + residual): the norm inside gate_up's launch where it can be."""
-        gate_up, residual = norm_then_project(norm, self.gate_up_proj, x, residual)
-        return self.down(gate_up), residual
-
-    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
-        fused = self.down_proj.forward_act(gate_up, self.act)  # a decode step's few rows on CUDA: one launch
-        return fused if fused is not None else self.down_proj(self.act_and_mul(gate_up))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -197,23 +185,22 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The input norm (adding the previous layer's output to the residual stream) and q, k, v."""
-        qkv, residual = norm_then_project(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
-        q, k, v = self.self_attn.split(qkv)
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        q, k, v = self.self_attn.qkv(x)
         return q, k, v, residual
 
     def after_attention(self, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention output projected, the MLP: (its output, not yet added; the residual stream)."""
         x = self.self_attn.out(o)
-        if self.sandwich:  # Gemma: norm the attention output before its add; the MLP's input norm follows
-            x, mlp_norm = self.post_attention_layernorm(x), self.pre_feedforward_layernorm
-        else:  # Llama: post_attention_layernorm is the MLP's input norm
-            mlp_norm = self.post_attention_layernorm
-        if isinstance(self.mlp, DecoderMLP):
-            x, residual = self.mlp.normed(mlp_norm, x, residual)
-        else:
-            x, residual = mlp_norm(x, residual)
-            x = self.mlp(x)
-        return (self.post_feedforward_layernorm(x) if self.sandwich else x), residual
+        if not self.sandwich:  # Llama: post_attention_layernorm is the MLP's input norm
+            x, residual = self.post_attention_layernorm(x, residual)
+            return self.mlp(x), residual
+        # Gemma: norm the attention output, add it, norm the MLP input; norm the MLP output
+        x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual)
+        return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
 class DecoderModel(nn.Module):

@@ -23,10 +23,8 @@ from torch import nn
 from pagedllm.model.int4_layer import Int4Weight
 from pagedllm.model.int4_weights import unpack_checkpoint
 from pagedllm.model.parallel import ShardedModule, all_reduce, divide, tp_rank, tp_size
-from pagedllm.ops.decode_gemm import NormIn, tile_counters
 from pagedllm.ops.decode_gemm import linear as decode_linear
-from pagedllm.ops.decode_gemm import linear_act as decode_linear_act
-from pagedllm.ops.decode_gemm import linear_norm as decode_linear_norm
+from pagedllm.ops.decode_gemm import tile_counters
 from pagedllm.ops.fp8_block_linear import fp8_block_linear
 from pagedllm.ops.fp8_linear import FP8, fp8_linear, fp8_linear_static, quantize_weight
 
@@ -55,11 +53,6 @@ class QuantizableLinear(ShardedModule):
         """The decode GEMM's arrival counts for this rank's output rows: a buffer on the weight's device,
         not in the checkpoint."""
         self.register_buffer("tile_counters", tile_counters(self.weight.shape[0], self.weight.device), persistent=False)
-
-    @property
-    def unquantized(self) -> bool:
-        """The weight is the checkpoint's bf16 / fp16 / fp32 matrix: no fp8 scales, not 4-bit."""
-        return self.int4 is None and self.weight_scale is None
 
     def features(self) -> tuple[int, int]:
         """(output rows, input columns) of this rank's weight."""
@@ -191,14 +184,6 @@ class ColumnParallelLinear(QuantizableLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
 
-    def forward_norm(self, x: torch.Tensor, norm: NormIn) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(forward(RMSNorm(x + residual)), x + residual) with the norm inside the decode GEMM
-        (ops/decode_gemm.py: `linear_norm`), for few bf16 / fp16 rows on CUDA with an unquantized
-        weight; None elsewhere (the caller runs the norm, then forward)."""
-        if not self.unquantized:
-            return None
-        return decode_linear_norm(x, norm, self.weight, self.bias, self.tile_counters)
-
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs packed in one matrix, e.g. gate_up = [gate; up]."""
@@ -285,18 +270,7 @@ class RowParallelLinear(QuantizableLinear):
         return [self.features()[0]], self.in_per_rank * self.tp_size, False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._reduced(self.matmul(x, None))
-
-    def forward_act(self, gate_up: torch.Tensor, act: str) -> torch.Tensor | None:
-        """forward(act(gate) * up) with the activation inside the decode GEMM (ops/decode_gemm.py:
-        `linear_act`, the same bits as the two launches), for few bf16 / fp16 rows on CUDA with an
-        unquantized weight; None elsewhere (the caller runs the activation, then forward)."""
-        if not self.unquantized:
-            return None
-        y = decode_linear_act(gate_up, self.weight, act, None, self.tile_counters)
-        return None if y is None else self._reduced(y)
-
-    def _reduced(self, y: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x, None)
         all_reduce(y)
         if self.bias is not None:
             y = y + self.bias

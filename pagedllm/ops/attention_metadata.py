@@ -14,8 +14,6 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from pagedllm import envs
-
 
 @dataclass
 class AttentionMetadata:
@@ -31,10 +29,6 @@ class AttentionMetadata:
     # which decode attention launches the sequences' programs; the time changes, not the result.
     # None: batch order (and every path that is not decode).
     seq_order: torch.Tensor | None = None
-    # decode only: int32 zeros, one per (sequence, KV head) of the largest batch (`split_counters`), for
-    # decode attention's split-K merge inside its kernel; every layer's kernel leaves them at zero,
-    # so the runner's one buffer serves every layer of every step. None: a second kernel merges.
-    split_counters: torch.Tensor | None = None
     # one entry per KV-cache group (engine/kv_cache_groups.py) when the model has more than one:
     # the same step with that group's slot_mapping and block_tables. Empty: one group, this one.
     groups: tuple[AttentionMetadata, ...] = field(default=())
@@ -43,29 +37,12 @@ class AttentionMetadata:
         """The metadata a layer of KV-cache group g attends with."""
         return self.groups[g] if self.groups else self
 
-    def split_counters_for(self, kv_heads: int) -> torch.Tensor | None:
-        """`split_counters` where they serve this step's decode attention (one per sequence and KV
-        head); otherwise None (the merge kernel)."""
-        counters = self.split_counters
-        if counters is None or not self.decode_only or counters.numel() < self.seq_lens.shape[0] * kv_heads:
-            return None
-        return counters
-
     def add_groups(self, tables: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> AttentionMetadata:
         """Give this metadata (the first group's) the other groups' (slot_mapping, block_tables)."""
         others = [replace(self, slot_mapping=s, block_tables=b) for s, b in tables]
         if others:
             self.groups = (self, *others)
         return self
-
-
-def split_counters(rows: int, kv_heads: int, device: torch.device) -> torch.Tensor | None:
-    """The runner's buffer for AttentionMetadata.split_counters on CUDA with PAGEDLLM_DECODE_FUSION=1
-    (None otherwise: the torch attention has no splits, and without it a second kernel merges):
-    rows x kv_heads int32 zeros."""
-    if device.type != "cuda" or not envs.decode_fusion():
-        return None
-    return torch.zeros(rows * kv_heads, dtype=torch.int32, device=device)
 
 
 def longest_first(seq_lens: np.ndarray) -> np.ndarray:

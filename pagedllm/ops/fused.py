@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.ops import pdl
 from pagedllm.ops._triton import HAS_TRITON, next_pow2, require_triton, tl, triton
 from pagedllm.ops.fused_ref import apply_rotary_ref, gelu_tanh_and_mul_ref, rms_norm_ref, silu_and_mul_ref
 
@@ -32,10 +31,7 @@ if HAS_TRITON:
         HAS_RESIDUAL: tl.constexpr,
         UNIT_OFFSET: tl.constexpr,
         BLOCK: tl.constexpr,
-        USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (ops/pdl.py)
     ):
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -52,8 +48,6 @@ if HAS_TRITON:
             out = normed * (1.0 + w)
         else:  # Llama: round the normalised x to the input dtype, then scale
             out = normed.to(x_ptr.dtype.element_ty).to(tl.float32) * w
-        if USE_PDL:
-            tl.extra.cuda.gdc_launch_dependents()
         tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -141,7 +135,6 @@ def rms_norm(
         r2 = new_res = x2
     if rows:
         block = next_pow2(h)
-        use_pdl = pdl.enabled(x.device)
         _rms_norm_kernel[(rows,)](
             x2,
             r2,
@@ -157,9 +150,7 @@ def rms_norm(
             HAS_RESIDUAL=residual is not None,
             UNIT_OFFSET=unit_offset,
             BLOCK=block,
-            USE_PDL=use_pdl,
             num_warps=min(16, max(1, block // 256)),
-            **pdl.launch_options(use_pdl),
         )
     out = out.view(x.shape)
     return out if residual is None else (out, new_res.view(x.shape))

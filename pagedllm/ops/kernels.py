@@ -392,7 +392,6 @@ class TritonKernels:
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
             seq_order=meta.seq_order if meta.decode_only else None,
-            split_counters=meta.split_counters_for(k_cache.shape[1]),
         )
 
 

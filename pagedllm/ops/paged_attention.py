@@ -12,11 +12,8 @@ unmasked loop; the last (diagonal / ragged) tiles go through a masked one.
 Split-K (flash-decoding): with num_splits S > 1 the context [0, kv_hi) of each program is cut
 into S chunks of cdiv(cdiv(kv_hi, S), BLOCK_N) * BLOCK_N keys, sized from the sequence's own
 length inside the kernel; each split writes its normalised partial output and its
-log2-sum-exp, and a second kernel merges them; or, in decode with `split_counters` (a buffer the
-model runner owns, passed in AttentionMetadata and shared by every layer), the last split of each
-(sequence, KV head) to count itself in merges them in split order and zeroes its count (a merge
-launch cost 1.5 us a layer inside a batch-1 decode graph on an H200, 28 a step). Grid sizes
-depend only on shapes and python ints, so the decode path can be captured in a CUDA graph.
+log2-sum-exp, and a second kernel merges them. Grid sizes depend only on shapes and python
+ints, so the decode path can be captured in a CUDA graph.
 
 An fp8 cache (ops/kv_quant.py) is read as fp8 bytes and converted in registers (exactly) to
 fp16 when q is 16-bit (the dots then run in fp16: fp8 -> bf16 would go through fp32, 35% slower
@@ -39,7 +36,6 @@ import torch
 
 from pagedllm import envs
 from pagedllm.ops import paged_attention_kernels as kernels
-from pagedllm.ops import pdl
 from pagedllm.ops._triton import is_interpreted, next_pow2, num_sms, require_triton, triton
 from pagedllm.ops.kv_quant import is_fp8
 
@@ -125,7 +121,6 @@ def paged_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     seq_order: torch.Tensor | None = None,
-    split_counters: torch.Tensor | None = None,
     _config: dict | None = None,
 ) -> torch.Tensor:
     """Same semantics as `paged_attention_ref`; returns out [T, Hq, D] in q's dtype.
@@ -140,8 +135,6 @@ def paged_attention(
     wholly before a sequence's first query's window are never read. seq_order (decode only):
     [B] int32, a permutation of the batch, the order in which the sequences' programs are
     launched (`attention_metadata.longest_first`); it changes the time, not the result. None: batch order.
-    split_counters (decode only): int32 zeros, at least B * Hkv, left at zero: the last split of each
-    (sequence, KV head) to finish merges the splits in the kernel; None: a second kernel merges them.
     """
     require_triton()
     t, hq, d = q.shape
@@ -192,7 +185,6 @@ def paged_attention(
         qk_scale, cap_log2 = qk_scale / float(logits_soft_cap), float(logits_soft_cap) * kernels.LOG2E
     else:
         qk_scale, cap_log2 = qk_scale * kernels.LOG2E, 1.0
-    use_pdl = pdl.enabled(q.device)
     common = dict(
         DOT_PREC="ieee" if q.dtype == torch.float32 else None,
         UPCAST=is_interpreted(kernels._paged_attn_kernel) and q.dtype != torch.float32,
@@ -200,13 +192,7 @@ def paged_attention(
         FP16_DOT=fp16_dot,
         SLIDING=sliding_window is not None,
         SOFT_CAP=logits_soft_cap is not None,
-        USE_PDL=use_pdl,
     )
-    merge_here = num_splits > 1 and split_counters is not None
-    s_pad = max(2, next_pow2(num_splits))  # the splits as a power-of-two axis (the merge's)
-    if merge_here:
-        assert split_counters is not None and decode and split_counters.dtype == torch.int32
-        assert split_counters.numel() >= batch * hkv, f"{split_counters.numel()} split counters for {batch * hkv}"
     kernels._paged_attn_kernel[(triton.cdiv(max_seqlen_q, block_q) * num_splits, hkv, batch)](
         out,
         q,
@@ -218,7 +204,6 @@ def paged_attention(
         seq_order if seq_order is not None else seq_lens,
         part_out,
         part_lse,
-        split_counters if merge_here else seq_lens,
         qk_scale,
         float(v_scale) if kv_fp8 else 1.0,
         cap_log2,
@@ -240,15 +225,12 @@ def paged_attention(
         HEAD_DIM=d,
         BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits,
-        S_PAD=s_pad,
-        MERGE_HERE=merge_here,
         DECODE=decode,
         ORDERED=seq_order is not None,
         **common,
         **cfg,
-        **pdl.launch_options(use_pdl),
     )
-    if num_splits > 1 and not merge_here:
+    if num_splits > 1:
         kernels._merge_splits_kernel[(t, hq)](
             out,
             part_out,
@@ -256,11 +238,9 @@ def paged_attention(
             out.stride(0),
             out.stride(1),
             NUM_SPLITS=num_splits,
-            S_PAD=s_pad,
+            S_PAD=max(2, next_pow2(num_splits)),
             HEAD_DIM=d,
-            USE_PDL=use_pdl,
             num_warps=4 if d >= 128 else 2,
-            **pdl.launch_options(use_pdl),
         )
     return out
 
@@ -281,7 +261,6 @@ def paged_attention_decode(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     seq_order: torch.Tensor | None = None,
-    split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per sequence (q: [B, Hq, D]); CUDA-graph capturable."""
     return paged_attention(
@@ -301,7 +280,6 @@ def paged_attention_decode(
         sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap,
         seq_order=seq_order,
-        split_counters=split_counters,
     )
 
 

@@ -3,9 +3,7 @@
 `_paged_attn_kernel` computes one (query tile x GQA group x context split) program with an
 unmasked loop over the keys every row sees and a masked loop over the diagonal tiles (and, with a
 sliding window, a masked loop over the tiles at the window's lower edge before them);
-`_merge_splits_kernel` combines the splits of flash-decoding by their log2-sum-exp. In decode, given
-arrival counters (MERGE_HERE), the split of a (sequence, KV head) whose program arrives last merges
-them itself, in split order, and resets its count: no merge launch.
+`_merge_splits_kernel` combines the splits of flash-decoding by their log2-sum-exp.
 
 Sliding window W (SLIDING, a constexpr; `window` the runtime W): the row at position p sees keys
 p - W < k <= p. A program's keys start at its first row's window, lo = p0 - W + 1 (not at 0), so
@@ -122,7 +120,6 @@ if HAS_TRITON:
         seq_order_ptr,
         part_out_ptr,
         part_lse_ptr,
-        count_ptr,  # int32 [B * Hkv] arrivals, zero between calls (MERGE_HERE)
         qk_scale,
         v_scale,
         cap_log2,
@@ -145,8 +142,6 @@ if HAS_TRITON:
         HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
-        S_PAD: tl.constexpr,
-        MERGE_HERE: tl.constexpr,  # decode: the last split of a (sequence, KV head) to arrive merges them
         DECODE: tl.constexpr,
         ORDERED: tl.constexpr,
         DOT_PREC: tl.constexpr,
@@ -155,11 +150,8 @@ if HAS_TRITON:
         FP16_DOT: tl.constexpr,
         SLIDING: tl.constexpr,
         SOFT_CAP: tl.constexpr,
-        USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (ops/pdl.py)
     ):
         BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
         pid0 = tl.program_id(0)
         kvh = tl.program_id(1)
         b = tl.program_id(2)
@@ -248,8 +240,6 @@ if HAS_TRITON:
                 BLOCK_SIZE, True, DOT_PREC, UPCAST, KV_FP8, compute_ty, SLIDING, SOFT_CAP,
             )  # fmt: skip
 
-        if USE_PDL:
-            tl.extra.cuda.gdc_launch_dependents()
         nonempty = l_i > 0.0  # false only for rows with no keys (seq_len 0)
         o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
         if KV_FP8:
@@ -267,45 +257,6 @@ if HAS_TRITON:
             row_id = (t_idx * hq + head) * NUM_SPLITS + split
             tl.store(part_out_ptr + row_id[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_valid[:, None])
             tl.store(part_lse_ptr + row_id, lse, mask=row_valid)
-            if MERGE_HERE:
-                # release: this split's partials are stored before it counts itself in; acquire: the
-                # last to arrive sees every other split's
-                tile = b * tl.num_programs(1) + kvh
-                tl.debug_barrier()
-                arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
-                if arrived == NUM_SPLITS - 1:
-                    base = row_id - split  # split 0's row
-                    offs_s = tl.arange(0, S_PAD)
-                    lse_all = tl.load(
-                        part_lse_ptr + base[:, None] + offs_s[None, :],
-                        mask=row_valid[:, None] & (offs_s < NUM_SPLITS)[None, :],
-                        other=float("-inf"),
-                        cache_modifier=".cg",
-                    )
-                    m = tl.max(lse_all, 1)
-                    m = tl.where(m > float("-inf"), m, 0.0)  # every split empty: a padding row
-                    merged = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-                    w_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-                    for s in range(NUM_SPLITS):  # split order: the same bits on every run
-                        w = tl.math.exp2(
-                            tl.load(part_lse_ptr + base + s, mask=row_valid, other=float("-inf"), cache_modifier=".cg")
-                            - m
-                        )
-                        po = tl.load(
-                            part_out_ptr + (base + s)[:, None] * HEAD_DIM + offs_d[None, :],
-                            mask=row_valid[:, None],
-                            other=0.0,
-                            cache_modifier=".cg",
-                        )
-                        merged += po * w[:, None]
-                        w_sum += w
-                    merged = merged / tl.where(w_sum > 0.0, w_sum, 1.0)[:, None]
-                    tl.store(
-                        out_ptr + t_idx[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                        merged.to(out_ptr.dtype.element_ty),
-                        mask=row_valid[:, None],
-                    )
-                    tl.atomic_xchg(count_ptr + tile, 0)  # zero for the next call (the next layer)
 
     @triton.jit
     def _merge_splits_kernel(
@@ -317,10 +268,7 @@ if HAS_TRITON:
         NUM_SPLITS: tl.constexpr,
         S_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr,
-        USE_PDL: tl.constexpr,
     ):
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         hq = tl.num_programs(1)

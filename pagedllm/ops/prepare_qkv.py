@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.ops import pdl
 from pagedllm.ops._triton import HAS_TRITON, is_interpreted, require_triton, tl, triton
 from pagedllm.ops.kv_quant import fp8_max, inv_scale_of, is_fp8
 
@@ -115,13 +114,10 @@ if HAS_TRITON:
         FP8: tl.constexpr,
         FP8_MAX: tl.constexpr,
         EXACT: tl.constexpr,
-        USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (ops/pdl.py)
     ):
         tok = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         HALF: tl.constexpr = ROT // 2
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
         offs_r = tl.arange(0, HALF)
         pos = tl.load(pos_ptr + tok).to(tl.int64)
         cos = tl.load(cos_sin_ptr + pos * stride_c + offs_r).to(tl.float32)
@@ -151,8 +147,6 @@ if HAS_TRITON:
                         tl.store(kc + cols, tail, mask=cols >= ROT)
                     v = tl.load(v_ptr + tok * stride_vt + kh * stride_vh + cols)
                     tl.store(vc + cols, _to_cache(v, inv_v_scale, v_cache_ptr.dtype.element_ty, FP8, FP8_MAX, EXACT))
-        if USE_PDL:
-            tl.extra.cuda.gdc_launch_dependents()
 
 
 def prepare_qkv(
@@ -197,7 +191,6 @@ def prepare_qkv(
         return q, k
     fp8 = has_cache and is_fp8(k_cache.dtype)
     cache_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3]) if has_cache else (0,) * 6
-    use_pdl = pdl.enabled(q.device)
     _prepare_qkv_kernel[(t, hq + hkv)](
         q,
         k,
@@ -230,8 +223,6 @@ def prepare_qkv(
         FP8=fp8,
         FP8_MAX=fp8_max(k_cache.dtype) if fp8 else 0.0,
         EXACT=fp8 and is_interpreted(_prepare_qkv_kernel),
-        USE_PDL=use_pdl,
         num_warps=min(16, max(1, d // 256)),  # _rms_norm_kernel's, for its reduction layout
-        **pdl.launch_options(use_pdl),
     )
     return q, k

@@ -103,7 +103,6 @@ class DecodeGraphs:
             decode_only=True,
             no_history=False,
             seq_order=self.seq_order[:bs] if self.ordered else None,
-            split_counters=self.runner.split_counters,
         ).add_groups((s[:bs], t[:bs]) for s, t in zip(self.group_slots, self.group_tables, strict=True))
 
     def _forward(self, bs: int) -> torch.Tensor:

@@ -53,7 +53,6 @@ class DraftGraphView:
     max_model_len: int
     model: DecoderForCausalLM
     kv_cache_groups: tuple[KVCacheGroup, ...]
-    split_counters: torch.Tensor | None
 
     def fill_placeholders(self, input_ids: torch.Tensor, fix: Any) -> None:
         """fix: the rows' input ids on the device (the previous forward's argmax), or None."""

@@ -39,7 +39,6 @@ import torch
 from pagedllm.engine.scheduler_output import SchedulerOutput
 from pagedllm.model.loader import init_dummy_weights, load_weights
 from pagedllm.model.registry import build_model
-from pagedllm.ops.attention_metadata import split_counters
 from pagedllm.ops.kernels import kernels_for
 from pagedllm.worker.cuda_graphs import DecodeGraphs
 from pagedllm.worker.device import GiB, check_kernel_shapes
@@ -138,18 +137,15 @@ class DraftModel:
         """The draft's decode forward as CUDA graphs, for batches up to the most a step proposes for
         (after allocate: the graphs write the draft's KV)."""
         assert self.kv_cache is not None, "the draft's graphs are captured over its allocated KV"
-        rows = draft_batch_limit(max_num_seqs, self.max_batch)
-        heads = max(layer.num_kv_heads for layer in self.model.attention_layers())
         view = DraftGraphView(
             self.device,
             self.dtype,
             block_size,
-            rows,
+            draft_batch_limit(max_num_seqs, self.max_batch),
             max_num_batched_tokens,
             max_model_len,
             self.model,
             self.groups,
-            split_counters(rows, heads, self.device),
         )
         self.graphs = DecodeGraphs(view)
 

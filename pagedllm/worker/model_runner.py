@@ -19,8 +19,8 @@ from pagedllm.model.loader import init_dummy_weights, load_weights
 from pagedllm.model.parallel import agree_min, tp_rank, tp_size
 from pagedllm.model.quantization import prepare_quantization, quantize_linears
 from pagedllm.model.registry import build_model
-from pagedllm.ops import PAD_SLOT_ID, pdl
-from pagedllm.ops.attention_metadata import AttentionMetadata, longest_first, split_counters
+from pagedllm.ops import PAD_SLOT_ID
+from pagedllm.ops.attention_metadata import AttentionMetadata, longest_first
 from pagedllm.ops.copy_blocks import copy_blocks, copy_blocks_ref
 from pagedllm.ops.kernels import kernels_for
 from pagedllm.ops.kv_quant import is_fp8
@@ -96,8 +96,6 @@ class ModelRunner:
             self._staging = Staging(device) if device.type == "cuda" else None  # a step's arrays in one copy
             # the sampler's per-row arrays and the placeholder rows, each in one copy (`_upload`)
             self._small_staging = Staging(device, 1 << 20) if device.type == "cuda" else None
-            # PAGEDLLM_PDL=1: probed here, before any graph is captured (ops/pdl.py)
-            self.pdl = pdl.enabled(device)
         self.block_size = block_size
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -126,8 +124,6 @@ class ModelRunner:
         self.kv_cache_groups = groups_of(self.attn_layers)  # the Executor protocol: the scheduler's groups
         a = self.attn_layers[0]
         self.num_kv_heads, self.head_dim = a.num_kv_heads, a.head_dim
-        # decode attention's split-K merge counts (AttentionMetadata.split_counters), every layer's
-        self.split_counters = split_counters(max_num_seqs, max(x.num_kv_heads for x in self.attn_layers), device)
         if device.type == "cuda":
             check_kernel_shapes(a.head_dim, self.model.rotary_dim)
         self.kv_scales: list[tuple[float, float]] = [(1.0, 1.0)] * len(self.attn_layers)
@@ -267,7 +263,6 @@ class ModelRunner:
             decode_only=decode_only,
             no_history=no_history,
             seq_order=seq_order,
-            split_counters=self.split_counters if decode_only else None,
         ).add_groups((dev[i], dev[i + 1]) for i in range(4, n, 2))
         return meta, dev[n:]
 

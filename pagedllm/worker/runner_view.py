@@ -29,7 +29,6 @@ class GraphRunner(Protocol):
     max_model_len: int
     model: DecoderForCausalLM
     kv_cache_groups: tuple[KVCacheGroup, ...]
-    split_counters: torch.Tensor | None  # decode attention's split-K merge counts (AttentionMetadata)
 
     def fill_placeholders(self, input_ids: torch.Tensor, fix: Any) -> None: ...
 

@@ -131,80 +131,6 @@ def test_decode(group, hkv, num_splits, dtype, device):
     check(out, ref, dtype)
 
 
-@pytest.mark.parametrize(
-    "group,hkv,num_splits,dtype",
-    [
-        (2, 2, 2, torch.float32),
-        (3, 2, 3, torch.bfloat16),
-        (8, 1, 8, torch.float32),
-        (2, 2, 8, torch.bfloat16),
-        (1, 3, 3, torch.float32),
-    ],
-)
-def test_decode_splits_merged_by_the_last_to_arrive(group, hkv, num_splits, dtype, device):
-    """With split counters there is no merge launch: the last split of each (sequence, KV head)
-    merges them (8 splits: some see no key of the shorter sequences; a padding row of seq_len 0),
-    every count is zero afterwards, and a second call (the next layer, or a replay) gives the same
-    bits; the result is the reference's, and within float32 summation of the merge kernel's."""
-    bs, d = (16, 64) if group % 2 else (8, 32)
-    seq = [1, 17, 64, 45, 130]
-    c = make_case([1] * len(seq), [s - 1 for s in seq], hkv * group, hkv, d, bs, dtype, device, seed=group + num_splits)
-    ref = paged_attention_ref(**c)
-    c.pop("cu_seqlens_q")
-    c["q"] = torch.cat([c["q"], torch.randn(1, hkv * group, d).to(device, dtype)])
-    c["seq_lens"] = torch.cat([c["seq_lens"], torch.zeros(1, dtype=torch.int32, device=device)])
-    c["block_tables"] = torch.cat([c["block_tables"], torch.zeros_like(c["block_tables"][:1])])
-    counters = torch.zeros(len(seq) * hkv + hkv + 3, dtype=torch.int32, device=device)
-    here = paged_attention_decode(**c, num_splits=num_splits, split_counters=counters)
-    assert int(counters.abs().sum()) == 0
-    check(here[: len(seq)], ref, dtype)
-    assert torch.equal(here[len(seq) :], torch.zeros_like(here[len(seq) :]))
-    merged_apart = paged_attention_decode(**c, num_splits=num_splits)
-    torch.testing.assert_close(here.float(), merged_apart.float(), **TOL[dtype])
-    assert torch.equal(paged_attention_decode(**c, num_splits=num_splits, split_counters=counters), here)
-    assert int(counters.abs().sum()) == 0
-
-
-@pytest.mark.parametrize("rows", [2, 1])  # counters for both sequences' heads, and too few: the merge kernel
-def test_the_triton_kernels_merge_a_decode_step_in_its_kernel_with_the_metadatas_counters(rows, device, monkeypatch):
-    """TritonKernels.attend hands a decode step's AttentionMetadata.split_counters to the kernel
-    (no merge launch, counts back at zero); with too few for the batch, the merge kernel runs."""
-    from pagedllm.ops import paged_attention_kernels as pak
-    from pagedllm.ops.attention_metadata import AttentionMetadata
-    from pagedllm.ops.kernels import TritonKernels
-
-    c = make_case([1, 1], [700, 300], 4, 2, 32, 8, torch.float32, device)
-    ref = paged_attention_ref(**c)
-    counters = torch.zeros(rows * 2, dtype=torch.int32, device=device)
-    meta = AttentionMetadata(
-        slot_mapping=torch.full((2,), PAD_SLOT_ID, device=device),
-        block_tables=c["block_tables"],
-        cu_seqlens_q=c["cu_seqlens_q"],
-        seq_lens=c["seq_lens"],
-        max_seqlen_q=1,
-        max_seqlen_k=701,
-        decode_only=True,
-        no_history=False,
-        split_counters=counters,
-    )
-    merges = []
-    real = pak._merge_splits_kernel
-    monkeypatch.setattr(
-        pak, "_merge_splits_kernel", type("Spy", (), {"__getitem__": lambda _, g: merges.append(g) or real[g]})()
-    )
-    out = TritonKernels().attend(c["q"], None, None, c["k_cache"], c["v_cache"], meta, c["scale"])
-    check(out, ref, torch.float32)
-    assert default_num_splits(2, 2, 701, device) > 1
-    assert (merges == []) == (rows == 2) and int(counters.abs().sum()) == 0
-
-
-def test_too_few_split_counters_are_refused(device):
-    c = make_case([1, 1], [20, 6], 4, 2, 32, 8, torch.float32, device)
-    c.pop("cu_seqlens_q")
-    with pytest.raises(AssertionError, match="split counters for 4"):
-        paged_attention_decode(**c, num_splits=2, split_counters=torch.zeros(3, dtype=torch.int32, device=device))
-
-
 @pytest.mark.parametrize("group,block_q,block_n", [(1, 16, 16), (2, 8, 32), (4, 4, 16)])
 def test_small_tiles(group, block_q, block_n, device):
     """Tiles much smaller than the sequences: many q blocks per sequence, and histories
@@ -412,15 +338,11 @@ def test_gpu_decode_long(num_splits, group, device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_splits", [1, 4])
-@pytest.mark.parametrize("counted", [False, True])
-def test_gpu_decode_cuda_graph(num_splits, counted, device):
-    """Captured decode attention replays correctly after the inputs change in place (with split
-    counters: merged by the last split, the counts zero after every replay)."""
+def test_gpu_decode_cuda_graph(num_splits, device):
+    """Captured decode attention replays correctly after the inputs change in place."""
     b, hq, hkv, d, bs = 8, 16, 8, 128, 16
     c = make_case([1] * b, [100 * i + 5 for i in range(b)], hq, hkv, d, bs, torch.bfloat16, device)
     c.pop("cu_seqlens_q")
-    if counted:
-        c["split_counters"] = torch.zeros(b * hkv, dtype=torch.int32, device=device)
     out = torch.empty_like(c["q"])
     paged_attention_decode(**c, num_splits=num_splits, out=out)  # compile outside
     torch.cuda.synchronize()
@@ -432,22 +354,8 @@ def test_gpu_decode_cuda_graph(num_splits, counted, device):
     graph.replay()
     torch.cuda.synchronize()
     cu = torch.arange(b + 1, dtype=torch.int32, device=device)
-    counters = c.pop("split_counters", None)
-    assert counters is None or int(counters.abs().sum()) == 0
     ref = paged_attention_ref(**c, cu_seqlens_q=cu)
     check(out, ref, torch.bfloat16)
-
-
-@pytest.mark.gpu
-def test_the_runner_buffer_exists_only_with_the_fusion(monkeypatch, device):
-    from pagedllm.ops.attention_metadata import split_counters
-
-    monkeypatch.delenv("PAGEDLLM_DECODE_FUSION", raising=False)
-    assert split_counters(8, 4, device) is None
-    monkeypatch.setenv("PAGEDLLM_DECODE_FUSION", "1")
-    counters = split_counters(8, 4, device)
-    assert counters is not None and counters.shape == (32,) and int(counters.abs().sum()) == 0
-    assert split_counters(8, 4, torch.device("cpu")) is None
 
 
 @pytest.mark.gpu
