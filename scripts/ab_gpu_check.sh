@@ -5,6 +5,8 @@
 #   git archive REF | gzip > .ab/before.tar.gz      # here; .ab/ is ignored and carried
 #   bash scripts/ab_gpu_check.sh throughput         # on the GPU: nano-vllm's workload, async then sync
 #   bash scripts/ab_gpu_check.sh serving            # on the GPU: scripts/serving_gpu_check.sh for each tree
+#   bash scripts/ab_gpu_check.sh step               # on the GPU: benchmarks/decode_step.py (graph replay at BATCHES,
+#                                                   # default 1,4, and the engine's batch-1 step, host included)
 #   bash scripts/ab_gpu_check.sh tests              # on the GPU: pytest -m gpu (ops, gpu) on this tree only
 #   (BEFORE_COMMIT / AFTER_COMMIT name the trees in the rows; BENCH_ARGS: more throughput flags, e.g.
 #   "--kv-cache-dtype fp8"; SCHEDS=async: one run per tree)
@@ -33,7 +35,10 @@ run_tree() {   # $1 = tag (before|after), $2 = tree, $3 = commit
   local tag=$1 tree=$2
   cd "$tree" || return 1
   export PYTHONPATH=$tree${SITE:+:$SITE} PAGEDLLM_COMMIT=$3
-  if [ "$MODE" = throughput ]; then
+  if [ "$MODE" = step ]; then
+    timeout ${T_STEP:-150} python3 benchmarks/decode_step.py --model $MODEL --batches ${BATCHES:-1,4} --label "$tag" \
+        --out "$OUT/$tag-decode-step.json" ${STEP_ARGS:-} 2>&1 | grep -v -i warn | tail -4
+  elif [ "$MODE" = throughput ]; then
     for sched in ${SCHEDS:-async sync}; do
       local flag=""; [ $sched = sync ] && flag="--no-async-scheduling"
       timeout ${T_BENCH:-150} python3 benchmarks/throughput.py --model $MODEL $flag --label "$tag: $sched scheduling" ${BENCH_ARGS:-} \
@@ -47,7 +52,7 @@ run_tree() {   # $1 = tag (before|after), $2 = tree, $3 = commit
   cd "$HERE"
 }
 case "$MODE" in
-  throughput|serving)
+  throughput|serving|step)
     # the device copy's .git may describe another commit than the files: name it with AFTER_COMMIT
     after_commit=${AFTER_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo after)}
     if [ "${ORDER:-}" = reverse ]; then   # after first: an order effect shows as a swapped result

@@ -20,6 +20,7 @@ import torch
 from pagedllm import envs
 from pagedllm.ops import PAD_SLOT_ID
 from pagedllm.ops.attention_metadata import AttentionMetadata, longest_first
+from pagedllm.worker.staging import PackedInputs
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
@@ -54,39 +55,31 @@ class DecodeGraphs:
         self.sizes = batch_size_ladder(runner.max_num_seqs)
         max_bs = self.sizes[-1]
         self.max_blocks = -(-runner.max_model_len // runner.block_size)
-        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((max_bs,), PAD_SLOT_ID, dtype=torch.int64, device=dev)
-        self.block_tables = torch.zeros(max_bs, self.max_blocks, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
-        self.seq_order = torch.arange(max_bs, dtype=torch.int32, device=dev)  # decode attention's launch order
         self.ordered = envs.decode_launch_order() == "longest"
         self.num_groups = len(runner.kv_cache_groups)
-        self.group_slots = [torch.full_like(self.slot_mapping, PAD_SLOT_ID) for _ in range(1, self.num_groups)]
-        self.group_tables = [torch.zeros_like(self.block_tables) for _ in range(1, self.num_groups)]
+        self.inputs = PackedInputs(
+            [
+                ("input_ids", torch.int64, (max_bs,)),
+                ("positions", torch.int64, (max_bs,)),
+                ("slot_mapping", torch.int64, (max_bs,)),
+                *((f"slot_mapping{g}", torch.int64, (max_bs,)) for g in range(1, self.num_groups)),
+                ("seq_lens", torch.int32, (max_bs,)),
+                ("seq_order", torch.int32, (max_bs,)),  # decode attention's launch order
+                ("block_tables", torch.int32, (max_bs, self.max_blocks)),
+                *((f"block_tables{g}", torch.int32, (max_bs, self.max_blocks)) for g in range(1, self.num_groups)),
+            ],
+            dev,
+        )
+        d = self.inputs.dev
+        self.input_ids, self.positions, self.slot_mapping = d["input_ids"], d["positions"], d["slot_mapping"]
+        self.block_tables, self.seq_lens, self.seq_order = d["block_tables"], d["seq_lens"], d["seq_order"]
+        self.group_slots = [d[f"slot_mapping{g}"] for g in range(1, self.num_groups)]
+        self.group_tables = [d[f"block_tables{g}"] for g in range(1, self.num_groups)]
+        for t in (self.slot_mapping, *self.group_slots):
+            t.fill_(PAD_SLOT_ID)
+        self.seq_lens.fill_(1)
+        self.seq_order.copy_(torch.arange(max_bs, dtype=torch.int32))
         self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
-        # Pinned staging, so a step's inputs go up in one copy per array. Two sets, used in
-        # turn: with async scheduling step N+1 is written on the host while step N's copies
-        # may still wait in the stream behind step N-1 (writing into the same set would change
-        # step N's inputs, placeholders included, under it). The event guards the reuse.
-        self.host = [
-            {
-                name: torch.zeros(t.shape, dtype=t.dtype).pin_memory()
-                for name, t in (
-                    ("input_ids", self.input_ids),
-                    ("positions", self.positions),
-                    ("slot_mapping", self.slot_mapping),
-                    ("seq_lens", self.seq_lens),
-                    ("seq_order", self.seq_order),
-                    ("block_tables", self.block_tables),
-                    *((f"slot_mapping{g}", t) for g, t in enumerate(self.group_slots, 1)),
-                    *((f"block_tables{g}", t) for g, t in enumerate(self.group_tables, 1)),
-                )
-            }
-            for _ in range(2)
-        ]
-        self.copied = [torch.cuda.Event(), torch.cuda.Event()]  # per set: after its copies
-        self.turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool: _POOL_HANDLE | None = None
@@ -130,35 +123,22 @@ class DecodeGraphs:
     def run(self, inp: DecodeRows, fix=None) -> torch.Tensor:
         bs = inp.num_seqs
         padded = self.sizes[bisect.bisect_left(self.sizes, bs)]
-        self.turn ^= 1
-        h = self.host[self.turn]
-        self.copied[self.turn].synchronize()  # normally long done: it is two steps old
-        h["input_ids"][:bs].numpy()[:] = inp.input_ids
-        h["input_ids"][bs:padded].fill_(0)  # stale rows may hold an old step's PLACEHOLDER
-        h["positions"][bs:padded].fill_(0)  # padding rows: position 0 (stale ones are in range, but say so)
-        h["positions"][:bs].numpy()[:] = inp.positions
-        h["slot_mapping"][:padded].fill_(PAD_SLOT_ID)
-        h["slot_mapping"][:bs].numpy()[:] = inp.slot_mapping
-        h["seq_lens"][:padded].fill_(1)
-        h["seq_lens"][:bs].numpy()[:] = inp.seq_lens
-        h["seq_order"][:padded].numpy()[:] = longest_first(h["seq_lens"][:padded].numpy())  # padding rows last
-        nb = inp.block_tables.shape[1]
-        bt = h["block_tables"].numpy()
-        bt[:bs, :nb] = inp.block_tables
+        h = self.inputs.next_host()
+        h["input_ids"][:bs] = inp.input_ids
+        h["input_ids"][bs:padded] = 0  # stale rows may hold an old step's PLACEHOLDER
+        h["positions"][:bs] = inp.positions
+        h["positions"][bs:padded] = 0  # padding rows: position 0 (stale ones are in range, but say so)
+        h["slot_mapping"][:bs] = inp.slot_mapping
+        h["slot_mapping"][bs:padded] = PAD_SLOT_ID
+        h["seq_lens"][:bs] = inp.seq_lens
+        h["seq_lens"][bs:padded] = 1
+        h["seq_order"][:padded] = longest_first(h["seq_lens"][:padded])  # padding rows last
+        h["block_tables"][:bs, : inp.block_tables.shape[1]] = inp.block_tables
         for g, (slots, tables) in enumerate(inp.group_tables, 1):
-            h[f"slot_mapping{g}"][:padded].fill_(PAD_SLOT_ID)
-            h[f"slot_mapping{g}"][:bs].numpy()[:] = slots
-            h[f"block_tables{g}"].numpy()[:bs, : tables.shape[1]] = tables
-        self.input_ids[:padded].copy_(h["input_ids"][:padded], non_blocking=True)
-        self.positions[:padded].copy_(h["positions"][:padded], non_blocking=True)
-        self.slot_mapping[:padded].copy_(h["slot_mapping"][:padded], non_blocking=True)
-        self.seq_lens[:padded].copy_(h["seq_lens"][:padded], non_blocking=True)
-        self.seq_order[:padded].copy_(h["seq_order"][:padded], non_blocking=True)
-        self.block_tables[:bs].copy_(h["block_tables"][:bs], non_blocking=True)
-        for g in range(1, self.num_groups):
-            self.group_slots[g - 1][:padded].copy_(h[f"slot_mapping{g}"][:padded], non_blocking=True)
-            self.group_tables[g - 1][:bs].copy_(h[f"block_tables{g}"][:bs], non_blocking=True)
-        self.copied[self.turn].record()
+            h[f"slot_mapping{g}"][:bs] = slots
+            h[f"slot_mapping{g}"][bs:padded] = PAD_SLOT_ID
+            h[f"block_tables{g}"][:bs, : tables.shape[1]] = tables
+        self.inputs.upload(bs)
         self.runner.fill_placeholders(self.input_ids, fix)  # async scheduling: ids from the device
         self.graphs[padded].replay()
         return self.logits[padded][:bs]

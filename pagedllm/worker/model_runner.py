@@ -41,6 +41,10 @@ from pagedllm.worker.step_handle import LaunchedStep, LoadTime, StepHandle
 from pagedllm.worker.step_inputs import BlockTableRows, StepInputs, build_step_inputs
 from pagedllm.worker.warm_up import forward_without_kv, warm_up_kernels
 
+# async scheduling's device-side input ids (ModelRunner.placeholder_fix): (rows, sources) on the device, a
+# count n (rows 0..n-1 take the previous step's sampled ids 0..n-1), or None (no placeholder)
+PlaceholderFix = tuple[torch.Tensor, torch.Tensor] | int | None
+
 if TYPE_CHECKING:
     from pagedllm.worker.cuda_graphs import DecodeGraphs
     from pagedllm.worker.mixed_graphs import MixedGraphs
@@ -336,22 +340,31 @@ class ModelRunner:
         assert self.draft is not None, "speculative_config.model: this runner was built without a draft"
         return self.draft.propose(out, self)
 
-    def placeholder_fix(self, input_ids: np.ndarray, cu_seqlens_q: np.ndarray, seq_ids: list[int]):
+    def placeholder_fix(self, input_ids: np.ndarray, cu_seqlens_q: np.ndarray, seq_ids: list[int]) -> PlaceholderFix:
         """Async scheduling: input rows whose token id is still a PLACEHOLDER, and where the
-        previous step's sampled tensor holds it: (rows, sources) on the device, or None."""
+        previous step's sampled tensor holds it: (rows, sources) on the device, or None. A decode
+        step whose rows are all placeholders, in the previous step's sample order (the steady
+        state), is just their count n: rows 0..n-1 take sampled ids 0..n-1, one device copy and no upload."""
         rows = np.flatnonzero(input_ids == PLACEHOLDER)
         if rows.size == 0:
             return None
         seq_index = np.searchsorted(cu_seqlens_q, rows, side="right") - 1
-        last_row = {seq_id: i for i, seq_id in enumerate(self._last_sample_seq_ids)}
+        last = self._last_sample_seq_ids
+        if rows.size == len(input_ids) == len(seq_ids) and seq_ids == last[: rows.size] and len(set(last)) == len(last):
+            return rows.size
+        last_row = {seq_id: i for i, seq_id in enumerate(last)}
         src = np.fromiter((last_row[seq_ids[j]] for j in seq_index), dtype=np.int64, count=rows.size)
         rows_t, src_t = self._upload([rows, src])
         return rows_t, src_t
 
-    def fill_placeholders(self, input_ids: torch.Tensor, fix) -> None:
-        if fix is not None:
+    def fill_placeholders(self, input_ids: torch.Tensor, fix: PlaceholderFix) -> None:
+        if fix is None:
+            return
+        assert self._last_sampled is not None, "a PLACEHOLDER input with no step launched before"
+        if isinstance(fix, int):
+            input_ids[:fix].copy_(self._last_sampled[:fix])
+        else:
             rows, src = fix
-            assert self._last_sampled is not None, "a PLACEHOLDER input with no step launched before"
             input_ids[rows] = self._last_sampled[src]
 
     def forward(self, inp: StepInputs, fix=None) -> torch.Tensor:

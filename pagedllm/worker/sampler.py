@@ -35,10 +35,13 @@ from pagedllm.worker.step_inputs import StepInputs
 
 @dataclass
 class SamplingTensors:
-    temperature: torch.Tensor  # [B] fp32, 0 for greedy rows
-    top_k: torch.Tensor  # [B] int64 in [1, V], V when off
-    top_p: torch.Tensor  # [B] fp32, 1 when off
-    min_p: torch.Tensor  # [B] fp32
+    """A step's sampling parameters on the device. The four per-row tensors are None when every row
+    is greedy (`all_greedy`): `sample` then takes the argmax without them, and the step uploads nothing."""
+
+    temperature: torch.Tensor | None  # [B] fp32, 0 for greedy rows
+    top_k: torch.Tensor | None  # [B] int64 in [1, V], V when off
+    top_p: torch.Tensor | None  # [B] fp32, 1 when off
+    min_p: torch.Tensor | None  # [B] fp32
     generators: list  # per row: torch.Generator or None (when seeds is None)
     all_greedy: bool
     any_greedy: bool
@@ -95,7 +98,9 @@ def sampling_tensors(
         rows, own = seeded_rows(inp)
         base[rows] = own
         per_row.append(base)
-    dev = upload(per_row) if upload is not None else [to_device(a) for a in per_row]
+    dev: list[torch.Tensor | None] = [None] * 4  # all greedy: `sample` reads none of them
+    if not all_greedy:
+        dev = list(upload(per_row) if upload is not None else [to_device(a) for a in per_row])
     seeds = dev[4] if len(dev) == 5 else None
     mask = inp.min_tokens_mask
     bits = inp.token_bitmask
@@ -152,18 +157,20 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         apply_token_bitmask(logits, *t.token_bitmask)
     if t.all_greedy:
         return logits.argmax(dim=-1)  # exact in any float dtype: no fp32 copy
+    temperature, top_k, top_p, min_p = t.temperature, t.top_k, t.top_p, t.min_p
+    assert temperature is not None and top_k is not None and top_p is not None and min_p is not None
     if t.seeds is not None and not (t.need_top_k_p or t.need_min_p):
         from pagedllm.ops.sampling import gumbel_sample
 
-        return gumbel_sample(logits, t.temperature, t.seeds)
+        return gumbel_sample(logits, temperature, t.seeds)
     logits = logits.float()
-    temp = torch.where(t.temperature > 0, t.temperature, torch.ones_like(t.temperature))
+    temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     scaled = logits / temp[:, None]
     if t.need_top_k_p:
-        scaled = apply_top_k_top_p(scaled, t.top_k, t.top_p)
+        scaled = apply_top_k_top_p(scaled, top_k, top_p)
     probs = scaled.softmax(dim=-1)
     if t.need_min_p:
-        probs = probs.masked_fill(probs < t.min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
+        probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
     if t.seeds is not None:
         from pagedllm.ops.sampling import exponential_noise
 
@@ -176,4 +183,4 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     sampled = (probs / noise).argmax(dim=-1)
     if not t.any_greedy:
         return sampled
-    return torch.where(t.temperature > 0, sampled, logits.argmax(dim=-1))
+    return torch.where(temperature > 0, sampled, logits.argmax(dim=-1))

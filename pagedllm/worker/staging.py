@@ -89,3 +89,57 @@ class StaticInputs:
                 dst[: len(a)].numpy()[:] = a
                 self.dev[name][: len(a)].copy_(dst[: len(a)], non_blocking=True)
         self.copied[self.turn].record()
+
+
+class PackedInputs:
+    """A CUDA graph's input buffers as views of one device buffer (`dev`: fixed addresses the graph
+    reads), with numpy views of two pinned host copies used in turn (`next_host`, then `upload`).
+
+    The layout puts the 1-D buffers first and the 2-D ones (tables of a row per sequence) after, so
+    a step of B rows goes up in one copy: the 1-D region and the first table's first B rows, which
+    follow it; each further table adds one copy of its first B rows. A decode step thus costs one
+    copy launch and numpy writes into views made once, not a pinned tensor, a slice and a copy per
+    array. With async scheduling a step is written while the one before may still wait in the
+    stream: the set's event says when its copy is done."""
+
+    def __init__(self, layout: list[tuple[str, torch.dtype, tuple[int, ...]]], device: torch.device):
+        ndims = [len(shape) for _, _, shape in layout]
+        assert ndims == sorted(ndims) and set(ndims) <= {1, 2}, "1-D buffers first, then tables"
+        spans: list[tuple[str, int, torch.dtype, tuple[int, ...]]] = []
+        off = 0
+        for name, dtype, shape in layout:
+            spans.append((name, off, dtype, shape))
+            off += _aligned(int(np.prod(shape)) * dtype.itemsize)
+        self.nbytes = off
+        self._dev = torch.zeros(off, dtype=torch.uint8, device=device)
+        cuda = device.type == "cuda"
+        self._host = [torch.zeros(off, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
+        self.dev = {n: self._dev[o : o + int(np.prod(s)) * d.itemsize].view(d).view(s) for n, o, d, s in spans}
+        np_dtype = {d: torch.empty(0, dtype=d).numpy().dtype for _, _, d, _ in spans}
+        self.host = [
+            {n: h.numpy()[o : o + int(np.prod(s)) * d.itemsize].view(np_dtype[d]).reshape(s) for n, o, d, s in spans}
+            for h in self._host
+        ]
+        # (start, bytes a row) of each table; the first copy runs from 0 to the end of the first table's rows
+        self._tables = [(o, s[1] * d.itemsize) for _, o, d, s in spans if len(s) == 2]
+        self._flat_end = self._tables[0][0] if self._tables else off
+        self.copied = [torch.cuda.Event(), torch.cuda.Event()] if cuda else None  # per set: after its copy
+        self.turn = 0
+
+    def next_host(self) -> dict[str, np.ndarray]:
+        """The host set to write this step's inputs into (its previous copy is done)."""
+        self.turn ^= 1
+        if self.copied is not None:
+            self.copied[self.turn].synchronize()  # normally long done: two steps old
+        return self.host[self.turn]
+
+    def upload(self, rows: int) -> None:
+        """Queue the copy of the set `next_host` gave: every 1-D buffer whole, each table's first `rows` rows."""
+        src = self._host[self.turn]
+        spans = [(0, self._flat_end)] + [(o, o + rows * row) for o, row in self._tables]
+        if self._tables:  # the first table follows the 1-D region: one copy for both
+            spans = [(0, self._tables[0][0] + rows * self._tables[0][1])] + spans[2:]
+        for a, b in spans:
+            self._dev[a:b].copy_(src[a:b], non_blocking=True)
+        if self.copied is not None:
+            self.copied[self.turn].record()
