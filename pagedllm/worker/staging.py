@@ -120,9 +120,7 @@ class PackedInputs:
             {n: h.numpy()[o : o + int(np.prod(s)) * d.itemsize].view(np_dtype[d]).reshape(s) for n, o, d, s in spans}
             for h in self._host
         ]
-        # (start, bytes a row) of each table; the first copy runs from 0 to the end of the first table's rows
-        self._tables = [(o, s[1] * d.itemsize) for _, o, d, s in spans if len(s) == 2]
-        self._flat_end = self._tables[0][0] if self._tables else off
+        self._tables = [(o, s[1] * d.itemsize) for _, o, d, s in spans if len(s) == 2]  # (start, bytes a row)
         self.copied = [torch.cuda.Event(), torch.cuda.Event()] if cuda else None  # per set: after its copy
         self.turn = 0
 
@@ -136,9 +134,10 @@ class PackedInputs:
     def upload(self, rows: int) -> None:
         """Queue the copy of the set `next_host` gave: every 1-D buffer whole, each table's first `rows` rows."""
         src = self._host[self.turn]
-        spans = [(0, self._flat_end)] + [(o, o + rows * row) for o, row in self._tables]
+        spans = [(0, self.nbytes)]  # no table: the 1-D region is all
         if self._tables:  # the first table follows the 1-D region: one copy for both
-            spans = [(0, self._tables[0][0] + rows * self._tables[0][1])] + spans[2:]
+            (first, row), *rest = self._tables
+            spans = [(0, first + rows * row)] + [(o, o + rows * r) for o, r in rest]
         for a, b in spans:
             self._dev[a:b].copy_(src[a:b], non_blocking=True)
         if self.copied is not None:
