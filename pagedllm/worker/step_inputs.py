@@ -194,8 +194,20 @@ def build_step_inputs(
     BlockTableRows, kept across its steps (None: built afresh); history: the caller's TokenHistory for
     the penalties and bad words, kept across its steps alike."""
     sched = out.scheduled
-    n_new = np.fromiter((s.num_new_tokens for s in sched), dtype=np.int64, count=len(sched))
-    start = np.fromiter((s.seq.num_computed_tokens for s in sched), dtype=np.int64, count=len(sched))
+    n_new_l, start_l, num_tokens_l, seq_ids = [], [], [], []
+    multi_row = prompt_lp = False  # any sequence with several sample rows (forks, proposals); any scoring its prompt
+    for s in sched:  # one pass: at 256 sequences the per-sequence Python is most of this function's time
+        q = s.seq
+        n_new_l.append(s.num_new_tokens)
+        start_l.append(q.num_computed_tokens)
+        num_tokens_l.append(q.num_tokens + len(s.spec_token_ids))
+        seq_ids.append(q.seq_id)
+        if s.forks or s.spec_token_ids:
+            multi_row = True
+        if q.needs_prompt_logprobs:
+            prompt_lp = True
+    n_new = np.array(n_new_l, dtype=np.int64)
+    start = np.array(start_l, dtype=np.int64)
     end = start + n_new
     cu = np.zeros(len(sched) + 1, dtype=np.int32)
     np.cumsum(n_new, out=cu[1:])
@@ -218,21 +230,16 @@ def build_step_inputs(
     slots += positions % block_size  # [groups, T]
     slot_mapping, block_tables = slots[0], tables[0]
     group_tables = [(slots[g], tables[g]) for g in range(1, len(tables))]
-    num_tokens = np.fromiter(
-        (s.seq.num_tokens + len(s.spec_token_ids) for s in sched), dtype=np.int64, count=len(sched)
-    )
-    samples = end == num_tokens
+    samples = end == np.array(num_tokens_l, dtype=np.int64)
     logits_indices = (cu[1:][samples] - 1).astype(np.int64)
-    sampled: list[SampleRow] = [s.seq for s, keep in zip(sched, samples, strict=False) if keep]
-    if any(s.forks or s.spec_token_ids for s in sched):  # several sample rows for one scheduled sequence
+    sampled: list[SampleRow] = [s.seq for s, keep in zip(sched, samples.tolist(), strict=True) if keep]
+    if multi_row:  # several sample rows for one scheduled sequence
         rows = [row for i, s in enumerate(sched) if samples[i] for row in _sample_rows(s, int(cu[i + 1]) - 1)]
         sampled = [q for q, _ in rows]
         logits_indices = np.array([r for _, r in rows], dtype=np.int64)
-    params = [q.sampling_params for q in sampled]
-    any_min_tokens = any(p.min_tokens for p in params)
-    num_logprobs = [q.num_logprobs for q in sampled]
+    cols = SamplingColumns(sampled, vocab_size)
     controls = None
-    if any(uses_logits_controls(p) for p in params):
+    if cols.any_controls:
         controls = build_logits_controls(sampled, vocab_size, history or TokenHistory())
     return StepInputs(
         input_ids=input_ids,
@@ -250,21 +257,54 @@ def build_step_inputs(
         blocks_to_offload=list(out.blocks_to_offload),
         blocks_to_load=list(out.blocks_to_load),
         blocks_to_prefetch=list(out.blocks_to_prefetch),
-        seq_ids=[s.seq.seq_id for s in sched],
-        sample_seq_ids=[q.seq_id for q in sampled],
-        temperature=np.array([p.temperature for p in params], dtype=np.float32),
-        # top_k at or above the vocabulary is off: clamped to it in Python (SamplingParams bounds it by 2**31 - 1)
-        top_k=np.array([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params], dtype=np.int64),
-        top_p=np.array([p.top_p for p in params], dtype=np.float32),
-        min_p=np.array([p.min_p for p in params], dtype=np.float32),
-        seeds=[p.seed for p in params],
-        min_tokens_mask=min_tokens_mask(sampled, eos_token_ids, vocab_size) if any_min_tokens else None,
-        num_logprobs=num_logprobs if any(k is not None for k in num_logprobs) else None,
-        prompt_logprobs=prompt_logprobs_rows(sched, cu, start, end),
+        seq_ids=seq_ids,
+        sample_seq_ids=cols.seq_ids,
+        temperature=np.array(cols.temperature, dtype=np.float32),
+        top_k=np.array(cols.top_k, dtype=np.int64),
+        top_p=np.array(cols.top_p, dtype=np.float32),
+        min_p=np.array(cols.min_p, dtype=np.float32),
+        seeds=cols.seeds,
+        min_tokens_mask=min_tokens_mask(sampled, eos_token_ids, vocab_size) if cols.any_min_tokens else None,
+        num_logprobs=cols.num_logprobs if cols.any_logprobs else None,
+        prompt_logprobs=prompt_logprobs_rows(sched, cu, start, end) if prompt_lp else [],
         group_tables=group_tables,
-        grammar_seqs=sampled if any(q.grammar is not None for q in sampled) else None,
+        grammar_seqs=sampled if cols.any_grammar else None,
         logits_controls=controls,
     )
+
+
+class SamplingColumns:
+    """The sample rows' sampling parameters as columns, and what any row asks for, in one pass over
+    the rows (build_step_inputs; at 256 rows one loop costs less than a generator per column)."""
+
+    def __init__(self, sampled: list[SampleRow], vocab_size: int):
+        self.seq_ids: list[int] = []
+        self.temperature: list[float] = []
+        self.top_k: list[int] = []
+        self.top_p: list[float] = []
+        self.min_p: list[float] = []
+        self.seeds: list[int | None] = []
+        self.num_logprobs: list[int | None] = []
+        self.any_min_tokens = self.any_logprobs = self.any_controls = self.any_grammar = False
+        for q in sampled:
+            p = q.sampling_params
+            self.seq_ids.append(q.seq_id)
+            self.temperature.append(p.temperature)
+            # top_k at or above the vocabulary is off: clamped to it in Python (SamplingParams bounds it by 2**31 - 1)
+            self.top_k.append(min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size)
+            self.top_p.append(p.top_p)
+            self.min_p.append(p.min_p)
+            self.seeds.append(p.seed)
+            k = q.num_logprobs
+            self.num_logprobs.append(k)
+            if k is not None:
+                self.any_logprobs = True
+            if p.min_tokens:
+                self.any_min_tokens = True
+            if not self.any_controls and uses_logits_controls(p):
+                self.any_controls = True
+            if q.grammar is not None:
+                self.any_grammar = True
 
 
 def _sample_rows(s: ScheduledSequence, last: int) -> list[tuple[SampleRow, int]]:
