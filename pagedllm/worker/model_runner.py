@@ -348,10 +348,10 @@ class ModelRunner:
         rows = np.flatnonzero(input_ids == PLACEHOLDER)
         if rows.size == 0:
             return None
-        seq_index = np.searchsorted(cu_seqlens_q, rows, side="right") - 1
         last = self._last_sample_seq_ids
         if rows.size == len(input_ids) == len(seq_ids) and seq_ids == last[: rows.size] and len(set(last)) == len(last):
             return rows.size
+        seq_index = np.searchsorted(cu_seqlens_q, rows, side="right") - 1
         last_row = {seq_id: i for i, seq_id in enumerate(last)}
         src = np.fromiter((last_row[seq_ids[j]] for j in seq_index), dtype=np.int64, count=rows.size)
         rows_t, src_t = self._upload([rows, src])
