@@ -13,6 +13,8 @@ attention: 16 query heads, 8 KV heads, head_dim 128, block 16), bf16 and fp8 (e4
 at 256 x 1,024 and 8 x 8,192, and Gemma-3-1B's attention (4 heads on 1 KV head, head_dim 256):
 the default (`TILES`, `default_num_splits`), the `CANDIDATES` tiles, and other split counts.
 --mixed: mixed context lengths (as in the standard workload's decode steps) in three launch orders.
+--mixed-tiles: the same mixed lengths, launched longest first, across tiles, warps, stages and
+V's load beside K's (EARLY_V), each at two split counts.
 """
 
 from __future__ import annotations
@@ -179,6 +181,65 @@ def mixed(copy, save):
     return res
 
 
+# (BLOCK_N, num_warps, num_stages, EARLY_V) tried at mixed lengths (--mixed-tiles)
+MIXED_TILES = [
+    (64, 1, 1, False),
+    (64, 1, 1, True),
+    (64, 1, 2, False),
+    (64, 1, 3, False),
+    (32, 1, 1, False),
+    (32, 1, 1, True),
+    (32, 1, 2, False),
+    (32, 1, 3, False),
+    (64, 2, 1, True),
+    (64, 2, 2, False),
+    (128, 2, 1, True),
+    (64, 4, 1, True),
+    (64, 4, 2, False),
+    (128, 4, 2, False),
+]
+
+
+def mixed_tiles(copy, save, batches=(16, 32, 64, 128, 240)):
+    """The tile grid (MIXED_TILES: BLOCK_N, warps, stages, V loaded beside K) at mixed lengths
+    (uniform 128-1,536, launched longest first through `seq_order`, as the engine does), each at its
+    warps' default split count and at twice that: is one tile best at every batch size?"""
+    res = []
+    for kv in (FP8, DTYPE):
+        for batch in batches:
+            g = torch.Generator().manual_seed(batch)
+            lens = torch.randint(128, 1537, (batch,), generator=g).tolist()
+            if SMOKE:
+                lens = [min(x, 40) for x in lens]
+            configs = [("default", None, None)]
+            for bn, nw, st, early in MIXED_TILES:
+                cfg = dict(tile(kv, 2, 128, bn, nw, st), EARLY_V=early)
+                sp = default_num_splits(batch, 8, 4096, torch.device(DEV), nw)  # the engine's max_seqlen_k
+                label = f"{bn}/{nw}w/{st}s" + (" early V" if early else "")
+                configs += [(label, cfg, sp), (label, cfg, 2 * sp)]
+            row = run_case(batch, max(lens), 8, 2, 128, kv, copy, configs, lens=lens, ordered=True)
+            row.update(order="drawn, seq_order", mean_len=sum(lens) / len(lens))
+            res.append(row)
+            save(res, "mixed_tiles")
+            ok = sorted((r for r in row["rows"] if "ms" in r), key=lambda r: r["ms"])
+            dflt = row["rows"][0]
+            print(
+                json.dumps(
+                    dict(
+                        kv=fmt(kv),
+                        batch=batch,
+                        default=(round(dflt.get("ms", 0) * 1e3, 1), round(dflt.get("vs_copy", 0), 3)),
+                        best=[
+                            (r["label"], r["splits"], round(r["ms"] * 1e3, 1), round(r["vs_copy"], 3)) for r in ok[:4]
+                        ],
+                        errors=sum("error" in r for r in row["rows"]),
+                    )
+                ),
+                flush=True,
+            )
+    return res
+
+
 def fmt(kv_dtype):
     return "fp8" if kv_dtype == FP8 else "16bit"
 
@@ -259,6 +320,7 @@ def main():
     ap.add_argument("--variants", action="store_true")
     ap.add_argument("--shapes", action="store_true")
     ap.add_argument("--mixed", action="store_true")
+    ap.add_argument("--mixed-tiles", action="store_true")
     args = ap.parse_args()
     t0 = time.time()
     res = dict(
@@ -286,6 +348,8 @@ def main():
         shapes(copy, save)
     if args.mixed:
         mixed(copy, save)
+    if args.mixed_tiles:
+        mixed_tiles(copy, save)
     save()
 
 

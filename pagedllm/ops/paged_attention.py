@@ -165,6 +165,7 @@ def paged_attention(
     block_q = cfg.pop("BLOCK_Q")
     # fp8 K/V with a 16-bit q: dots in fp16 (fp8 -> fp16 is one conversion; -> bf16 goes through fp32)
     fp16_dot = cfg.pop("FP16_DOT", kv_fp8 and q.dtype != torch.float32)
+    early_v = cfg.pop("EARLY_V", False)
     if num_splits is None:
         if decode:
             mk = max_seqlen_k if max_seqlen_k is not None else block_tables.shape[1] * block_size
@@ -192,6 +193,7 @@ def paged_attention(
         FP16_DOT=fp16_dot,
         SLIDING=sliding_window is not None,
         SOFT_CAP=logits_soft_cap is not None,
+        EARLY_V=early_v,
     )
     kernels._paged_attn_kernel[(triton.cdiv(max_seqlen_q, block_q) * num_splits, hkv, batch)](
         out,

@@ -61,6 +61,7 @@ if HAS_TRITON:
         COMPUTE_TY: tl.constexpr,
         SLIDING: tl.constexpr,
         SOFT_CAP: tl.constexpr,
+        EARLY_V: tl.constexpr,
     ):
         kpos = start + offs_n
         if MASK:
@@ -75,6 +76,11 @@ if HAS_TRITON:
             k = tl.load(k_ptrs, mask=kvalid[:, None], other=0.0)
         else:
             k = tl.load(k_ptrs)
+        if EARLY_V:  # V's load issued beside K's: two tiles in flight, not one after the scores
+            if MASK:
+                v = tl.load(v_ptrs, mask=kvalid[:, None], other=0.0)
+            else:
+                v = tl.load(v_ptrs)
         if KV_FP8:
             k = k.to(COMPUTE_TY)  # exact
         if UPCAST:
@@ -93,10 +99,11 @@ if HAS_TRITON:
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if MASK:
-            v = tl.load(v_ptrs, mask=kvalid[:, None], other=0.0)
-        else:
-            v = tl.load(v_ptrs)
+        if not EARLY_V:
+            if MASK:
+                v = tl.load(v_ptrs, mask=kvalid[:, None], other=0.0)
+            else:
+                v = tl.load(v_ptrs)
         if KV_FP8:
             v = v.to(COMPUTE_TY)  # exact
         p = p.to(v.dtype)
@@ -150,6 +157,7 @@ if HAS_TRITON:
         FP16_DOT: tl.constexpr,
         SLIDING: tl.constexpr,
         SOFT_CAP: tl.constexpr,
+        EARLY_V: tl.constexpr,
     ):
         BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
         pid0 = tl.program_id(0)
@@ -225,19 +233,19 @@ if HAS_TRITON:
                 acc, l_i, m_i = _attn_tile(
                     acc, l_i, m_i, q, q_pos, start, full_lo, k_base, v_base, bt_row,
                     stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, cap_log2, window, offs_n, offs_d,
-                    BLOCK_SIZE, True, DOT_PREC, UPCAST, KV_FP8, compute_ty, SLIDING, SOFT_CAP,
+                    BLOCK_SIZE, True, DOT_PREC, UPCAST, KV_FP8, compute_ty, SLIDING, SOFT_CAP, EARLY_V,
                 )  # fmt: skip
         for start in range(full_lo, full_hi, BLOCK_N):
             acc, l_i, m_i = _attn_tile(
                 acc, l_i, m_i, q, q_pos, start, hi, k_base, v_base, bt_row,
                 stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, cap_log2, window, offs_n, offs_d,
-                BLOCK_SIZE, False, DOT_PREC, UPCAST, KV_FP8, compute_ty, SLIDING, SOFT_CAP,
+                BLOCK_SIZE, False, DOT_PREC, UPCAST, KV_FP8, compute_ty, SLIDING, SOFT_CAP, EARLY_V,
             )  # fmt: skip
         for start in range(full_hi, hi, BLOCK_N):  # the diagonal and the ragged end
             acc, l_i, m_i = _attn_tile(
                 acc, l_i, m_i, q, q_pos, start, hi, k_base, v_base, bt_row,
                 stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, cap_log2, window, offs_n, offs_d,
-                BLOCK_SIZE, True, DOT_PREC, UPCAST, KV_FP8, compute_ty, SLIDING, SOFT_CAP,
+                BLOCK_SIZE, True, DOT_PREC, UPCAST, KV_FP8, compute_ty, SLIDING, SOFT_CAP, EARLY_V,
             )  # fmt: skip
 
         nonempty = l_i > 0.0  # false only for rows with no keys (seq_len 0)
