@@ -26,7 +26,7 @@ import torch
 
 from pagedllm.ops import PAD_SLOT_ID
 from pagedllm.ops.attention_metadata import AttentionMetadata
-from pagedllm.worker.staging import StaticInputs, pad_to
+from pagedllm.worker.staging import PackedInputs
 from pagedllm.worker.step_inputs import StepInputs
 
 if TYPE_CHECKING:
@@ -47,17 +47,18 @@ class MixedGraphs:
         top_t, top_b = self.token_sizes[-1], self.seq_sizes[-1]
         self.max_blocks = -(-runner.max_model_len // runner.block_size)
         groups = len(runner.kv_cache_groups)
-        buffers = {
-            "input_ids": torch.zeros(top_t, dtype=torch.int64, device=dev),
-            "positions": torch.zeros(top_t, dtype=torch.int64, device=dev),
-            "cu_seqlens_q": torch.zeros(top_b + 1, dtype=torch.int32, device=dev),
-            "seq_lens": torch.zeros(top_b, dtype=torch.int32, device=dev),
-        }
-        for g in range(groups):
-            buffers[f"slot_mapping{g}"] = torch.full((top_t,), PAD_SLOT_ID, dtype=torch.int64, device=dev)
-            buffers[f"block_tables{g}"] = torch.zeros(top_b, self.max_blocks, dtype=torch.int32, device=dev)
         self.groups = groups
-        self.inputs = StaticInputs(buffers)
+        self.inputs = PackedInputs(
+            [
+                ("input_ids", torch.int64, (top_t,)),
+                ("positions", torch.int64, (top_t,)),
+                *((f"slot_mapping{g}", torch.int64, (top_t,)) for g in range(groups)),
+                ("cu_seqlens_q", torch.int32, (top_b + 1,)),
+                ("seq_lens", torch.int32, (top_b,)),
+                *((f"block_tables{g}", torch.int32, (top_b, self.max_blocks)) for g in range(groups)),
+            ],
+            dev,
+        )
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.hidden: dict[tuple[int, int], torch.Tensor] = {}
         self.pool: _POOL_HANDLE | None = None
@@ -89,9 +90,10 @@ class MixedGraphs:
                 n = int(cu[-1])
                 tables = [(np.full(n, PAD_SLOT_ID), np.zeros((b, self.max_blocks), np.int32))] * self.groups
                 ids = np.arange(n, dtype=np.int64) % 7
-                self.inputs.stage(
-                    padded_step(ids, np.zeros(n, np.int64), cu, np.diff(cu).astype(np.int32), tables, t, b)
+                write_padded_step(
+                    self.inputs.next_host(), ids, np.zeros(n, np.int64), cu, np.diff(cu).astype(np.int32), tables, t, b
                 )
+                self.inputs.upload(b)
                 args = (self.inputs.dev["input_ids"][:t], self.inputs.dev["positions"][:t], self._meta(t, b))
                 model(*args)  # warm-up: Triton compiles, the allocator settles
                 torch.cuda.synchronize()
@@ -122,7 +124,9 @@ class MixedGraphs:
         assert pair is not None and pair in self.graphs, "can_run first"
         t, b = pair
         tables = [(inp.slot_mapping, inp.block_tables), *inp.group_tables]
-        self.inputs.stage(padded_step(inp.input_ids, inp.positions, inp.cu_seqlens_q, inp.seq_lens, tables, t, b))
+        h = self.inputs.next_host()
+        write_padded_step(h, inp.input_ids, inp.positions, inp.cu_seqlens_q, inp.seq_lens, tables, t, b)
+        self.inputs.upload(b)  # the 1-D buffers whole (~50 KB) and the tables' first b rows
         self.runner.fill_placeholders(self.inputs.dev["input_ids"], fix)  # async scheduling: ids from the device
         self.graphs[(t, b)].replay()
         return self.hidden[pair][: inp.num_tokens]
@@ -137,23 +141,49 @@ def padded_step(
     t: int,
     b: int,
 ) -> dict[str, np.ndarray]:
-    """A step of n tokens in nseq sequences as the (t, b) graph reads it: padding tokens are
-    token 0 at position 0 stored nowhere (PAD_SLOT_ID) and in no sequence; padding sequences
-    have no new tokens (cu_seqlens_q repeats n) and length 0. tables: (slot_mapping,
-    block_tables) per KV-cache group. Block tables keep the step's own rows and width."""
+    """The arrays of a (t, b) graph's step (`write_padded_step`) on their own, sized t and b."""
+    width = max(bt.shape[1] for _, bt in tables)
+    arrays: dict[str, np.ndarray] = {
+        "input_ids": np.zeros(t, np.int64),
+        "positions": np.zeros(t, np.int64),
+        "cu_seqlens_q": np.zeros(b + 1, np.int32),
+        "seq_lens": np.zeros(b, np.int32),
+    }
+    for g in range(len(tables)):
+        arrays[f"slot_mapping{g}"] = np.zeros(t, np.int64)
+        arrays[f"block_tables{g}"] = np.zeros((b, width), np.int32)
+    write_padded_step(arrays, ids, positions, cu, seq_lens, tables, t, b)
+    return arrays
+
+
+def write_padded_step(
+    dst: dict[str, np.ndarray],
+    ids: np.ndarray,
+    positions: np.ndarray,
+    cu: np.ndarray,
+    seq_lens: np.ndarray,
+    tables: list[tuple[np.ndarray, np.ndarray]],
+    t: int,
+    b: int,
+) -> None:
+    """Write a step of n tokens in nseq sequences into `dst` as the (t, b) graph reads it: padding
+    tokens are token 0 at position 0 stored nowhere (PAD_SLOT_ID) and in no sequence; padding
+    sequences have no new tokens (cu_seqlens_q repeats n) and length 0, so their programs return
+    before reading a block-table row. tables: (slot_mapping, block_tables) per KV-cache group; a
+    table's rows past nseq and columns past the step's width keep what they held (never read)."""
     n, nseq = len(ids), len(seq_lens)
     assert n <= t and nseq <= b, (n, t, nseq, b)
-
-    arrays = {
-        "input_ids": pad_to(ids, t, 0),
-        "positions": pad_to(positions, t, 0),
-        "cu_seqlens_q": pad_to(cu, b + 1, n, np.int32),
-        "seq_lens": pad_to(seq_lens, b, 0, np.int32),
-    }
+    for name, a, fill in (("input_ids", ids, 0), ("positions", positions, 0)):
+        dst[name][:n] = a
+        dst[name][n:t] = fill
+    dst["cu_seqlens_q"][: nseq + 1] = cu
+    dst["cu_seqlens_q"][nseq + 1 : b + 1] = n
+    dst["seq_lens"][:nseq] = seq_lens
+    dst["seq_lens"][nseq:b] = 0
     for g, (slots, bt) in enumerate(tables):
-        arrays[f"slot_mapping{g}"] = pad_to(slots, t, PAD_SLOT_ID)
-        arrays[f"block_tables{g}"] = np.ascontiguousarray(bt, dtype=np.int32)
-    return arrays
+        dst[f"slot_mapping{g}"][:n] = slots
+        dst[f"slot_mapping{g}"][n:t] = PAD_SLOT_ID
+        dst[f"block_tables{g}"][:nseq, : bt.shape[1]] = bt
 
 
 def capture_split(t: int, b: int, max_len: int) -> np.ndarray:

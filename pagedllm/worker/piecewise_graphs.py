@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedllm.ops.attention_metadata import AttentionMetadata
-from pagedllm.worker.staging import StaticInputs, pad_to
+from pagedllm.worker.staging import PackedInputs
 from pagedllm.worker.step_inputs import StepInputs
 
 if TYPE_CHECKING:
@@ -72,9 +72,7 @@ class PiecewiseGraphs:
         self.layers: list[DecoderLayer] = list(self.model.layers)  # type: ignore[arg-type]
         self.sizes = token_buckets(max_tokens)
         top = self.sizes[-1]
-        self.inputs = StaticInputs(
-            {n: torch.zeros(top, dtype=torch.int64, device=dev) for n in ("input_ids", "positions")}
-        )
+        self.inputs = PackedInputs([(n, torch.int64, (top,)) for n in ("input_ids", "positions")], dev)
         self.input_ids, self.positions = self.inputs.dev["input_ids"], self.inputs.dev["positions"]
         attn = self.layers[0].self_attn
         self.attn_out = torch.zeros(top, attn.num_heads * attn.head_dim, dtype=runner.dtype, device=dev)
@@ -153,7 +151,12 @@ class PiecewiseGraphs:
         n = inp.num_tokens
         t = self.bucket(n)
         b = self.buckets[t]
-        self.inputs.stage({"input_ids": pad_to(inp.input_ids, t, 0), "positions": pad_to(inp.positions, t, 0)})
+        h = self.inputs.next_host()
+        h["input_ids"][:n] = inp.input_ids
+        h["positions"][:n] = inp.positions
+        h["input_ids"][n:t] = 0  # padding rows: token 0 at position 0
+        h["positions"][n:t] = 0
+        self.inputs.upload(0, entries=t)
         self.runner.fill_placeholders(self.input_ids, fix)  # async scheduling: ids from the device
         positions = self.positions[:t]
         layers = self.layers

@@ -61,36 +61,6 @@ def pad_to(a: np.ndarray, size: int, fill: int, dtype=np.int64) -> np.ndarray:
     return out
 
 
-class StaticInputs:
-    """A CUDA graph's input buffers on the device (`dev`, fixed addresses the graph reads), each
-    with two pinned host copies used in turn: with async scheduling a step is staged while the
-    previous one's copies may still wait in the stream, and its event says when a set is free."""
-
-    def __init__(self, buffers: dict[str, torch.Tensor]):
-        self.dev = buffers
-        self.host = [
-            {k: torch.zeros(v.shape, dtype=v.dtype).pin_memory() for k, v in buffers.items()} for _ in range(2)
-        ]
-        self.copied = [torch.cuda.Event(), torch.cuda.Event()]
-        self.turn = 0
-
-    def stage(self, arrays: dict[str, np.ndarray]) -> None:
-        """Write the arrays into the next host set and queue their copies into `dev` (a 2-D array:
-        its rows and columns only; a 1-D one: its first len(a) entries)."""
-        self.turn ^= 1
-        h = self.host[self.turn]
-        self.copied[self.turn].synchronize()  # normally long done: two steps old
-        for name, a in arrays.items():
-            dst = h[name]
-            if a.ndim == 2:
-                dst.numpy()[: a.shape[0], : a.shape[1]] = a
-                self.dev[name][: a.shape[0]].copy_(dst[: a.shape[0]], non_blocking=True)
-            else:
-                dst[: len(a)].numpy()[:] = a
-                self.dev[name][: len(a)].copy_(dst[: len(a)], non_blocking=True)
-        self.copied[self.turn].record()
-
-
 class PackedInputs:
     """A CUDA graph's input buffers as views of one device buffer (`dev`: fixed addresses the graph
     reads), with numpy views of two pinned host copies used in turn (`next_host`, then `upload`).
@@ -99,8 +69,9 @@ class PackedInputs:
     a step of B rows goes up in one copy: the 1-D region and the first table's first B rows, which
     follow it; each further table adds one copy of its first B rows. A decode step thus costs one
     copy launch and numpy writes into views made once, not a pinned tensor, a slice and a copy per
-    array. With async scheduling a step is written while the one before may still wait in the
-    stream: the set's event says when its copy is done."""
+    array. A prefill graph's token buffers, sized for the largest step, go up as far as the step
+    uses them instead (`upload`'s `entries`). With async scheduling a step is written while the one
+    before may still wait in the stream: the set's event says when its copy is done."""
 
     def __init__(self, layout: list[tuple[str, torch.dtype, tuple[int, ...]]], device: torch.device):
         ndims = [len(shape) for _, _, shape in layout]
@@ -121,6 +92,9 @@ class PackedInputs:
             for h in self._host
         ]
         self._tables = [(o, s[1] * d.itemsize) for _, o, d, s in spans if len(s) == 2]  # (start, bytes a row)
+        self._vectors = [
+            (o, d.itemsize, s[0]) for _, o, d, s in spans if len(s) == 1
+        ]  # (start, bytes an entry, entries)
         self.copied = [torch.cuda.Event(), torch.cuda.Event()] if cuda else None  # per set: after its copy
         self.turn = 0
 
@@ -131,13 +105,18 @@ class PackedInputs:
             self.copied[self.turn].synchronize()  # normally long done: two steps old
         return self.host[self.turn]
 
-    def upload(self, rows: int) -> None:
-        """Queue the copy of the set `next_host` gave: every 1-D buffer whole, each table's first `rows` rows."""
+    def upload(self, rows: int, entries: int | None = None) -> None:
+        """Queue the copy of the set `next_host` gave: each table's first `rows` rows, and every 1-D
+        buffer whole or, given `entries`, its first `entries` entries (a copy each: for buffers
+        much longer than a step uses, as a prefill graph's token buffers)."""
         src = self._host[self.turn]
-        spans = [(0, self.nbytes)]  # no table: the 1-D region is all
-        if self._tables:  # the first table follows the 1-D region: one copy for both
-            (first, row), *rest = self._tables
-            spans = [(0, first + rows * row)] + [(o, o + rows * r) for o, r in rest]
+        first = self._tables[0][0] if self._tables else self.nbytes  # where the 1-D region ends
+        if entries is None:  # the first table follows the 1-D region: one copy for both
+            spans = [(0, first + rows * self._tables[0][1])] if self._tables else [(0, self.nbytes)]
+        else:
+            spans = [(o, o + min(entries, n) * size) for o, size, n in self._vectors]
+            spans += [(first, first + rows * self._tables[0][1])] if self._tables else []
+        spans += [(o, o + rows * r) for o, r in self._tables[1:]]
         for a, b in spans:
             self._dev[a:b].copy_(src[a:b], non_blocking=True)
         if self.copied is not None:

@@ -14,7 +14,8 @@ pytest.importorskip("triton")
 
 from pagedllm.ops.attention_metadata import AttentionMetadata  # noqa: E402
 from pagedllm.ops.kernels import TritonKernels  # noqa: E402
-from pagedllm.worker.mixed_graphs import padded_step  # noqa: E402
+from pagedllm.worker.mixed_graphs import padded_step, write_padded_step  # noqa: E402
+from pagedllm.worker.staging import PackedInputs  # noqa: E402
 from tests.ops.test_kernels import tiny_model  # noqa: E402
 
 BS, BLOCKS = 4, 24
@@ -71,5 +72,51 @@ def test_a_padded_step_computes_the_step():
     # the grid sized by the bucket, as the graph was captured (max_seqlen_q = t)
     got = model(torch.from_numpy(a["input_ids"]), torch.from_numpy(a["positions"]), meta_of(a, t))
     assert got.shape[0] == t
+    torch.testing.assert_close(got[:n], want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(kv, kv_want)  # the same blocks written, and nothing else
+
+
+@torch.inference_mode()
+def test_a_step_written_over_a_larger_one_computes_the_step():
+    """The graphs' buffers are reused: a step written over a larger step's values (stale tokens past
+    its bucket, stale table rows and columns past its sequences) must still compute the step."""
+    ids, positions, cu, seq_lens, slots, tables = step()
+    n, t, b, top_t, top_b, width = len(ids), 32, 16, 64, 32, 10
+    model, kv = model_and_cache()
+    exact = padded_step(ids, positions, cu, seq_lens, [(slots, tables)], n, len(seq_lens))
+    want = model(torch.from_numpy(exact["input_ids"]), torch.from_numpy(exact["positions"]), meta_of(exact, 6))
+    kv_want = kv.clone()
+
+    model, kv = model_and_cache()
+    p = PackedInputs(
+        [
+            ("input_ids", torch.int64, (top_t,)),
+            ("positions", torch.int64, (top_t,)),
+            ("slot_mapping0", torch.int64, (top_t,)),
+            ("cu_seqlens_q", torch.int32, (top_b + 1,)),
+            ("seq_lens", torch.int32, (top_b,)),
+            ("block_tables0", torch.int32, (top_b, width)),
+        ],
+        torch.device("cpu"),
+    )
+    for _ in range(2):  # both host sets hold a larger step's values
+        h = p.next_host()
+        for a in h.values():
+            a[...] = 3
+        p.upload(top_b)
+    write_padded_step(p.next_host(), ids, positions, cu, seq_lens, [(slots, tables)], t, b)
+    p.upload(b)
+    d = p.dev
+    meta = AttentionMetadata(
+        slot_mapping=d["slot_mapping0"][:t],
+        block_tables=d["block_tables0"][:b],
+        cu_seqlens_q=d["cu_seqlens_q"][: b + 1],
+        seq_lens=d["seq_lens"][:b],
+        max_seqlen_q=t,
+        max_seqlen_k=width * BS,
+        decode_only=False,
+        no_history=False,
+    )
+    got = model(d["input_ids"][:t], d["positions"][:t], meta)
     torch.testing.assert_close(got[:n], want, atol=1e-5, rtol=1e-5)
     assert torch.equal(kv, kv_want)  # the same blocks written, and nothing else

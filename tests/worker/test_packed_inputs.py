@@ -59,6 +59,25 @@ def test_a_step_copies_its_rows_and_leaves_the_tables_other_rows(groups):
         assert (tables[3:] == 7).all(), "rows past the step's are not copied (the graph never reads them)"
 
 
+@pytest.mark.parametrize("with_table", [False, True])
+def test_entries_copies_only_the_front_of_each_flat_buffer(with_table):
+    """A prefill graph's token buffers are sized for its largest step: `entries` sends only the
+    front of each, never past a shorter buffer's end, and the table's first rows as usual."""
+    layout = [("input_ids", torch.int64, (MAX_BS,)), ("seq_lens", torch.int32, (3,))]
+    layout += [("block_tables", torch.int32, (MAX_BS, BLOCKS))] if with_table else []
+    p = PackedInputs(layout, torch.device("cpu"))
+    h = p.next_host()
+    h["input_ids"][:] = np.arange(MAX_BS) + 1
+    h["seq_lens"][:] = [5, 6, 7]
+    if with_table:
+        h["block_tables"][:] = 9
+    p.upload(2, entries=5)
+    assert p.dev["input_ids"].tolist() == [1, 2, 3, 4, 5, 0, 0, 0]
+    assert p.dev["seq_lens"].tolist() == [5, 6, 7], "a buffer shorter than `entries` goes up whole, no further"
+    if with_table:
+        assert (p.dev["block_tables"][:2] == 9).all() and (p.dev["block_tables"][2:] == 0).all()
+
+
 def test_tables_must_follow_the_flat_buffers():
     with pytest.raises(AssertionError, match="1-D buffers first"):
         PackedInputs([("t", torch.int32, (2, 2)), ("ids", torch.int64, (2,))], torch.device("cpu"))
