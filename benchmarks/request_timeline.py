@@ -48,6 +48,13 @@ FIRST_TOKEN_STAGES = [
     ("sse_to_client", "written -> the client has the chunk"),
 ]
 
+# client_to_handler in two (both in it; not added to the sum): the app's arrival stamp
+# (routes.ArrivalStamp) cuts it where uvicorn hands the parsed request head to the app
+HTTP_PARTS = [
+    ("client_to_app", "client sends -> the app has the request (client, connect, uvicorn's parse of the head)"),
+    ("app_to_handler", "the app has it -> the route handler runs (middlewares, routing, reading the body)"),
+]
+
 
 def _q(xs: list[float], p: float) -> float:
     xs = sorted(xs)
@@ -85,7 +92,7 @@ def join(client: list[dict[str, Any]], ev: dict[str, list[dict[str, Any]]]) -> t
         if r["ev"] == "submit":
             user_of[r["rid"]] = r["user"]
             api_t[r["user"]]["submit"] = r["t"]
-        elif r["ev"] in ("http", "prepared"):
+        elif r["ev"] in ("asgi", "http", "prepared"):
             api_t[r["user"]][r["ev"]] = r["t"]
         elif r["ev"] == "recv":
             for rid in r["rids"]:
@@ -134,6 +141,9 @@ def join(client: list[dict[str, Any]], ev: dict[str, list[dict[str, Any]]]) -> t
             "api_output": first_sse - recv_t[u][0],
             "sse_to_client": c["first_chunk"] - first_sse,
         }
+        if "asgi" in a:
+            stages["client_to_app"] = a["asgi"] - c["start"]
+            stages["app_to_handler"] = a["http"] - a["asgi"]
         gaps = [b - a_ for a_, b in zip(sent_t[u], sent_t[u][1:], strict=False)]
         api_lag = [r_ - s_ for s_, r_ in zip(sent_t[u], recv_t[u], strict=False)]
         rows.append(
@@ -226,6 +236,7 @@ def main() -> int:
         del os.environ["PAGEDLLM_TIMELINE"]
     rows, steps = join(client, read_events(prefix))
     first = {k: _stats([r["stages"][k] for r in rows]) for k, _ in FIRST_TOKEN_STAGES}
+    http_parts = {k: _stats([r["stages"][k] for r in rows if k in r["stages"]]) for k, _ in HTTP_PARTS}
     out = {
         "benchmark": "request_timeline",
         "config": {k: v for k, v in vars(args).items() if k != "out"},
@@ -234,7 +245,8 @@ def main() -> int:
         "ttft": _stats([r["ttft"] for r in rows]),
         "tpot": _stats([r["tpot"] for r in rows]),
         "first_token_stages": first,
-        "stage_meaning": dict(FIRST_TOKEN_STAGES),
+        "http_parts": http_parts,
+        "stage_meaning": dict(FIRST_TOKEN_STAGES + HTTP_PARTS),
         "decode": {
             "core_output_gap": _stats([g for r in rows for g in r["core_gaps"]]),
             "core_to_api_lag": _stats([g for r in rows for g in r["api_lag"]]),
@@ -254,6 +266,9 @@ def main() -> int:
         total += first[k]["median_ms"]
         print(f"  {k:<18} {first[k]['median_ms']:>8.3f} ms  (p90 {first[k]['p90_ms']:>8.3f})  {meaning}")
     print(f"  {'sum of medians':<18} {total:>8.3f} ms")
+    for k, meaning in HTTP_PARTS:
+        h = http_parts[k]
+        print(f"  (of client_to_handler) {k:<15} {h['median_ms']:>8.3f} ms  (p90 {h['p90_ms']:>8.3f})  {meaning}")
     d = out["decode"]
     print(
         f"decode: core output gap {d['core_output_gap']['median_ms']} ms, core->API {d['core_to_api_lag']['median_ms']} ms"

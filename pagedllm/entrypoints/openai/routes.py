@@ -10,7 +10,8 @@ Before a route runs, from the outside in: `InternalErrorMiddleware` (errors.py: 
 the traceback logged once), `HostGuard` (guards.py: when `allowed_hosts` is given),
 `CORSMiddleware` (when `allowed_origins` is given: outside the key check, since a browser's
 preflight carries no key), `AuthMiddleware` (when `api_key` is given), `BodyGuard` (guards.py:
-JSON content type, body size).
+JSON content type, body size). With the request timeline on (PAGEDLLM_TIMELINE), `ArrivalStamp`
+sits just inside the first: when the request reached the app.
 
 The package `pagedllm.entrypoints.openai`, one concept per module:
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -74,6 +76,26 @@ class SSEResponse(StreamingResponse):
 
 def _answer(result: dict[str, Any] | SSEStream) -> Any:
     return SSEResponse(result) if isinstance(result, SSEStream) else result
+
+
+ARRIVED = "pagedllm.arrived"  # the scope key of ArrivalStamp's time
+
+
+class ArrivalStamp:
+    """ASGI middleware, only while the request timeline is on (PAGEDLLM_TIMELINE): the time a
+    request reached the app (uvicorn has parsed its head), so the timeline can split the client's
+    send -> the route handler into the time before the app and the middlewares plus the body read."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        scope[ARRIVED] = time.monotonic()
+        await self.app(scope, receive, send)
+
+
+def _arrived(request: Request) -> float | None:
+    return request.scope.get(ARRIVED)
 
 
 def _watcher(request: Request) -> Any:
@@ -155,11 +177,11 @@ def build_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        return _answer(await serving.create_completion(await request.body(), _watcher(request)))
+        return _answer(await serving.create_completion(await request.body(), _watcher(request), _arrived(request)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        return _answer(await serving.create_chat_completion(await request.body(), _watcher(request)))
+        return _answer(await serving.create_chat_completion(await request.body(), _watcher(request), _arrived(request)))
 
     # add_middleware puts each one outside the ones before it
     app.add_middleware(BodyGuard, max_body_size=max_request_body_size)
@@ -175,5 +197,7 @@ def build_app(
         )
     if allowed_hosts is not None:
         app.add_middleware(HostGuard, extra_hosts=tuple(allowed_hosts))
+    if async_llm.timeline is not None:
+        app.add_middleware(ArrivalStamp)
     app.add_middleware(InternalErrorMiddleware)
     return app

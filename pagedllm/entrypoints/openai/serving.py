@@ -172,11 +172,11 @@ class OpenAIServing:
 
     # ---- /v1/completions and /v1/chat/completions ----------------------------------------
     async def create_completion(
-        self, body: dict[str, Any] | bytes, disconnected: Disconnected | None = None
+        self, body: dict[str, Any] | bytes, disconnected: Disconnected | None = None, arrived: float | None = None
     ) -> dict[str, Any] | SSEStream:
         t_http = time.monotonic()
         parsed, requests, rid = await self._prepared(self._prepare_completion, body)
-        self._note_arrival(rid, t_http)
+        self._note_arrival(rid, t_http, arrived)
         sub = self._submit(parsed, requests)
         builder = CompletionResponses(
             rid,
@@ -191,11 +191,11 @@ class OpenAIServing:
         return await self._answer(parsed, sub, builder, rid, disconnected)
 
     async def create_chat_completion(
-        self, body: dict[str, Any] | bytes, disconnected: Disconnected | None = None
+        self, body: dict[str, Any] | bytes, disconnected: Disconnected | None = None, arrived: float | None = None
     ) -> dict[str, Any] | SSEStream:
         t_http = time.monotonic()
         parsed, requests, rid, reader = await self._prepared(self._prepare_chat, body)
-        self._note_arrival(rid, t_http)
+        self._note_arrival(rid, t_http, arrived)
         sub = self._submit(parsed, requests)
         builder = ChatResponses(
             rid,
@@ -217,10 +217,13 @@ class OpenAIServing:
             return prepare(body)
         return await asyncio.to_thread(prepare, body)
 
-    def _note_arrival(self, rid: str, t_http: float) -> None:
-        """Timeline: the body reached the handler at t_http; parsed and tokenized now."""
+    def _note_arrival(self, rid: str, t_http: float, arrived: float | None) -> None:
+        """Timeline: the request reached the app at `arrived` (routes.ArrivalStamp) and its body the
+        handler at t_http; parsed and tokenized now."""
         timeline = self.engine.timeline
         if timeline is not None:
+            if arrived is not None:
+                timeline.event("asgi", arrived, user=rid)
             timeline.event("http", t_http, user=rid)
             timeline.event("prepared", user=rid)
 
