@@ -72,7 +72,8 @@ def prefill_graphs() -> str:
 
 
 def attention_tiles() -> dict[tuple[str, str], tuple[int, int, int]]:
-    """PAGEDLLM_ATTENTION_TILES parsed: {("decode", "fp8"): (BLOCK_N, num_warps, num_stages), ...}."""
+    """PAGEDLLM_ATTENTION_TILES parsed: {("decode", "fp8"): (BLOCK_N, num_warps, num_stages), ...};
+    ("decode_split", "fp8") is the tile of an fp8 decode that runs in splits."""
     return _parse_tiles(os.environ.get("PAGEDLLM_ATTENTION_TILES", ""))
 
 
@@ -85,7 +86,9 @@ def _parse_tiles(text: str) -> dict[tuple[str, str], tuple[int, int, int]]:
         out = {}
         for key, val in rows.items():
             phase, fmt = key.split("/")
-            if phase not in ("decode", "prefill") or fmt not in ("16bit", "fp8"):
+            if phase not in ("decode", "decode_split", "prefill") or fmt not in ("16bit", "fp8"):
+                raise ValueError(key)
+            if phase == "decode_split" and fmt != "fp8":  # only fp8 decode has a split row
                 raise ValueError(key)
             block_n, warps, stages = (int(x) for x in val)
             out[(phase, fmt)] = (block_n, warps, stages)
@@ -93,7 +96,7 @@ def _parse_tiles(text: str) -> dict[tuple[str, str], tuple[int, int, int]]:
     except (ValueError, TypeError, AttributeError) as e:
         raise ValueError(
             'PAGEDLLM_ATTENTION_TILES must be JSON like {"decode/fp8": [64, 1, 1]} '
-            f"(keys decode|prefill / 16bit|fp8), got {text!r}"
+            f"(keys decode|prefill / 16bit|fp8, and decode_split/fp8), got {text!r}"
         ) from e
 
 

@@ -56,25 +56,40 @@ TILES: dict[tuple[str, str], tuple[int, int, int]] = {
     # from the warps that computed it to the warps that multiply it by V through shared memory; one warp
     # keeps all of it in registers. Prefill keeps the bf16 tile (bound by the dots, not the bytes).
     ("decode", "fp8"): (64, 1, 1),
+    # fp8 decode cut into splits (num_splits > 1: batch x KV heads short of filling the SMs), with V's
+    # load issued beside K's (EARLY_V): each split reads few keys (~85 at batch 16 x ~1,400), so a
+    # 64-key tile is mostly a masked tail. Mixed lengths 128-1,536 launched longest first (H100,
+    # decode-attention/mixed-tiles-h100-5e20de8.json, us against the 64-key tile): batch 16 15.8
+    # against 21.1, 32 31.5 / 35.1, 64 53.1 / 58.0, 128 93.0 / 95.5; at batch 240 (one split) the
+    # 64-key tile stays (155.2 against 163.0). bf16 KV: no tile won by more than 4%.
+    ("decode_split", "fp8"): (32, 1, 1),
     ("prefill", "fp8"): (64, 4, 2),
 }
+SPLIT_EARLY_V = True  # the decode_split row's V load beside K's (kernels: EARLY_V)
 WIDE_BLOCK_N = 32
 
 
 def _pick_config(
-    decode: bool, g_pad: int, head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
+    decode: bool,
+    g_pad: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype | None = None,
+    split: bool = False,
 ) -> dict:
-    """Tile shapes from shapes and dtypes only (q's, and the cache's if not q's): `TILES`, or the
-    PAGEDLLM_ATTENTION_TILES override of a row."""
+    """Tile shapes from shapes and dtypes only (q's, and the cache's if not q's), and for an fp8
+    decode whether it runs in splits: `TILES`, or the PAGEDLLM_ATTENTION_TILES override of a row."""
     kv_format = "fp8" if kv_dtype is not None and is_fp8(kv_dtype) else "16bit"
-    key = ("decode" if decode else "prefill", kv_format)
+    phase = "prefill" if not decode else "decode_split" if split and kv_format == "fp8" else "decode"
+    key = (phase, kv_format)
     block_n, num_warps, num_stages = envs.attention_tiles().get(key, TILES[key])
+    extra = dict(EARLY_V=SPLIT_EARLY_V) if phase == "decode_split" else {}
     if dtype == torch.float32 or head_dim > 128:
         block_n = WIDE_BLOCK_N
     if head_dim > 128 and not decode:
         num_warps = 8
     block_q = max(1, (16 if decode else 64) // g_pad)  # decode: M = BLOCK_Q * G_PAD >= 16 for tl.dot
-    return dict(BLOCK_Q=block_q, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+    return dict(BLOCK_Q=block_q, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, **extra)
 
 
 def default_num_splits(
@@ -162,10 +177,6 @@ def paged_attention(
     group = hq // hkv
     g_pad = next_pow2(group)
     cfg = dict(_config) if _config else _pick_config(decode, g_pad, d, q.dtype, k_cache.dtype)
-    block_q = cfg.pop("BLOCK_Q")
-    # fp8 K/V with a 16-bit q: dots in fp16 (fp8 -> fp16 is one conversion; -> bf16 goes through fp32)
-    fp16_dot = cfg.pop("FP16_DOT", kv_fp8 and q.dtype != torch.float32)
-    early_v = cfg.pop("EARLY_V", False)
     if num_splits is None:
         if decode:
             mk = max_seqlen_k if max_seqlen_k is not None else block_tables.shape[1] * block_size
@@ -175,6 +186,12 @@ def paged_attention(
         else:
             num_splits = 1
     num_splits = max(1, int(num_splits))
+    if decode and kv_fp8 and num_splits > 1 and not _config:  # TILES' decode_split row
+        cfg = _pick_config(decode, g_pad, d, q.dtype, k_cache.dtype, split=True)
+    block_q = cfg.pop("BLOCK_Q")
+    # fp8 K/V with a 16-bit q: dots in fp16 (fp8 -> fp16 is one conversion; -> bf16 goes through fp32)
+    fp16_dot = cfg.pop("FP16_DOT", kv_fp8 and q.dtype != torch.float32)
+    early_v = cfg.pop("EARLY_V", False)
     if num_splits > 1:
         part_out = torch.empty((t, hq, num_splits, d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((t, hq, num_splits), dtype=torch.float32, device=q.device)

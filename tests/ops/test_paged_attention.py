@@ -382,6 +382,12 @@ def test_pick_config_by_kv_format():
     n, w, s = TILES[("decode", "fp8")]
     assert _pick_config(True, 2, 128, bf16, e4m3) == dict(BLOCK_Q=8, BLOCK_N=n, num_warps=w, num_stages=s)
     assert _pick_config(True, 2, 128, torch.float32, e4m3)["BLOCK_N"] == 32  # fp32 q: narrow tiles
+    # an fp8 decode in splits: its own row, V loaded beside K; a 16-bit cache has no such row
+    n, w, s = TILES[("decode_split", "fp8")]
+    split_tile = dict(BLOCK_Q=8, BLOCK_N=n, num_warps=w, num_stages=s, EARLY_V=True)
+    assert _pick_config(True, 2, 128, bf16, e4m3, split=True) == split_tile
+    assert _pick_config(True, 2, 128, bf16, bf16, split=True) == measured
+    assert _pick_config(False, 2, 128, bf16, e4m3, split=True)["BLOCK_N"] == 64  # not a decode
     # head_dim 256 (Gemma): narrow tiles, and 8 warps for a prefill's [64, 256] accumulator
     assert _pick_config(False, 2, 256, bf16) == dict(BLOCK_Q=32, BLOCK_N=32, num_warps=8, num_stages=2)
     assert _pick_config(True, 2, 256, bf16) == dict(BLOCK_Q=8, BLOCK_N=32, num_warps=4, num_stages=2)
@@ -393,17 +399,23 @@ def test_attention_tiles_override(monkeypatch):
     monkeypatch.setenv("PAGEDLLM_ATTENTION_TILES", '{"decode/fp8": [128, 4, 2]}')
     assert _pick_config(True, 2, 128, bf16, e4m3) == dict(BLOCK_Q=8, BLOCK_N=128, num_warps=4, num_stages=2)
     assert _pick_config(True, 2, 128, bf16) == dict(BLOCK_Q=8, BLOCK_N=64, num_warps=4, num_stages=2)
-    for bad in ('{"decode/int4": [64, 1, 1]}', '{"decode/fp8": [64, 1]}', "[1, 2]", "not json"):
+    monkeypatch.setenv("PAGEDLLM_ATTENTION_TILES", '{"decode_split/fp8": [16, 1, 2]}')
+    assert _pick_config(True, 2, 128, bf16, e4m3, split=True) == dict(
+        BLOCK_Q=8, BLOCK_N=16, num_warps=1, num_stages=2, EARLY_V=True
+    )
+    bads = ('{"decode/int4": [64, 1, 1]}', '{"decode/fp8": [64, 1]}', '{"decode_split/16bit": [32, 1, 1]}')
+    for bad in (*bads, "[1, 2]", "not json"):
         monkeypatch.setenv("PAGEDLLM_ATTENTION_TILES", bad)
         with pytest.raises(ValueError, match="PAGEDLLM_ATTENTION_TILES"):
             _pick_config(True, 2, 128, bf16, e4m3)
 
 
 def test_one_warp_fp8_decode_matches_reference(device):
-    """The fp8 decode tile (one warp) over splits, GQA groups and a padding row, against the reference."""
+    """The fp8 decode tiles (one warp) over splits, GQA groups and a padding row, against the reference:
+    one split runs TILES' decode row, more (given, or the default) its decode_split row (V beside K)."""
     torch.manual_seed(0)
     e4m3 = torch.float8_e4m3fn
-    for group, splits in ((2, 1), (4, 3), (1, 2)):
+    for group, splits in ((2, 1), (4, 3), (1, 2), (2, None)):
         hkv, d, bs = 2, 32, 8
         lens = [70, 0, 129]
         nb = [-(-n // bs) for n in lens]
