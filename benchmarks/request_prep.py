@@ -5,7 +5,9 @@ Each body is prepared as the server prepares it (`OpenAIServing._prepare_complet
 `_prepare_chat`: JSON, field checks, tokenizing, the input processor's checks), over the bundled
 model's tokenizer and an engine stand-in that only answers what the serving layer reads. Three
 bodies of the serving benchmark's size: 512 token ids (this project's client), the text of 512
-random tokens (vLLM's client sends text), and that text as one chat message. Also timed: the
+random tokens (vLLM's client sends text), and that text as one chat message; these repeat over
+rounds, so the tokenizer's BPE cache is warm for them, and `prepare_text_fresh_us` times text that
+is new to every call (as in a server). Also timed: the
 request's log line (`--enable-log-requests`, on by default) and one `asyncio.to_thread` hop.
 Runs against whatever `pagedllm` is importable, so an older tree can be measured with the same
 script (PYTHONPATH=OLD python benchmarks/request_prep.py).
@@ -46,6 +48,18 @@ class EngineStandIn:
 
     def add_request(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("only preparation is timed")
+
+
+def fresh_per_call_us(fn: Any, batches: list[list[Any]]) -> float:
+    """Median over batches of the mean time of fn(item), every item seen once: a server never sees
+    the same random prompt twice, and the tokenizer's BPE cache would make a repeated body cheaper."""
+    means = []
+    for items in batches:
+        start = time.perf_counter()
+        for item in items:
+            fn(item)
+        means.append((time.perf_counter() - start) / len(items) * 1e6)
+    return round(statistics.median(means), 1)
 
 
 def per_call_us(fn: Any, items: list[Any], rounds: int) -> float:
@@ -91,6 +105,13 @@ def main() -> None:
     for kind, bs in bodies.items():
         prepare = serving._prepare_chat if kind == "chat" else serving._prepare_completion
         results[f"prepare_{kind}_us"] = per_call_us(prepare, bs, args.rounds)
+    # text never seen before (the --text-prompts timeline's case): the benchmark's own distribution
+    # of ids, all of the bundled vocabulary, rounds x bodies distinct prompts
+    fresh_ids = [[rng.randrange(0, 8192) for _ in range(args.input_len)] for _ in range(args.rounds * args.num_bodies)]
+    fresh = [json.dumps({**common, "prompt": engine.tokenizer.decode(x)}).encode() for x in fresh_ids]
+    n = args.num_bodies
+    batches = [fresh[i * n : (i + 1) * n] for i in range(args.rounds)]
+    results["prepare_text_fresh_us"] = fresh_per_call_us(serving._prepare_completion, batches)
 
     # the per-request log line, as AsyncLLM writes it, to a handler that formats and discards
     requests = [serving._prepare_completion(b)[1][0] for b in bodies["token_ids"]]

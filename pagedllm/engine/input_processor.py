@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pagedllm.engine.errors import InvalidRequestError
 from pagedllm.engine.grammar import GrammarChecker
@@ -47,12 +47,45 @@ CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 MAX_SAMPLES = 4096
 
 
+class RustTokenizer(Protocol):
+    """What encode_text reads of a fast tokenizer's backend (`tokenizers.Tokenizer`)."""
+
+    truncation: Any
+    padding: Any
+    encode_special_tokens: bool
+
+    def encode_batch_fast(self, inputs: list[str], add_special_tokens: bool = True) -> list[Any]: ...
+
+
+def rust_backend(tokenizer: Any) -> RustTokenizer | None:
+    """A Hugging Face fast tokenizer's Rust backend when calling it directly gives the ids
+    `tokenizer.encode(text)` gives: that call is the backend's `encode_batch` once the tokenizer has
+    set no truncation, no padding and its split_special_tokens default on the backend, and the
+    backend is in that state now. None otherwise (a slow or other tokenizer, or a backend left
+    splitting special tokens by an earlier call): encode through the tokenizer."""
+    if not getattr(tokenizer, "is_fast", False):  # PreTrainedTokenizerBase.is_fast: HF's own flag
+        return None
+    backend: RustTokenizer = tokenizer.backend_tokenizer
+    if backend.truncation is not None or backend.padding is not None:
+        return None
+    if backend.encode_special_tokens != bool(tokenizer.split_special_tokens):
+        return None
+    return backend
+
+
 def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = False, **kwargs: Any) -> list[int]:
     """Text -> token ids: the one place every door encodes text (a prompt here, /tokenize, each piece
     of a rendered chat). add_special_tokens: the tokenizer's BOS/EOS around it; kwargs go to
-    `tokenizer.encode` (a chat's special-token texts: split_special_tokens). "" -> []."""
+    `tokenizer.encode` (a chat's special-token texts: split_special_tokens). "" -> [].
+
+    Without kwargs a fast tokenizer's backend is called directly and without character offsets
+    (`encode_batch_fast`): the same ids, 20-25% less time on a 512-token prompt of new text
+    (benchmarks/request_prep.py, prepare_text_fresh_us), which vLLM's client sends."""
     if not text:
         return []
+    backend = None if kwargs else rust_backend(tokenizer)
+    if backend is not None:
+        return list(backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids)
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens, **kwargs))
 
 

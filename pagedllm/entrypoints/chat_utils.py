@@ -263,4 +263,4 @@ def render_chat(
         raise _bad("the chat template did not produce a string", "messages")
     if defuser is not None and defuser.used:
         return defuser.encode(rendered)
-    return rendered, list(tokenizer.encode(rendered, add_special_tokens=False)) if rendered else []
+    return rendered, encode_text(tokenizer, rendered)
