@@ -22,14 +22,15 @@ MODEL=${MODEL:-/tmp/qwen3-0.6b}
 export PYTHONUNBUFFERED=1
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name())' | tee -a "$OUT/env.txt"
 SITE=""
-if ! python3 -c "import fastapi, uvicorn" 2>/dev/null && ls .whl/server/*.whl >/dev/null 2>&1; then
+if ! python3 -c "import fastapi, uvicorn, llguidance" 2>/dev/null && ls .whl/server/*.whl >/dev/null 2>&1; then
+  # the carried wheels: the server's (.whl/server/) and llguidance (.whl/), which the model writer imports
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      .whl/server/*.whl && SITE=/tmp/site
+      .whl/server/*.whl $(ls .whl/*.whl 2>/dev/null) && SITE=/tmp/site
 fi
 [ -d /tmp/site ] && SITE=/tmp/site  # wheels installed before this script (llguidance: .whl/*.whl)
 if [ "$MODE" != tests ]; then
   mkdir -p $BEFORE && tar -xzf .ab/before.tar.gz -C $BEFORE || exit 1
-  [ -d $MODEL ] || PYTHONPATH=$HERE python3 tools/make_random_model.py --shape qwen3-0.6b --out $MODEL 2>&1 | tail -2
+  [ -d $MODEL ] || PYTHONPATH=$HERE${SITE:+:$SITE} python3 tools/make_random_model.py --shape qwen3-0.6b --out $MODEL 2>&1 | tail -2
 fi
 run_tree() {   # $1 = tag (before|after), $2 = tree, $3 = commit
   local tag=$1 tree=$2
