@@ -1,6 +1,7 @@
 """The request-path benchmarks run end to end at small sizes: request_prep.py (preparation of each
 body kind, no server) and client_ceiling.py (this project's client against the stand-in server,
-which must speak the completions stream a client reads: every request's tokens and its usage)."""
+which must speak the completions stream a client reads: every request's tokens and its usage) and
+sse_chain.py (the app's layers around each SSE event)."""
 
 from __future__ import annotations
 
@@ -40,3 +41,9 @@ def test_client_ceiling_streams_every_token_to_this_projects_client(tmp_path):
     assert row["ideal_req_s"] == round(6 / (2 * 5 * 0.002), 1)
     assert row["measured_req_s"] is not None and 0 < row["measured_req_s"] <= row["ideal_req_s"]
     assert row["client_cpu_s"] > 0
+
+
+def test_sse_chain_streams_every_event_through_the_app(tmp_path):
+    """The app is driven for real: a route that did not stream would fail the script's own count."""
+    row = run("sse_chain.py", "--events", "200", "--rounds", "1", out=tmp_path / "s.jsonl")
+    assert row["events"] == 200 and row["results"]["app_us_per_event"] > 0 and row["results"]["bare_us_per_event"] > 0
