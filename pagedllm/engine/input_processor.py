@@ -47,6 +47,11 @@ CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 MAX_SAMPLES = 4096
 
 
+# transformers 5's fast-tokenizer encode: the base class's `encode` over TokenizersBackend's
+# `_encode_plus`, which is the backend's `encode_batch` (read in transformers 5.0 and 5.25)
+PLAIN_ENCODE = ("PreTrainedTokenizerBase.encode", "TokenizersBackend._encode_plus")
+
+
 class RustTokenizer(Protocol):
     """What encode_text reads of a fast tokenizer's backend (`tokenizers.Tokenizer`)."""
 
@@ -65,6 +70,9 @@ def rust_backend(tokenizer: Any) -> RustTokenizer | None:
     splitting special tokens by an earlier call): encode through the tokenizer."""
     if not getattr(tokenizer, "is_fast", False):  # PreTrainedTokenizerBase.is_fast: HF's own flag
         return None
+    cls = type(tokenizer)
+    if (getattr(cls.encode, "__qualname__", ""), getattr(cls._encode_plus, "__qualname__", "")) != PLAIN_ENCODE:
+        return None  # a class with an encode of its own (CodeLlama's infilling, CPM's pre-segmentation)
     backend: RustTokenizer = tokenizer.backend_tokenizer
     if backend.truncation is not None or backend.padding is not None:
         return None

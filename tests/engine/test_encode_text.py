@@ -74,3 +74,20 @@ def test_truncation_or_split_by_default_go_through_the_tokenizer(tmp_path):
 
 def test_empty_text_is_no_ids(tok):
     assert encode_text(tok, "") == []
+
+
+def test_a_class_with_its_own_encode_goes_through_it():
+    """A tokenizer class that changes encoding in Python (as CodeLlama's infilling or CPM's
+    pre-segmentation do) is not bypassed."""
+    from transformers import PreTrainedTokenizerFast
+
+    class Shouting(PreTrainedTokenizerFast):
+        def _encode_plus(self, text, *args, **kwargs):
+            return super()._encode_plus(text.upper() if isinstance(text, str) else text, *args, **kwargs)
+
+    tok = Shouting.from_pretrained(default_model_path())
+    assert rust_backend(tok) is None
+    assert encode_text(tok, "quiet words") == tok.encode("QUIET WORDS", add_special_tokens=False)
+    assert encode_text(tok, "quiet words") != encode_text(
+        AutoTokenizer.from_pretrained(default_model_path()), "quiet words"
+    )
