@@ -279,6 +279,29 @@ def test_triton_decode_with_window(window, num_splits, cap, triton_attention, de
     check(triton_attention.paged_attention_decode(**args, num_splits=num_splits, **kw), ref)
 
 
+@pytest.mark.parametrize("window,num_splits,cap,d", [(29, 3, 4.0, 32), (200, 2, None, 32), (29, 4, 4.0, 256)])
+def test_triton_fp8_decode_in_splits_with_window(window, num_splits, cap, d, triton_attention, device):
+    """An fp8 decode in splits runs TILES' decode_split row (V loaded beside K): windows, caps and
+    the poisoned blocks before a window (never read), at Gemma's head size too."""
+    e4m3 = torch.float8_e4m3fn
+    args, ks, vs, q_pos = make_case(
+        [1] * len(DECODE),
+        [s - 1 for s in DECODE],
+        4,
+        2,
+        d,
+        8,
+        window,
+        kv_dtype=e4m3,
+        dtype=torch.bfloat16,
+        device=device,
+    )
+    kw = dict(sliding_window=window, logits_soft_cap=cap)
+    ref = paged_attention_ref(**args, **kw)
+    args.pop("cu_seqlens_q")
+    check(triton_attention.paged_attention_decode(**args, num_splits=num_splits, **kw), ref, torch.bfloat16)
+
+
 @pytest.mark.parametrize("window,num_splits", [(5, 1), (19, 1), (40, 2)])
 def test_triton_prefill_with_prefix_and_window(window, num_splits, triton_attention, device):
     """Small tiles (BLOCK_Q 8 x GQA 2, BLOCK_N 16) so that query tiles have window edges, fully
