@@ -25,7 +25,6 @@ are tokenized here into SamplingParams.bad_words_token_ids.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
@@ -82,15 +81,6 @@ def rust_backend(tokenizer: Any) -> RustTokenizer | None:
     return backend
 
 
-# Every encode of text in this process runs under this lock. A Hugging Face fast tokenizer keeps
-# `split_special_tokens` as a flag on its shared Rust backend: `encode` sets it for its call and
-# leaves it so, and the direct path reads it. Without the lock, a chat's special-token text encoded
-# with split_special_tokens=True on a worker thread could set it between another thread's check and
-# encode, and that prompt's special-token texts would come out split (seen once in ~4,000 encodes
-# under a two-thread stress). Encodes hold the GIL for most of their time anyway.
-ENCODE_LOCK = threading.Lock()
-
-
 def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = False, **kwargs: Any) -> list[int]:
     """Text -> token ids: the one place every door encodes text (a prompt here, /tokenize, each piece
     of a rendered chat). add_special_tokens: the tokenizer's BOS/EOS around it; kwargs go to
@@ -101,11 +91,10 @@ def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = False, **k
     (benchmarks/request_prep.py, prepare_text_fresh_us), which vLLM's client sends."""
     if not text:
         return []
-    with ENCODE_LOCK:
-        backend = None if kwargs else rust_backend(tokenizer)
-        if backend is not None:
-            return list(backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids)
-        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens, **kwargs))
+    backend = None if kwargs else rust_backend(tokenizer)
+    if backend is not None:
+        return list(backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids)
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens, **kwargs))
 
 
 class InputProcessor:
@@ -199,8 +188,8 @@ class InputProcessor:
         encode(add_special_tokens=True) would add them: found by encoding one character both ways."""
         if self.tokenizer is None:
             return ids
-        plain = encode_text(self.tokenizer, "a")
-        full = encode_text(self.tokenizer, "a", add_special_tokens=True)
+        plain = list(self.tokenizer.encode("a", add_special_tokens=False))
+        full = list(self.tokenizer.encode("a", add_special_tokens=True))
         start = next((i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain), None)
         if not plain or start is None:
             return ids
@@ -227,8 +216,8 @@ class InputProcessor:
             raise InvalidRequestError("bad_words needs a tokenizer; this engine has none", "bad_words")
         out: list[list[int]] = []
         for word in words:
-            bare = encode_text(self.tokenizer, word.lstrip())
-            spaced = encode_text(self.tokenizer, " " + word.lstrip())
+            bare = list(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = list(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
             for ids in (bare, spaced):
                 if not ids or ids in out:
                     continue

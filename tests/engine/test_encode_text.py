@@ -10,7 +10,7 @@ from tokenizers import processors
 from transformers import AutoTokenizer
 
 from pagedllm import default_model_path
-from pagedllm.engine.input_processor import ENCODE_LOCK, encode_text, rust_backend
+from pagedllm.engine.input_processor import encode_text, rust_backend
 
 SPECIAL = "<|im_start|>user\nhi<|im_end|><|endoftext|>"
 
@@ -91,38 +91,3 @@ def test_a_class_with_its_own_encode_goes_through_it():
     assert encode_text(tok, "quiet words") != encode_text(
         AutoTokenizer.from_pretrained(default_model_path()), "quiet words"
     )
-
-
-class _Watched:
-    """The Rust tokenizer behind a Python proxy that checks, at every encode and every write of its
-    state, that ENCODE_LOCK is held (everything else passes through)."""
-
-    def __init__(self, inner):
-        object.__setattr__(self, "_inner", inner)
-
-    def __getattr__(self, name):
-        value = getattr(self._inner, name)
-        if name.startswith("encode"):
-            assert ENCODE_LOCK.locked(), f"{name} outside ENCODE_LOCK"
-        return value
-
-    def __setattr__(self, name, value):
-        assert ENCODE_LOCK.locked(), f"{name} set outside ENCODE_LOCK"
-        setattr(self._inner, name, value)
-
-
-def test_every_encode_and_flag_write_is_made_under_the_lock():
-    """HF's encode writes split_special_tokens onto the shared backend; the direct path reads it.
-    Both, from every door (a prompt, a split special-token text, bad words, BOS detection), run
-    under ENCODE_LOCK, so one thread's split call cannot land between another's check and encode."""
-    from pagedllm.engine.input_processor import InputProcessor
-
-    plain = AutoTokenizer.from_pretrained(default_model_path()).encode(SPECIAL, add_special_tokens=False)
-    tok = AutoTokenizer.from_pretrained(default_model_path())
-    tok._tokenizer = _Watched(tok._tokenizer)  # HF's own attribute: its backend_tokenizer
-    assert encode_text(tok, SPECIAL) == plain  # the direct path
-    split = encode_text(tok, SPECIAL, split_special_tokens=True)  # HF's path, writing the flag
-    assert encode_text(tok, SPECIAL) == plain != split  # HF's path again (it resets the flag)
-    assert encode_text(tok, SPECIAL) == plain  # and direct again
-    ip = InputProcessor(tok, len(tok), 512, 16, 64)
-    assert ip.bad_words_token_ids(["hello"]) and ip.with_special_tokens([5]) == [5]
