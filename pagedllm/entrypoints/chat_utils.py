@@ -155,15 +155,40 @@ def special_token_texts(tokenizer: ChatTokenizer) -> list[str]:
     return sorted(texts, key=len, reverse=True)
 
 
+@dataclass(frozen=True)
+class SpecialTexts:
+    """A tokenizer's special-token texts (longest first) and each one's ids as plain text
+    (split_special_tokens=True), made once, where the tokenizer is set up (`of`).
+
+    Invariant: no request writes the tokenizer's split_special_tokens flag. Hugging Face's encode
+    writes that flag onto the Rust tokenizer the event loop and the worker threads share (and leaves
+    it set), so a split encode at request time could land between another thread's read or write of
+    it and its encode, splitting that prompt's special-token texts; a lock cannot close that
+    without making the loop wait behind a worker thread's long encode (the Rust encode releases the
+    GIL). The chat path reads `split_ids` instead."""
+
+    texts: tuple[str, ...]
+    split_ids: dict[str, tuple[int, ...]]
+
+    @classmethod
+    def of(cls, tokenizer: ChatTokenizer) -> SpecialTexts:
+        texts = special_token_texts(tokenizer)
+        split = {t: tuple(encode_text(tokenizer, t, split_special_tokens=True)) for t in texts}
+        if texts:
+            encode_text(tokenizer, "a")  # a plain encode: HF puts the flag back to the tokenizer's default
+        return cls(tuple(texts), split)
+
+
 class _Defuser:
     """Swaps special-token texts for markers `\\ue000<nonce>-<j>\\ue001` (private-use code points
     around digits: no text holds them unless it guessed the nonce, and a template's string
     filters leave them alone), then tokenizes a rendering with each marker as plain text."""
 
-    def __init__(self, tokenizer: ChatTokenizer, specials: list[str]):
-        self.tokenizer, self.specials = tokenizer, specials
-        self.find = re.compile("|".join(re.escape(s) for s in specials))
-        self.index = {s: j for j, s in enumerate(specials)}
+    def __init__(self, tokenizer: ChatTokenizer, specials: SpecialTexts):
+        self.tokenizer, self.specials = tokenizer, specials.texts
+        self.split_ids = specials.split_ids
+        self.find = re.compile("|".join(re.escape(s) for s in specials.texts))
+        self.index = {s: j for j, s in enumerate(specials.texts)}
         self.nonce = secrets.randbits(64)
         self.mark = f"\ue000{self.nonce}-{{}}\ue001"
         self.used = False
@@ -192,7 +217,7 @@ class _Defuser:
             else:
                 special = self.specials[int(piece)]
                 text.append(special)
-                ids.extend(encode_text(self.tokenizer, special, split_special_tokens=True))
+                ids.extend(self.split_ids[special])
         return "".join(text), ids
 
 
@@ -227,10 +252,15 @@ class ChatOptions:
 
 
 def render_chat(
-    tokenizer: ChatTokenizer, conversation: list[dict[str, Any]], options: ChatOptions
+    tokenizer: ChatTokenizer,
+    conversation: list[dict[str, Any]],
+    options: ChatOptions,
+    specials: SpecialTexts | None = None,
 ) -> tuple[str, list[int]]:
     """The chat template applied to the conversation: (prompt text, prompt token ids), the control
-    tokens only where the template writes them unless `options.split_special_tokens` is False."""
+    tokens only where the template writes them unless `options.split_special_tokens` is False.
+    specials: the tokenizer's `SpecialTexts`, made where it was set up (None: made here, which
+    writes the tokenizer's split flag: for callers that own the tokenizer alone)."""
     options.check()
     if not (options.chat_template or getattr(tokenizer, "chat_template", None)):
         raise InvalidRequestError(
@@ -241,8 +271,9 @@ def render_chat(
         )
     if options.continue_final_message and conversation[-1]["role"] != "assistant":
         raise _bad("continue_final_message needs the last message to be the assistant's", "continue_final_message")
-    specials = special_token_texts(tokenizer) if options.split_special_tokens else []
-    defuser = _Defuser(tokenizer, specials) if specials else None
+    if options.split_special_tokens and specials is None:
+        specials = SpecialTexts.of(tokenizer)
+    defuser = _Defuser(tokenizer, specials) if options.split_special_tokens and specials and specials.texts else None
     kwargs: dict[str, Any] = dict(options.template_kwargs)
     for name in ("tools", "documents"):
         if getattr(options, name) is not None:

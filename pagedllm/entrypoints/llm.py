@@ -265,7 +265,7 @@ class LLM:
         rendered by the chat template (the tokenizer's, or `chat_template`) with `tools` offered
         to it, then generated as `generate` does; one RequestOutput per conversation. Control
         tokens come from the template only (entrypoints/chat_utils.py)."""
-        from pagedllm.entrypoints.chat_utils import ChatOptions, check_tools, conversation_of, render_chat
+        from pagedllm.entrypoints.chat_utils import ChatOptions, SpecialTexts, check_tools, conversation_of, render_chat
 
         if isinstance(messages, list) and messages and isinstance(messages[0], dict):
             conversations: list[Any] = [messages]
@@ -278,9 +278,10 @@ class LLM:
             tools=check_tools(tools) if tools is not None else None,
             template_kwargs=dict(chat_template_kwargs or {}),
         )
+        specials = SpecialTexts.of(self.tokenizer) if self.tokenizer is not None else None  # once for all
         prompts = []
         for conv in conversations:
-            text, ids = render_chat(self.tokenizer, conversation_of(conv), options)
+            text, ids = render_chat(self.tokenizer, conversation_of(conv), options, specials)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

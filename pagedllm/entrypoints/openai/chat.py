@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.engine.errors import InvalidRequestError
-from pagedllm.entrypoints.chat_utils import CHAT_ROLES, ChatOptions, conversation_of, render_chat
+from pagedllm.entrypoints.chat_utils import CHAT_ROLES, ChatOptions, SpecialTexts, conversation_of, render_chat
 from pagedllm.entrypoints.openai.errors import bad_request
 from pagedllm.entrypoints.openai.parsing import ParsedRequest, check_model, get, sampling_fields, stream_flags
 from pagedllm.entrypoints.openai.tool_choice import TOOL_FIELDS, ToolUse, check_tools_400, tool_use
@@ -56,10 +56,15 @@ def chat_options(body: dict[str, Any], tools: ToolUse, trust_request_chat_templa
 
 
 def chat_prompt(
-    body: dict[str, Any], tokenizer: Any, served_model_name: str, options: ChatOptions | None = None
+    body: dict[str, Any],
+    tokenizer: Any,
+    served_model_name: str,
+    options: ChatOptions | None = None,
+    specials: SpecialTexts | None = None,
 ) -> dict[str, Any]:
     """The prompt of a chat body: {"prompt": text, "prompt_token_ids": ids}; `options` None: the
-    body's rendering fields with its tools offered and request templates refused (/tokenize)."""
+    body's rendering fields with its tools offered and request templates refused (/tokenize).
+    specials: the tokenizer's SpecialTexts, made at start-up (chat_utils.SpecialTexts)."""
     if options is None:
         tools = get(body, "tools", "list")
         options = chat_options(body, ToolUse(check_tools_400(tools) if tools else None), False)
@@ -67,7 +72,7 @@ def chat_prompt(
         conversation = conversation_of(body.get("messages"))
         if tokenizer is None:
             raise InvalidRequestError("no tokenizer", "messages", "no_chat_template")
-        text, ids = render_chat(tokenizer, conversation, options)
+        text, ids = render_chat(tokenizer, conversation, options, specials)
     except InvalidRequestError as e:
         if e.code == "no_chat_template":
             raise bad_request(
@@ -87,13 +92,14 @@ def parse_chat(
     *,
     tool_parser: str | None = None,
     trust_request_chat_template: bool = False,
+    specials: SpecialTexts | None = None,
 ) -> ChatRequest:
     """`prompts` is the one prompt the chat template makes of the messages, as text and token ids
     (the input processor checks the ids); a prompt error further in names `messages`."""
     model = check_model(body, served_model_names)
     stream, include_usage = stream_flags(body)
     tools = tool_use(body, tool_parser)
-    prompt = chat_prompt(body, tokenizer, model, chat_options(body, tools, trust_request_chat_template))
+    prompt = chat_prompt(body, tokenizer, model, chat_options(body, tools, trust_request_chat_template), specials)
     sampling_body = {k: v for k, v in body.items() if k not in TOOL_FIELDS}  # the tool fields are read above
     fields, max_name, shown = sampling_fields(sampling_body, chat=True, stream=stream)
     if tools.structured is not None:

@@ -160,7 +160,7 @@ def build_app(
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> dict[str, Any]:
         raw = await request.body()
-        return await asyncio.to_thread(lambda: tokenize_body(json_body(raw), async_llm, names))
+        return await asyncio.to_thread(lambda: tokenize_body(json_body(raw), async_llm, names, serving.special_texts))
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request) -> dict[str, Any]:

@@ -55,6 +55,7 @@ from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.engine.sampling_params import SamplingParams, sampling_params_with_defaults
 from pagedllm.engine.timeline import Timeline
 from pagedllm.entrypoints.async_llm import EngineShutdownError, QueueFullError
+from pagedllm.entrypoints.chat_utils import SpecialTexts
 from pagedllm.entrypoints.openai.answers import Disconnected, OutputStream, SSEStream, Submitted, events, finals
 from pagedllm.entrypoints.openai.chat import parse_chat
 from pagedllm.entrypoints.openai.errors import APIError, invalid_request
@@ -146,6 +147,11 @@ class OpenAIServing:
         self.kv_tokens = async_llm.num_kv_blocks * async_llm.block_size
         self.texts = Texts(async_llm.tokenizer)
         self.known_fields = UnknownFields()  # refuses the refused fields, warns once per unknown one
+        # made here, before any request (chat_utils.SpecialTexts: no request writes the tokenizer's
+        # split flag); None where no chat can be rendered
+        tok = async_llm.tokenizer
+        chats = tok is not None and (getattr(tok, "chat_template", None) or trust_request_chat_template)
+        self.special_texts = SpecialTexts.of(tok) if chats else None
 
     # ---- /v1/models ----------------------------------------------------------------------
     def model_card(self, name: str | None = None) -> dict[str, Any]:
@@ -254,6 +260,7 @@ class OpenAIServing:
             self.engine.tokenizer,
             tool_parser=self.tool_parser,
             trust_request_chat_template=self.trust_request_chat_template,
+            specials=self.special_texts,
         )
         parsed = request_options(chat.parsed, body, chat=True)
         rid = f"chatcmpl-{parsed.request_id or uuid.uuid4().hex}"

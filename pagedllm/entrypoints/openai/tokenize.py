@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from pagedllm.engine.input_processor import encode_text
+from pagedllm.entrypoints.chat_utils import SpecialTexts
 from pagedllm.entrypoints.openai.chat import chat_prompt
 from pagedllm.entrypoints.openai.errors import bad_request
 from pagedllm.entrypoints.openai.parsing import check_model, get, json_type
@@ -49,8 +50,14 @@ def _tokenizer(engine: TokenizerEngine, param: str) -> Any:
     return engine.tokenizer
 
 
-def tokenize_body(body: dict[str, Any], engine: TokenizerEngine, served_model_names: Sequence[str]) -> dict[str, Any]:
-    """The /tokenize answer of a parsed JSON body (APIError 400 naming the field at fault)."""
+def tokenize_body(
+    body: dict[str, Any],
+    engine: TokenizerEngine,
+    served_model_names: Sequence[str],
+    specials: SpecialTexts | None = None,
+) -> dict[str, Any]:
+    """The /tokenize answer of a parsed JSON body (APIError 400 naming the field at fault).
+    specials: the tokenizer's SpecialTexts, made at start-up (chat_utils.SpecialTexts)."""
     check_model(body, served_model_names)
     chat = body.get("messages") is not None
     if chat and body.get("prompt") is not None:
@@ -64,7 +71,7 @@ def tokenize_body(body: dict[str, Any], engine: TokenizerEngine, served_model_na
                 "add_special_tokens=true with messages is not supported: the chat template writes the special tokens",
                 "add_special_tokens",
             )
-        ids = chat_prompt(body, tok, served_model_names[0])["prompt_token_ids"]
+        ids = chat_prompt(body, tok, served_model_names[0], specials=specials)["prompt_token_ids"]
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
