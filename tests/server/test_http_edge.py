@@ -37,15 +37,16 @@ class _Tokenizer:
     def __init__(self, real):
         self.real = real
         self.chat_template = CHAT_TEMPLATE
+        self.added_tokens_decoder = real.added_tokens_decoder  # chat_utils.ChatTokenizer
         self.holding, self.release = threading.Event(), threading.Event()
 
-    def encode(self, text, add_special_tokens=False):
+    def encode(self, text, add_special_tokens=False, **kwargs):
         if text == BOOM:
             raise RuntimeError(f"cannot open {SECRET}/tokenizer.json")
         if text.startswith(HOLD):
             self.holding.set()
             assert self.release.wait(120), "the test never released the tokenizer"
-        return self.real.encode(text, add_special_tokens=add_special_tokens)
+        return self.real.encode(text, add_special_tokens=add_special_tokens, **kwargs)
 
     def apply_chat_template(self, conversation, **kwargs):
         return self.real.apply_chat_template(conversation, chat_template=CHAT_TEMPLATE, **kwargs)
