@@ -128,7 +128,7 @@ def main() -> int:
         return 0
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import pagedllm
-    from pagedllm.bench.common import environment
+    from pagedllm.bench.common import append_json_line, environment
     from pagedllm.bench.server_process import free_port
 
     tokenizer = args.tokenizer or str(pagedllm.default_model_path())
@@ -186,9 +186,7 @@ def main() -> int:
     print(json.dumps(out))
     if rate is None:
         print(text[-3000:], file=sys.stderr)
-    if args.out:
-        with open(args.out, "a", encoding="utf-8") as f:
-            f.write(json.dumps(out) + "\n")
+    append_json_line(out, args.out)
     return 0 if rate else 1
 
 

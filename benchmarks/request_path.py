@@ -102,7 +102,7 @@ def events(prefix: str) -> dict[str, dict[str, float]]:
 
 def main() -> int:
     import pagedllm
-    from pagedllm.bench.common import environment
+    from pagedllm.bench.common import append_json_line, environment
     from pagedllm.bench.server_process import launch_server, server_model_name, stop_server
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -169,9 +169,7 @@ def main() -> int:
         **environment(),
     }
     print(json.dumps(out))
-    if args.out:
-        with open(args.out, "a", encoding="utf-8") as f:
-            f.write(json.dumps(out) + "\n")
+    append_json_line(out, args.out)
     return 0 if rows else 1
 
 

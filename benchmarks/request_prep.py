@@ -51,8 +51,9 @@ class EngineStandIn:
 
 
 def fresh_per_call_us(fn: Any, batches: list[list[Any]]) -> float:
-    """Median over batches of the mean time of fn(item), every item seen once: a server never sees
-    the same random prompt twice, and the tokenizer's BPE cache would make a repeated body cheaper."""
+    """Median over batches of the mean time of fn(item) in a batch, in microseconds. Batches of
+    distinct items time every item seen once, as a server sees random prompts (the tokenizer's BPE
+    cache makes a repeated body cheaper)."""
     means = []
     for items in batches:
         start = time.perf_counter()
@@ -63,16 +64,11 @@ def fresh_per_call_us(fn: Any, batches: list[list[Any]]) -> float:
 
 
 def per_call_us(fn: Any, items: list[Any], rounds: int) -> float:
-    """Median over rounds of the mean time of fn(item) across items, in microseconds."""
+    """Median over rounds of the mean time of fn(item) across items (the same items each round,
+    after a warm-up), in microseconds."""
     for item in items[:10]:
         fn(item)
-    means = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for item in items:
-            fn(item)
-        means.append((time.perf_counter() - start) / len(items) * 1e6)
-    return round(statistics.median(means), 1)
+    return fresh_per_call_us(fn, [items] * rounds)
 
 
 def main() -> None:
@@ -85,7 +81,7 @@ def main() -> None:
     args = p.parse_args()
 
     import pagedllm
-    from pagedllm.bench.common import environment
+    from pagedllm.bench.common import append_json_line, environment
     from pagedllm.entrypoints.openai.serving import OpenAIServing
 
     engine = EngineStandIn(str(pagedllm.default_model_path()))
@@ -139,9 +135,7 @@ def main() -> None:
     out = {"benchmark": "request_prep", "input_len": args.input_len, "label": args.label, "results": results}
     out.update(environment())
     print(json.dumps(out))
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(json.dumps(out) + "\n")
+    append_json_line(out, args.out)
 
 
 if __name__ == "__main__":

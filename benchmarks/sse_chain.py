@@ -102,7 +102,7 @@ def main() -> None:
     p.add_argument("--label", default="")
     p.add_argument("--out", default=None, help="append the result as one JSON line")
     args = p.parse_args()
-    from pagedllm.bench.common import environment
+    from pagedllm.bench.common import append_json_line, environment
 
     rows = [asyncio.run(one_round(args.events)) for _ in range(args.rounds)]
     app_us = statistics.median(r[0] for r in rows)
@@ -116,9 +116,7 @@ def main() -> None:
     }
     out.update(environment())
     print(json.dumps(out))
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(json.dumps(out) + "\n")
+    append_json_line(out, args.out)
 
 
 if __name__ == "__main__":

@@ -119,3 +119,10 @@ def append_result(row: dict, results_dir: str, name: str | None = None) -> str:
     with open(path, "w") as f:
         json.dump(rows, f, indent=1)
     return path
+
+
+def append_json_line(row: dict, path: str | None) -> None:
+    """One benchmark row appended to a JSON-lines file (the scripts' --out); None: not saved."""
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
