@@ -185,8 +185,7 @@ class _Defuser:
     filters leave them alone), then tokenizes a rendering with each marker as plain text."""
 
     def __init__(self, tokenizer: ChatTokenizer, specials: SpecialTexts):
-        self.tokenizer, self.specials = tokenizer, specials.texts
-        self.split_ids = specials.split_ids
+        self.tokenizer, self.specials = tokenizer, specials
         self.find = re.compile("|".join(re.escape(s) for s in specials.texts))
         self.index = {s: j for j, s in enumerate(specials.texts)}
         self.nonce = secrets.randbits(64)
@@ -215,9 +214,9 @@ class _Defuser:
                 text.append(piece)
                 ids.extend(encode_text(self.tokenizer, piece))
             else:
-                special = self.specials[int(piece)]
+                special = self.specials.texts[int(piece)]
                 text.append(special)
-                ids.extend(self.split_ids[special])
+                ids.extend(self.specials.split_ids[special])
         return "".join(text), ids
 
 
@@ -273,7 +272,11 @@ def render_chat(
         raise _bad("continue_final_message needs the last message to be the assistant's", "continue_final_message")
     if options.split_special_tokens and specials is None:
         specials = SpecialTexts.of(tokenizer)
-    defuser = _Defuser(tokenizer, specials) if options.split_special_tokens and specials and specials.texts else None
+    defuser = (
+        _Defuser(tokenizer, specials)
+        if options.split_special_tokens and specials is not None and specials.texts
+        else None
+    )
     kwargs: dict[str, Any] = dict(options.template_kwargs)
     for name in ("tools", "documents"):
         if getattr(options, name) is not None:
