@@ -7,9 +7,11 @@
 #   bash scripts/ab_gpu_check.sh serving            # on the GPU: scripts/serving_gpu_check.sh for each tree
 #   bash scripts/ab_gpu_check.sh step               # on the GPU: benchmarks/decode_step.py (graph replay at BATCHES,
 #                                                   # default 1,4, and the engine's batch-1 step, host included)
+#   bash scripts/ab_gpu_check.sh latency            # on the GPU: scripts/latency_gpu_check.sh $LAT_MODES (default
+#                                                   # timeline: one request's stages at 16 req/s) for each tree
 #   bash scripts/ab_gpu_check.sh tests              # on the GPU: pytest -m gpu (ops, gpu) on this tree only
 #   (BEFORE_COMMIT / AFTER_COMMIT name the trees in the rows; BENCH_ARGS: more throughput flags, e.g.
-#   "--kv-cache-dtype fp8"; SCHEDS=async: one run per tree)
+#   "--kv-cache-dtype fp8"; SCHEDS=async: one run per tree; BEFORE_TAR: another archive than .ab/before.tar.gz)
 #
 # Each tree runs its own benchmark code. Rows go to $OUT/<before|after>-*.json (PAGEDLLM_COMMIT
 # names the tree: BEFORE_COMMIT for the archive, this checkout's HEAD otherwise).
@@ -29,7 +31,7 @@ if ! python3 -c "import fastapi, uvicorn, llguidance" 2>/dev/null && ls .whl/ser
 fi
 [ -d /tmp/site ] && SITE=/tmp/site  # wheels installed before this script (llguidance: .whl/*.whl)
 if [ "$MODE" != tests ]; then
-  mkdir -p $BEFORE && tar -xzf .ab/before.tar.gz -C $BEFORE || exit 1
+  mkdir -p $BEFORE && tar -xzf "${BEFORE_TAR:-.ab/before.tar.gz}" -C $BEFORE || exit 1
   [ -d $MODEL ] || PYTHONPATH=$HERE${SITE:+:$SITE} python3 tools/make_random_model.py --shape qwen3-0.6b --out $MODEL 2>&1 | tail -2
 fi
 run_tree() {   # $1 = tag (before|after), $2 = tree, $3 = commit
@@ -45,6 +47,9 @@ run_tree() {   # $1 = tag (before|after), $2 = tree, $3 = commit
       timeout ${T_BENCH:-150} python3 benchmarks/throughput.py --model $MODEL $flag --label "$tag: $sched scheduling" ${BENCH_ARGS:-} \
           --results-dir "$OUT/$tag" 2>&1 | grep -v -i warn | tail -4
     done
+  elif [ "$MODE" = latency ]; then
+    OUT="$OUT/$tag-latency" MODEL=$MODEL timeout ${T_TREE:-280} bash scripts/latency_gpu_check.sh ${LAT_MODES:-timeline} \
+        2>&1 | grep -E "ttft|tpot|median|commit" | head -30
   else
     OUT="$OUT/$tag-serving" MODEL=$MODEL T_ENGINE=${T_ENGINE:-100} T_BENCH=${T_SERVE:-100} \
         timeout ${T_TREE:-280} bash "$HERE/scripts/serving_gpu_check.sh" 2>&1 | tail -6
@@ -53,7 +58,7 @@ run_tree() {   # $1 = tag (before|after), $2 = tree, $3 = commit
   cd "$HERE"
 }
 case "$MODE" in
-  throughput|serving|step)
+  throughput|serving|step|latency)
     # the device copy's .git may describe another commit than the files: name it with AFTER_COMMIT
     after_commit=${AFTER_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo after)}
     if [ "${ORDER:-}" = reverse ]; then   # after first: an order effect shows as a swapped result

@@ -120,3 +120,23 @@ def test_a_step_written_over_a_larger_one_computes_the_step():
     got = model(d["input_ids"][:t], d["positions"][:t], meta)
     torch.testing.assert_close(got[:n], want, atol=1e-5, rtol=1e-5)
     assert torch.equal(kv, kv_want)  # the same blocks written, and nothing else
+
+
+def test_bucket_pair_is_the_tightest_captured_bucket():
+    """A step replays the smallest captured (tokens, sequences) pair it fits: the 16 req/s serving
+    step (a 512-token prompt beside 3 decodes) pads to 640 tokens, not 1,024, and no step of more
+    than 128 tokens pads to 1.5 times its size or more."""
+    from pagedllm.worker.mixed_graphs import SEQ_BUCKETS, TOKEN_BUCKETS, bucket_pair
+
+    tokens, seqs = list(TOKEN_BUCKETS), list(SEQ_BUCKETS)
+    assert bucket_pair(515, 4, tokens, seqs) == (640, 4)
+    assert bucket_pair(512, 1, tokens, seqs) == (512, 4)
+    assert bucket_pair(3, 3, tokens, seqs) == (16, 4)
+    assert bucket_pair(10, 20, tokens, seqs) == (64, 64)  # a captured pair has sequences <= tokens
+    assert bucket_pair(2049, 4, tokens, seqs) is None
+    assert bucket_pair(100, 65, tokens, seqs) is None
+    for n in range(129, tokens[-1] + 1):
+        pair = bucket_pair(n, 4, tokens, seqs)
+        assert pair is not None and n <= pair[0] < 1.5 * n, (n, pair)
+    # a runner whose max_num_batched_tokens leaves out the larger buckets
+    assert bucket_pair(700, 4, [t for t in tokens if t <= 512], seqs) is None
