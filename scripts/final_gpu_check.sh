@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# What a closing note re-measures at its final commit (issues 30 and 31: exactness, the headline
+# rows and "nothing else gets slower"), in four calls of under 10 minutes each on one GPU:
+#   bash scripts/final_gpu_check.sh tests     # every GPU test (pytest -m gpu tests/ops tests/gpu; ~9 min:
+#                                             # 122 of 305 took 240 s on an H100)
+#   bash scripts/final_gpu_check.sh core      # the conformance matrix (~3.5 min), then the standard
+#                                             # workload with fp8 and with bf16 KV (async scheduling)
+#   bash scripts/final_gpu_check.sh serving   # scripts/serving_gpu_check.sh with vLLM's client beside ours
+#                                             # (one server: ~4.5 min; the engine alone first)
+#   bash scripts/final_gpu_check.sh families  # the MoE (Qwen3-30B-A3B shape, dummy weights) and Gemma-3-1B
+#                                             # throughput rows, without their HF side by sides
+# Each part packs its rows and logs into $OUT/final-<part>.tar.gz (the device tool brings back few
+# files) and prints a summary. Pass PAGEDLLM_COMMIT: the device copy's .git may name another commit.
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu_out}; PART=${1:?tests, core, serving or families}
+W=$OUT/final-$PART; mkdir -p "$W"
+export PYTHONUNBUFFERED=1
+export PAGEDLLM_COMMIT=${PAGEDLLM_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
+if ! python3 -c "import fastapi, uvicorn, llguidance" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl $(ls .whl/server/*.whl 2>/dev/null) || exit 1
+fi
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__,
+"transformers", transformers.__version__, torch.cuda.get_device_name())' | tee "$W/env.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >> "$W/env.txt" 2>&1
+echo "commit $PAGEDLLM_COMMIT" >> "$W/env.txt"
+MODEL=${MODEL:-/tmp/qwen3-0.6b}
+qwen() { [ -f $MODEL/config.json ] || python3 tools/make_random_model.py --shape qwen3-0.6b --out $MODEL 2>&1 | tail -1; }
+case "$PART" in
+  tests)
+    timeout ${T_TESTS:-540} python3 -m pytest -q -m gpu tests/ops tests/gpu -p no:cacheprovider > "$W/gpu_tests.log" 2>&1
+    echo "pytest exit $?" >> "$W/gpu_tests.log"
+    grep -E "FAILED|Error|passed|failed|pytest exit" "$W/gpu_tests.log" | tail -12
+    ;;
+  core)
+    OUT="$W" timeout ${T_CONF:-280} bash scripts/gpu_check.sh conformance 2>&1 | tail -3
+    qwen
+    for kv in fp8 auto; do
+      timeout ${T_BENCH:-120} python3 benchmarks/throughput.py --model $MODEL --kv-cache-dtype $kv \
+          --label "final: $kv KV, async scheduling (the default)" --results-dir "$W" 2>&1 | grep -v -i warn | tail -4
+    done
+    ;;
+  serving)
+    qwen
+    OUT="$W/serving" MODEL=$MODEL T_ENGINE=${T_ENGINE:-100} T_BENCH=${T_SERVE:-100} \
+        timeout ${T_TREE:-500} bash scripts/serving_gpu_check.sh 2>&1 | grep -E "####|Request throughput|Median T" | head -24
+    ;;
+  families)
+    OUT="$W/moe" T_BENCH=${T_MOE:-150} timeout 240 bash scripts/moe_gpu_check.sh throughput 2>&1 | tail -4
+    # the Gemma-3 row alone (window_gpu_check.sh throughput adds an HF side by side of ~5 minutes)
+    G=/tmp/gemma3-1b
+    [ -d $G ] || python3 tools/make_random_model.py --shape gemma3-1b --out $G --device cuda 2>&1 | tail -1
+    timeout ${T_GEMMA:-200} python3 benchmarks/throughput.py --model $G --label "final: gemma3-1b shape, async scheduling" \
+        --results-dir "$W/gemma3" 2>&1 | grep -v -i warn | tail -4
+    ;;
+  *) echo "unknown part: $PART (tests, core, serving or families)"; exit 2 ;;
+esac
+tar -C "$OUT" -czf "$OUT/final-$PART.tar.gz" "final-$PART" && rm -rf "$W"
+ls -la "$OUT"
