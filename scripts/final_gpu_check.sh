@@ -6,7 +6,8 @@
 #   bash scripts/final_gpu_check.sh core      # the conformance matrix (~3.5 min), then the standard
 #                                             # workload with fp8 and with bf16 KV (async scheduling)
 #   bash scripts/final_gpu_check.sh serving   # scripts/serving_gpu_check.sh with vLLM's client beside ours
-#                                             # (one server: ~4.5 min; the engine alone first)
+#                                             # (one server: ~4.5 min; the engine alone first), then each
+#                                             # client's own ceiling on this host (CEILING="4 8")
 #   bash scripts/final_gpu_check.sh families  # the MoE (Qwen3-30B-A3B shape, dummy weights) and Gemma-3-1B
 #                                             # throughput rows, without their HF side by sides
 # Each part packs its rows and logs into $OUT/final-<part>.tar.gz (the device tool brings back few
@@ -47,8 +48,10 @@ case "$PART" in
     ;;
   serving)
     qwen
-    OUT="$W/serving" MODEL=$MODEL T_ENGINE=${T_ENGINE:-100} T_BENCH=${T_SERVE:-100} \
-        timeout ${T_TREE:-500} bash scripts/serving_gpu_check.sh 2>&1 | grep -E "####|Request throughput|Median T" | head -24
+    # CEILING: each client against a stand-in server that costs nothing (benchmarks/client_ceiling.py), so
+    # the rate a client can measure at all on this host stands beside the server's rows
+    OUT="$W/serving" MODEL=$MODEL T_ENGINE=${T_ENGINE:-100} T_BENCH=${T_SERVE:-100} CEILING=${CEILING-4 8} \
+        timeout ${T_TREE:-540} bash scripts/serving_gpu_check.sh 2>&1 | tail -16
     ;;
   families)
     OUT="$W/moe" T_BENCH=${T_MOE:-150} timeout 240 bash scripts/moe_gpu_check.sh throughput 2>&1 | tail -4
