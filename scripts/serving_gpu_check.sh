@@ -54,12 +54,17 @@ PORT=${PORT:-8000}
 SARGS=${SARGS:-}
 DEVICE=${DEVICE:-cuda}      # DEVICE=cpu MODEL=... NUM=40 IN=32 OUTLEN=16: a dry run of this script on CPU
 
-# -- the engine alone (LLMEngine.step in a loop, streaming outputs), same workload --
-timeout ${T_ENGINE:-180} $PY - "$MODEL" "$NUM" "$IN" "$OUTLEN" "$OUT/engine_only.json" "$DEVICE" <<'EOF' 2>&1 | grep -v -i warn
-import json, random, sys, time
+# -- the engine alone (LLMEngine.step in a loop, streaming outputs), same workload; SARGS' engine
+# flags (--max-num-seqs, ...) apply to it too, the server's own flags are left out --
+timeout ${T_ENGINE:-180} $PY - "$MODEL" "$NUM" "$IN" "$OUTLEN" "$OUT/engine_only.json" "$DEVICE" "$SARGS" <<'EOF' 2>&1 | grep -v -i warn
+import argparse, json, random, shlex, sys, time
 from pagedllm import LLM, SamplingParams
+from pagedllm.entrypoints.args import add_engine_args, engine_kwargs
 model, num, inp, outl, path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-llm = LLM(model, device=sys.argv[6])
+flags, _ = add_engine_args(argparse.ArgumentParser()).parse_known_args(shlex.split(sys.argv[7]))
+kwargs = {**engine_kwargs(flags), "model": model}
+kwargs.setdefault("device", sys.argv[6])
+llm = LLM(**kwargs)
 tok = llm.tokenizer
 special = set(tok.all_special_ids)
 vocab = [i for i in range(len(tok)) if i not in special]
@@ -79,7 +84,7 @@ for stream in (False, True):
            "median_step_ms": round(sorted(steps)[len(steps) // 2] * 1000, 3)}
     print("engine only:", row, flush=True)
     rows.append(row)
-json.dump({"model": model, "num_prompts": num, "input_len": inp, "output_len": outl, "runs": rows},
+json.dump({"model": model, "num_prompts": num, "input_len": inp, "output_len": outl, "engine_flags": sys.argv[7], "runs": rows},
           open(path, "w"), indent=1)
 EOF
 
