@@ -400,7 +400,15 @@ def body_cases(endpoint: str, n: int, seed: int) -> list[Case]:
     names = sorted(groups)
     while len(cases) < n:
         picked = rng.sample(names, rng.randint(1, 4))
-        cases.append(case([rng.choice(groups[g]) for g in picked]))
+        chosen: list[Mutation] = []
+        keys: set[str] = set()
+        for mu in (rng.choice(groups[g]) for g in picked):
+            # a field two groups patch (beam search sets n): the later value would replace the
+            # earlier, and the case would still expect the replaced value's verdict
+            if keys.isdisjoint(mu.patch):
+                chosen.append(mu)
+                keys |= set(mu.patch)
+        cases.append(case(chosen))
     return cases
 
 
