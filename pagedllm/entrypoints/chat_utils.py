@@ -270,13 +270,12 @@ def render_chat(
         )
     if options.continue_final_message and conversation[-1]["role"] != "assistant":
         raise _bad("continue_final_message needs the last message to be the assistant's", "continue_final_message")
-    if options.split_special_tokens and specials is None:
-        specials = SpecialTexts.of(tokenizer)
-    defuser = (
-        _Defuser(tokenizer, specials)
-        if options.split_special_tokens and specials is not None and specials.texts
-        else None
-    )
+    defuser = None
+    if options.split_special_tokens:
+        if specials is None:
+            specials = SpecialTexts.of(tokenizer)
+        if specials.texts:
+            defuser = _Defuser(tokenizer, specials)
     kwargs: dict[str, Any] = dict(options.template_kwargs)
     for name in ("tools", "documents"):
         if getattr(options, name) is not None:
