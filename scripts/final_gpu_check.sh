@@ -10,10 +10,14 @@
 #                                             # client's own ceiling on this host (CEILING="4 8")
 #   bash scripts/final_gpu_check.sh families  # the MoE (Qwen3-30B-A3B shape, dummy weights) and Gemma-3-1B
 #                                             # throughput rows, without their HF side by sides
+# The same work in two calls, for a session whose device time does not cover five:
+#   bash scripts/final_gpu_check.sh exact     # the conformance matrix, tests/gpu and tests/ops at once
+#                                             # (three processes on one GPU: correctness only, no timing)
+#   bash scripts/final_gpu_check.sh rows      # core's two throughput rows, then families' (the GPU alone)
 # Each part packs its rows and logs into $OUT/final-<part>.tar.gz (the device tool brings back few
 # files) and prints a summary. Pass PAGEDLLM_COMMIT: the device copy's .git may name another commit.
 set -uo pipefail
-OUT=${OUT:-$PWD/gpu_out}; PART=${1:?tests, core, serving or families}
+OUT=${OUT:-$PWD/gpu_out}; PART=${1:?tests, core, serving, families, exact or rows}
 W=$OUT/final-$PART; mkdir -p "$W"
 export PYTHONUNBUFFERED=1
 export PAGEDLLM_COMMIT=${PAGEDLLM_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
@@ -39,7 +43,7 @@ case "$PART" in
     done
     ;;
   core)
-    OUT="$W" timeout ${T_CONF:-280} bash scripts/gpu_check.sh conformance 2>&1 | tail -3
+    OUT="$W/conformance" timeout ${T_CONF:-280} bash scripts/gpu_check.sh conformance 2>&1 | tail -3
     qwen
     for kv in fp8 auto; do
       timeout ${T_BENCH:-120} python3 benchmarks/throughput.py --model $MODEL --kv-cache-dtype $kv \
@@ -61,7 +65,29 @@ case "$PART" in
     timeout ${T_GEMMA:-200} python3 benchmarks/throughput.py --model $G --label "final: gemma3-1b shape, async scheduling" \
         --results-dir "$W/gemma3" 2>&1 | grep -v -i warn | tail -4
     ;;
-  *) echo "unknown part: $PART (tests, core, serving or families)"; exit 2 ;;
+  exact)   # correctness only, so the three share the GPU; each keeps its own log and limit
+    OUT="$W/conformance" timeout ${T_CONF:-480} bash scripts/gpu_check.sh conformance > "$W/conformance.log" 2>&1 &
+    for d in gpu ops; do
+      ( timeout ${T_TESTS:-480} python3 -m pytest -q -m gpu tests/$d -p no:cacheprovider > "$W/gpu_tests_$d.log" 2>&1
+        echo "pytest tests/$d exit $? (124: its ${T_TESTS:-480} s limit)" >> "$W/gpu_tests_$d.log" ) &
+    done
+    wait
+    tail -3 "$W/conformance.log"
+    for d in gpu ops; do grep -E "FAILED|passed|failed|pytest tests" "$W/gpu_tests_$d.log" | tail -6; done
+    ;;
+  rows)    # timing: one process on the GPU at a time
+    qwen
+    for kv in fp8 auto; do
+      timeout ${T_BENCH:-100} python3 benchmarks/throughput.py --model $MODEL --kv-cache-dtype $kv \
+          --label "final: $kv KV, async scheduling (the default)" --results-dir "$W" 2>&1 | grep -v -i warn | tail -4
+    done
+    OUT="$W/moe" T_BENCH=${T_MOE:-120} timeout 170 bash scripts/moe_gpu_check.sh throughput 2>&1 | tail -4
+    G=/tmp/gemma3-1b
+    [ -d $G ] || python3 tools/make_random_model.py --shape gemma3-1b --out $G --device cuda 2>&1 | tail -1
+    timeout ${T_GEMMA:-140} python3 benchmarks/throughput.py --model $G --label "final: gemma3-1b shape, async scheduling" \
+        --results-dir "$W/gemma3" 2>&1 | grep -v -i warn | tail -4
+    ;;
+  *) echo "unknown part: $PART (tests, core, serving, families, exact or rows)"; exit 2 ;;
 esac
 tar -C "$OUT" -czf "$OUT/final-$PART.tar.gz" "final-$PART" && rm -rf "$W"
 ls -la "$OUT"
