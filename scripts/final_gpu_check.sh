@@ -66,7 +66,8 @@ case "$PART" in
         --results-dir "$W/gemma3" 2>&1 | grep -v -i warn | tail -4
     ;;
   exact)   # correctness only, so the three share the GPU; each keeps its own log and limit
-    OUT="$W/conformance" timeout ${T_CONF:-480} bash scripts/gpu_check.sh conformance > "$W/conformance.log" 2>&1 &
+    # WORKERS 6, not 12: test_profiled_kv_sizing_... sizes its pool at 0.3 of the GPU less what others hold
+    OUT="$W/conformance" WORKERS=${WORKERS:-6} timeout ${T_CONF:-480} bash scripts/gpu_check.sh conformance > "$W/conformance.log" 2>&1 &
     for d in gpu ops; do
       ( timeout ${T_TESTS:-480} python3 -m pytest -q -m gpu tests/$d -p no:cacheprovider > "$W/gpu_tests_$d.log" 2>&1
         echo "pytest tests/$d exit $? (124: its ${T_TESTS:-480} s limit)" >> "$W/gpu_tests_$d.log" ) &
