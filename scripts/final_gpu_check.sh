@@ -33,6 +33,22 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >> "$W/env.
 echo "commit $PAGEDLLM_COMMIT" >> "$W/env.txt"
 MODEL=${MODEL:-/tmp/qwen3-0.6b}
 qwen() { [ -f $MODEL/config.json ] || python3 tools/make_random_model.py --shape qwen3-0.6b --out $MODEL 2>&1 | tail -1; }
+# the two timed pieces that core, families and rows share; $1: default step limit (s)
+dense_rows() {
+  qwen
+  for kv in fp8 auto; do
+    timeout ${T_BENCH:-$1} python3 benchmarks/throughput.py --model $MODEL --kv-cache-dtype $kv \
+        --label "final: $kv KV, async scheduling (the default)" --results-dir "$W" 2>&1 | grep -v -i warn | tail -4
+  done
+}
+family_rows() {  # $1: the MoE row's limit, $2: the Gemma-3 row's
+  OUT="$W/moe" T_BENCH=${T_MOE:-$1} timeout $(( ${T_MOE:-$1} + 50 )) bash scripts/moe_gpu_check.sh throughput 2>&1 | tail -4
+  # the Gemma-3 row alone (window_gpu_check.sh throughput adds an HF side by side of ~5 minutes)
+  G=/tmp/gemma3-1b
+  [ -d $G ] || python3 tools/make_random_model.py --shape gemma3-1b --out $G --device cuda 2>&1 | tail -1
+  timeout ${T_GEMMA:-$2} python3 benchmarks/throughput.py --model $G --label "final: gemma3-1b shape, async scheduling" \
+      --results-dir "$W/gemma3" 2>&1 | grep -v -i warn | tail -4
+}
 case "$PART" in
   tests)   # the engine's GPU tests (158), then the kernels' (147), each under its own limit
     for d in gpu ops; do
@@ -44,11 +60,7 @@ case "$PART" in
     ;;
   core)
     OUT="$W/conformance" timeout ${T_CONF:-280} bash scripts/gpu_check.sh conformance 2>&1 | tail -3
-    qwen
-    for kv in fp8 auto; do
-      timeout ${T_BENCH:-120} python3 benchmarks/throughput.py --model $MODEL --kv-cache-dtype $kv \
-          --label "final: $kv KV, async scheduling (the default)" --results-dir "$W" 2>&1 | grep -v -i warn | tail -4
-    done
+    dense_rows 120
     ;;
   serving)
     qwen
@@ -58,12 +70,7 @@ case "$PART" in
         timeout ${T_TREE:-540} bash scripts/serving_gpu_check.sh 2>&1 | tail -16
     ;;
   families)
-    OUT="$W/moe" T_BENCH=${T_MOE:-150} timeout 240 bash scripts/moe_gpu_check.sh throughput 2>&1 | tail -4
-    # the Gemma-3 row alone (window_gpu_check.sh throughput adds an HF side by side of ~5 minutes)
-    G=/tmp/gemma3-1b
-    [ -d $G ] || python3 tools/make_random_model.py --shape gemma3-1b --out $G --device cuda 2>&1 | tail -1
-    timeout ${T_GEMMA:-200} python3 benchmarks/throughput.py --model $G --label "final: gemma3-1b shape, async scheduling" \
-        --results-dir "$W/gemma3" 2>&1 | grep -v -i warn | tail -4
+    family_rows 150 200
     ;;
   exact)   # correctness only, so the three share the GPU; each keeps its own log and limit
     # WORKERS 6, not 12: test_profiled_kv_sizing_... sizes its pool at 0.3 of the GPU less what others hold
@@ -77,16 +84,8 @@ case "$PART" in
     for d in gpu ops; do grep -E "FAILED|passed|failed|pytest tests" "$W/gpu_tests_$d.log" | tail -6; done
     ;;
   rows)    # timing: one process on the GPU at a time
-    qwen
-    for kv in fp8 auto; do
-      timeout ${T_BENCH:-100} python3 benchmarks/throughput.py --model $MODEL --kv-cache-dtype $kv \
-          --label "final: $kv KV, async scheduling (the default)" --results-dir "$W" 2>&1 | grep -v -i warn | tail -4
-    done
-    OUT="$W/moe" T_BENCH=${T_MOE:-120} timeout 170 bash scripts/moe_gpu_check.sh throughput 2>&1 | tail -4
-    G=/tmp/gemma3-1b
-    [ -d $G ] || python3 tools/make_random_model.py --shape gemma3-1b --out $G --device cuda 2>&1 | tail -1
-    timeout ${T_GEMMA:-140} python3 benchmarks/throughput.py --model $G --label "final: gemma3-1b shape, async scheduling" \
-        --results-dir "$W/gemma3" 2>&1 | grep -v -i warn | tail -4
+    dense_rows 100
+    family_rows 120 140
     ;;
   *) echo "unknown part: $PART (tests, core, serving, families, exact or rows)"; exit 2 ;;
 esac
