@@ -33,6 +33,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >> "$W/env.
 echo "commit $PAGEDLLM_COMMIT" >> "$W/env.txt"
 MODEL=${MODEL:-/tmp/qwen3-0.6b}
 qwen() { [ -f $MODEL/config.json ] || python3 tools/make_random_model.py --shape qwen3-0.6b --out $MODEL 2>&1 | tail -1; }
+gpu_tests() {  # $1: gpu or ops (tests/$1), $2: its limit (s); the log ends with pytest's exit code
+  timeout $2 python3 -m pytest -q -m gpu tests/$1 -p no:cacheprovider > "$W/gpu_tests_$1.log" 2>&1
+  echo "pytest tests/$1 exit $? (124: its $2 s limit)" >> "$W/gpu_tests_$1.log"
+}
 # the two timed pieces that core, families and rows share; $1: default step limit (s)
 dense_rows() {
   qwen
@@ -53,9 +57,7 @@ case "$PART" in
   tests)   # the engine's GPU tests (158), then the kernels' (147), each under its own limit
     for d in gpu ops; do
       lim=${T_GPU:-330}; [ $d = ops ] && lim=${T_OPS:-220}
-      timeout $lim python3 -m pytest -q -m gpu tests/$d -p no:cacheprovider > "$W/gpu_tests_$d.log" 2>&1
-      echo "pytest tests/$d exit $? (124: its ${lim} s limit)" >> "$W/gpu_tests_$d.log"
-      grep -E "FAILED|Error|passed|failed|pytest tests" "$W/gpu_tests_$d.log" | tail -8
+      gpu_tests $d $lim; grep -E "FAILED|Error|passed|failed|pytest tests" "$W/gpu_tests_$d.log" | tail -8
     done
     ;;
   core)
@@ -75,10 +77,8 @@ case "$PART" in
   exact)   # correctness only, so the three share the GPU; each keeps its own log and limit
     # WORKERS 6, not 12: test_profiled_kv_sizing_... sizes its pool at 0.3 of the GPU less what others hold
     OUT="$W/conformance" WORKERS=${WORKERS:-6} timeout ${T_CONF:-480} bash scripts/gpu_check.sh conformance > "$W/conformance.log" 2>&1 &
-    for d in gpu ops; do
-      ( timeout ${T_TESTS:-480} python3 -m pytest -q -m gpu tests/$d -p no:cacheprovider > "$W/gpu_tests_$d.log" 2>&1
-        echo "pytest tests/$d exit $? (124: its ${T_TESTS:-480} s limit)" >> "$W/gpu_tests_$d.log" ) &
-    done
+    gpu_tests gpu ${T_TESTS:-480} &
+    gpu_tests ops ${T_TESTS:-480} &
     wait
     tail -3 "$W/conformance.log"
     for d in gpu ops; do grep -E "FAILED|passed|failed|pytest tests" "$W/gpu_tests_$d.log" | tail -6; done
